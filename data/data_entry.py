@@ -1,0 +1,50 @@
+"""Dataset names (--data_type) and the DataLoaders built from them.
+
+To add a dataset: write one file in data/ with a Dataset class taking (args, split), where
+split is 'train' or 'val', and add one line to DATASETS.
+"""
+import os
+
+import torch
+from torch.utils.data import DataLoader
+
+from data.list_dataset import ListDataset
+from data.mem_list_dataset import MemListDataset
+from data.shapes_dataset import ShapesDataset
+from utils.errors import KilnError
+from utils.torch_utils import seed_worker
+
+DATASETS = {
+    'shapes': ShapesDataset,
+    'list': ListDataset,
+    'mem_list': MemListDataset,
+}
+
+
+def select_dataset(args, split):
+    """Build the dataset named by --data_type for `split` ('train' or 'val')."""
+    if args.data_type not in DATASETS:
+        raise KilnError(f'unknown --data_type {args.data_type!r}; choose one of: {", ".join(sorted(DATASETS))}')
+    return DATASETS[args.data_type](args, split)
+
+
+def _loader(args, dataset, shuffle):
+    workers = args.num_workers
+    if workers is None:
+        workers = 0 if getattr(dataset, 'in_memory', False) else min(4, os.cpu_count() or 1)
+    generator = torch.Generator()
+    generator.manual_seed(args.seed)
+    return DataLoader(dataset, batch_size=args.batch_size, shuffle=shuffle, num_workers=workers,
+                      drop_last=shuffle and len(dataset) > args.batch_size,  # no size-1 batch for BatchNorm
+                      pin_memory=torch.cuda.is_available() and not args.cpu,
+                      persistent_workers=workers > 0, worker_init_fn=seed_worker, generator=generator)
+
+
+def select_train_loader(args):
+    """Shuffled DataLoader over the training split."""
+    return _loader(args, select_dataset(args, 'train'), shuffle=True)
+
+
+def select_eval_loader(args):
+    """In-order DataLoader over the validation split (or --val_list)."""
+    return _loader(args, select_dataset(args, 'val'), shuffle=False)

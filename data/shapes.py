@@ -1,0 +1,155 @@
+"""The embedded default dataset: coloured shapes drawn offline from a seed.
+
+Each image shows one shape (the class) of random colour, size, position and rotation on a
+noisy background with distracting lines and dots. The generator writes real PNG files plus
+`train.txt`, `val.txt` and `classes.txt`, so the default run reads data exactly the way a
+user's own list files are read. Run `python -m data.shapes --help` to generate a copy by hand.
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from utils.errors import KilnError
+
+CLASS_NAMES = ('circle', 'square', 'triangle', 'star', 'cross', 'ring')
+GENERATOR_VERSION = 1
+SUPERSAMPLE = 4  # shapes are drawn 4x larger, then shrunk, for anti-aliased edges
+
+
+def _polygon(center, radius, angle, corners, inner_ratio=None):
+    """Vertices of a regular polygon (or a star when inner_ratio is given)."""
+    points = []
+    steps = corners * 2 if inner_ratio else corners
+    for k in range(steps):
+        r = radius * (inner_ratio if inner_ratio and k % 2 else 1.0)
+        a = angle + 2 * math.pi * k / steps
+        points.append((center[0] + r * math.cos(a), center[1] + r * math.sin(a)))
+    return points
+
+
+def _cross(center, radius, angle, arm):
+    """Vertices of a plus sign with arms of half-width `arm`."""
+    outline = [(arm, radius), (arm, arm), (radius, arm), (radius, -arm), (arm, -arm), (arm, -radius),
+               (-arm, -radius), (-arm, -arm), (-radius, -arm), (-radius, arm), (-arm, arm), (-arm, radius)]
+    cos, sin = math.cos(angle), math.sin(angle)
+    return [(center[0] + x * cos - y * sin, center[1] + x * sin + y * cos) for x, y in outline]
+
+
+def _contrasting_colour(rng, background):
+    """A random colour far enough from the background to stay visible."""
+    while True:
+        colour = rng.integers(0, 256, size=3)
+        if np.abs(colour - background).sum() > 200:
+            return tuple(int(c) for c in colour)
+
+
+def draw_shape_image(label, rng, size=32):
+    """One RGB image of class `label` drawn with the random generator `rng`."""
+    big = size * SUPERSAMPLE
+    background = rng.integers(0, 256, size=3)
+    image = Image.new('RGB', (big, big), tuple(int(c) for c in background))
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.integers(1, 4)):  # clutter: thin lines and small dots
+        colour = tuple(int(c) for c in rng.integers(0, 256, size=3))
+        if rng.random() < 0.5:
+            xy = [tuple(rng.uniform(0, big, size=2)) for _ in range(2)]
+            draw.line(xy, fill=colour, width=SUPERSAMPLE)
+        else:
+            x, y = rng.uniform(0, big, size=2)
+            r = rng.uniform(1, 2.5) * SUPERSAMPLE
+            draw.ellipse([x - r, y - r, x + r, y + r], fill=colour)
+
+    radius = rng.uniform(0.22, 0.42) * big
+    center = rng.uniform(radius, big - radius, size=2)
+    angle = rng.uniform(0, 2 * math.pi)
+    colour = _contrasting_colour(rng, background)
+    box = [center[0] - radius, center[1] - radius, center[0] + radius, center[1] + radius]
+    name = CLASS_NAMES[label]
+    if name == 'circle':
+        draw.ellipse(box, fill=colour)
+    elif name == 'ring':
+        draw.ellipse(box, outline=colour, width=max(1, int(radius * 0.3)))
+    elif name == 'square':
+        draw.polygon(_polygon(center, radius, angle, 4), fill=colour)
+    elif name == 'triangle':
+        draw.polygon(_polygon(center, radius, angle, 3), fill=colour)
+    elif name == 'star':
+        draw.polygon(_polygon(center, radius, angle, 5, inner_ratio=0.45), fill=colour)
+    else:
+        draw.polygon(_cross(center, radius, angle, radius * 0.3), fill=colour)
+
+    pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.int16)
+    noise = rng.normal(0, 8, size=pixels.shape)
+    return Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8))
+
+
+def _write_split(root, split, count, seed, size):
+    lines = []
+    os.makedirs(os.path.join(root, 'images', split))
+    for index in range(count):
+        # one generator per image: the dataset is the same whatever order it is written in
+        rng = np.random.default_rng([seed, 0 if split == 'train' else 1, index])
+        label = index % len(CLASS_NAMES)
+        relative = f'images/{split}/{index:05d}.png'
+        draw_shape_image(label, rng, size).save(os.path.join(root, relative))
+        lines.append(f'{relative} {label}\n')
+    with open(os.path.join(root, f'{split}.txt'), 'w') as f:
+        f.writelines(lines)
+
+
+def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
+    """Write the shapes dataset into `root` unless a complete copy with these settings is there.
+
+    Files are written into a temporary sibling folder and renamed into place at the end, so an
+    interrupted generation never leaves a half-written dataset, and concurrent processes (one
+    per DDP rank) simply keep whichever copy finished first. Returns `root`.
+    """
+    manifest = {'version': GENERATOR_VERSION, 'train_size': train_size, 'val_size': val_size,
+                'seed': seed, 'size': size, 'classes': list(CLASS_NAMES)}
+    manifest_path = os.path.join(root, 'manifest.json')
+    if os.path.isfile(manifest_path):
+        with open(manifest_path) as f:
+            if json.load(f) == manifest:
+                return root
+        raise KilnError(f'{root} holds a shapes dataset made with other settings; '
+                              f'delete the folder or choose another --data_root')
+    parent = os.path.dirname(os.path.abspath(root))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix='.shapes-', dir=parent)
+    try:
+        _write_split(staging, 'train', train_size, seed, size)
+        _write_split(staging, 'val', val_size, seed, size)
+        with open(os.path.join(staging, 'classes.txt'), 'w') as f:
+            f.write('\n'.join(CLASS_NAMES) + '\n')
+        with open(os.path.join(staging, 'manifest.json'), 'w') as f:
+            json.dump(manifest, f, indent=1)
+        try:
+            os.rename(staging, root)
+        except OSError:
+            if not os.path.isfile(manifest_path):  # not a concurrent writer that won the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return root
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description='Generate the shapes dataset as PNG files and list files.')
+    parser.add_argument('root', help='folder to create')
+    parser.add_argument('--train_size', type=int, default=6000)
+    parser.add_argument('--val_size', type=int, default=1200)
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--size', type=int, default=32, help='image side in pixels')
+    args = parser.parse_args(argv)
+    generate_shapes(args.root, args.train_size, args.val_size, args.seed, args.size)
+    print(f'shapes dataset in {args.root}: train.txt, val.txt, classes.txt')
+
+
+if __name__ == '__main__':
+    main()

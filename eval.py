@@ -1,0 +1,127 @@
+"""Evaluate a checkpoint: `python eval.py --load_model_path checkpoints/<experiment>/best.pth`.
+
+Writes into `<experiment>/eval/<checkpoint>_<list>_<save_prefix>/`: result.txt, result.json,
+predictions.csv, confusion_matrix.png and a picture every --viz_freq batches.
+"""
+from options import parse_args, parse_test_args
+
+if __name__ == '__main__':
+    parse_args(parse_test_args)  # answer --help and option mistakes before the slow torch import
+
+import csv
+import json
+import os
+
+import torch
+
+from data.augment import denormalize
+from data.data_entry import select_eval_loader
+from metrics import accuracy_from_confusion, classification_metrics, confusion_matrix
+from model.model_entry import equip_multi_gpu, select_model
+from options import discard_folder_if_setup_fails, prepare_test_args
+from utils.checkpoint import load_checkpoint
+from utils.errors import KilnError, run_cli
+from utils.logger import Recorder, progress
+from utils.torch_utils import load_weights, select_device
+from utils.viz import confusion_matrix_image, labeled_grid, save_png
+
+# options that describe the model and data; unset ones are taken from the checkpoint's training run
+INHERITED = ('model_type', 'data_type', 'img_size', 'num_classes', 'val_list')
+
+
+class Evaluator:
+    """Runs a checkpoint over a list of images and writes metrics, predictions and pictures."""
+
+    def __init__(self, args):
+        self.args = args
+        checkpoint = load_checkpoint(args.load_model_path)
+        trained_with = checkpoint.get('args', {}) if isinstance(checkpoint, dict) else {}
+        for name in INHERITED:
+            if getattr(args, name) is None:
+                setattr(args, name, trained_with.get(name))
+        if args.model_type is None:
+            raise KilnError(f'{args.load_model_path} does not say which model it holds; give --model_type')
+        args.data_type = args.data_type or ('list' if args.val_list else 'shapes')
+        args.img_size = args.img_size or 32
+        self.device = select_device(args)
+        self.loader = select_eval_loader(args)
+        self.dataset = self.loader.dataset
+        args.num_classes = args.num_classes or self.dataset.num_classes
+        self.class_names = self.dataset.class_names or checkpoint.get('class_names')
+        model = select_model(args)
+        load_weights(model, checkpoint, strict=not args.load_not_strict)
+        self.model = equip_multi_gpu(model.to(self.device), args)
+
+    def step(self, batch):
+        """Move one batch to the device and run the model; return (inputs, outputs, targets)."""
+        inputs, targets = batch
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        return inputs, self.model(inputs), targets
+
+    def compute_metrics(self, outputs, targets):
+        """Metrics of one batch as {name: device tensor}; averaged over the whole list."""
+        return classification_metrics(outputs, targets, self.args.topk)
+
+    def gen_imgs_to_write(self, inputs, outputs, targets):
+        """Pictures of one batch as {file name stem: HxWx3 uint8 array}."""
+        grid = labeled_grid(denormalize(inputs), outputs.argmax(1).tolist(), targets.tolist(), self.class_names)
+        return {'predictions': grid}
+
+    @torch.no_grad()
+    def eval(self):
+        """Evaluate the whole list and write the result files; return the metrics."""
+        self.model.eval()
+        recorder = Recorder()
+        num_classes = self.args.num_classes
+        matrix = torch.zeros(num_classes, num_classes, dtype=torch.long, device=self.device)
+        predictions = []
+        for i, batch in enumerate(progress(self.loader, self.args.progress_bar, 'eval')):
+            inputs, outputs, targets = self.step(batch)
+            for name, value in self.compute_metrics(outputs, targets).items():
+                recorder.record(name, value, len(targets))
+            confidence, predicted = outputs.softmax(dim=1).max(dim=1)
+            matrix += confusion_matrix(predicted, targets, num_classes)
+            predictions.append(torch.stack([targets.double(), predicted.double(), confidence.double()], dim=1))
+            if self.args.save_viz and i % self.args.viz_freq == 0:
+                for name, image in self.gen_imgs_to_write(inputs, outputs, targets).items():
+                    save_png(image, os.path.join(self.args.result_dir, f'{name}_batch{i:04d}.png'))
+        metrics = recorder.summary()
+        _, recall = accuracy_from_confusion(matrix)
+        names = self.class_names or [str(c) for c in range(num_classes)]
+        metrics.update({f'recall/{name}': value for name, value in zip(names, recall.tolist())})
+        self.write_results(metrics, matrix.cpu(), torch.cat(predictions).cpu().tolist(), names)
+        return metrics
+
+    def write_results(self, metrics, matrix, predictions, names):
+        """Write result.txt, result.json, predictions.csv and confusion_matrix.png."""
+        folder, args = self.args.result_dir, self.args
+        header = {'checkpoint': args.load_model_path, 'list': self.dataset.list_path, 'samples': len(self.dataset)}
+        with open(os.path.join(folder, 'result.txt'), 'w') as f:
+            f.writelines(f'{key}: {value}\n' for key, value in header.items())
+            f.writelines(f'{key}: {value:.4f}\n' for key, value in metrics.items())
+        with open(os.path.join(folder, 'result.json'), 'w') as f:
+            json.dump({**header, 'metrics': metrics, 'class_names': names,
+                       'confusion_matrix': matrix.tolist()}, f, indent=1)
+        with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
+            writer = csv.writer(f)
+            writer.writerow(['image', 'label', 'prediction', 'confidence', 'label_name', 'prediction_name'])
+            for path, (label, predicted, confidence) in zip(self.dataset.image_paths(), predictions):
+                writer.writerow([path, int(label), int(predicted), f'{confidence:.4f}',
+                                 names[int(label)], names[int(predicted)]])
+        save_png(confusion_matrix_image(matrix, names), os.path.join(folder, 'confusion_matrix.png'))
+
+
+def main(argv=None):
+    """Parse the options, make the result folder and evaluate."""
+    args = prepare_test_args(argv)
+    with discard_folder_if_setup_fails(args.result_dir):
+        evaluator = Evaluator(args)
+    metrics = evaluator.eval()
+    print(' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if '/' not in k))
+    print(f'results in {args.result_dir}: result.txt, result.json, predictions.csv, '
+          f'confusion_matrix.png{", predictions_batch*.png" if args.save_viz else ""}')
+
+
+if __name__ == '__main__':
+    run_cli(main)

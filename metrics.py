@@ -1,0 +1,27 @@
+"""Classification metrics computed on the device, returned as tensors (no host sync)."""
+import torch
+
+
+def topk_accuracy(logits, targets, k=1):
+    """Fraction of samples whose true class is among the k highest scores."""
+    k = min(k, logits.shape[1])
+    top = logits.topk(k, dim=1).indices
+    return (top == targets.unsqueeze(1)).any(dim=1).float().mean()
+
+
+def confusion_matrix(predictions, targets, num_classes):
+    """Counts (num_classes, num_classes): row = true class, column = predicted class."""
+    index = targets * num_classes + predictions
+    return torch.bincount(index, minlength=num_classes * num_classes).view(num_classes, num_classes)
+
+
+def accuracy_from_confusion(matrix):
+    """Overall accuracy and per-class recall from a confusion matrix."""
+    matrix = matrix.double()
+    per_class = matrix.diagonal() / matrix.sum(dim=1).clamp(min=1)
+    return matrix.diagonal().sum() / matrix.sum().clamp(min=1), per_class
+
+
+def classification_metrics(logits, targets, k):
+    """The metrics logged for classification: top-1 accuracy `acc` and top-k accuracy `top<k>`."""
+    return {'acc': topk_accuracy(logits, targets, 1), f'top{k}': topk_accuracy(logits, targets, k)}

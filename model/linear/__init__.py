@@ -1,0 +1,3 @@
+from model.linear.linear import LinearClassifier
+
+__all__ = ['LinearClassifier']

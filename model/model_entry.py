@@ -1,0 +1,31 @@
+"""Model names (--model_type) and multi-GPU wrapping.
+
+To add a model: create a package in model/ with an nn.Module taking `args` (it reads
+args.num_classes, args.img_size, ...), and add one line to MODELS.
+"""
+import torch
+
+from model.linear import LinearClassifier
+from model.resnet import ResNet18
+from model.small_cnn import SmallCNN
+from utils.errors import KilnError
+
+MODELS = {
+    'small_cnn': SmallCNN,
+    'resnet18': ResNet18,
+    'linear': LinearClassifier,
+}
+
+
+def select_model(args):
+    """Build the model named by --model_type."""
+    if args.model_type not in MODELS:
+        raise KilnError(f'unknown --model_type {args.model_type!r}; choose one of: {", ".join(sorted(MODELS))}')
+    return MODELS[args.model_type](args)
+
+
+def equip_multi_gpu(model, args):
+    """Wrap the model in DataParallel when several --gpus are given (single process, legacy path)."""
+    if args.gpus and len(args.gpus) > 1 and not args.cpu:
+        return torch.nn.DataParallel(model, device_ids=args.gpus)
+    return model

@@ -1,0 +1,3 @@
+from model.resnet.resnet import ResNet18
+
+__all__ = ['ResNet18']

@@ -1,0 +1,3 @@
+from model.small_cnn.small_cnn import SmallCNN
+
+__all__ = ['SmallCNN']

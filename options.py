@@ -1,0 +1,234 @@
+"""Command-line options shared by train.py and eval.py, and the folders they write to.
+
+Precedence: built-in defaults < `--config FILE` (YAML or JSON) < flags on the command line.
+Every run saves its options twice: `args.txt` for people and `args.yaml`, which can be given
+back with `--config`. This module imports no torch, so `--help` answers at once.
+"""
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import yaml
+
+from utils.errors import KilnError
+
+ARGS_TXT = 'args.txt'
+ARGS_YAML = 'args.yaml'
+
+
+class KilnArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage dump) with exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f'error: {message} (see --help)\n')
+
+
+def _positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f'must be a positive integer, got {text}')
+    return value
+
+
+def _non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f'must be 0 or more, got {text}')
+    return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f'must be a positive number, got {text}')
+    return value
+
+
+def _non_negative_float(text):
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f'must be 0 or more, got {text}')
+    return value
+
+
+def _name_part(text):
+    if not text or any(c in text for c in '/\\') or text in ('.', '..'):
+        raise argparse.ArgumentTypeError(f'must be a plain name without slashes, got {text!r}')
+    return text
+
+
+def parse_common_args(parser):
+    """Options that training and evaluation share, so the two cannot drift apart."""
+    parser.add_argument('--config', metavar='FILE', help='YAML or JSON file of options (e.g. a saved args.yaml); '
+                        'flags on the command line override it')
+    parser.add_argument('--model_type', default='small_cnn', help='model name, see MODELS in model/model_entry.py')
+    parser.add_argument('--data_type', default='shapes', help='dataset name, see DATASETS in data/data_entry.py')
+    parser.add_argument('--save_prefix', type=_name_part, default='default',
+                        help='names the experiment folder in training, the result folder in evaluation')
+    parser.add_argument('--checkpoints_dir', default='checkpoints', help='where experiment folders are created')
+    parser.add_argument('--load_model_path', help='checkpoint to start training from, or to evaluate')
+    parser.add_argument('--load_not_strict', action=argparse.BooleanOptionalAction, default=False,
+                        help='load only the tensors whose names and shapes match the model (load_match_dict)')
+    parser.add_argument('--val_list', help='list file of "image_path label" lines for validation/evaluation '
+                        '(default: the dataset\'s own val split)')
+    parser.add_argument('--data_root', default='data/generated', help='where generated datasets are written')
+    parser.add_argument('--num_classes', type=_positive_int, help='default: what the dataset reports')
+    parser.add_argument('--img_size', type=_positive_int, default=32, help='images are resized to this side')
+    parser.add_argument('--batch_size', type=_positive_int, default=128)
+    parser.add_argument('--num_workers', type=_non_negative_int,
+                        help='DataLoader worker processes (default: 0 for in-memory datasets, else min(4, CPUs))')
+    parser.add_argument('--gpus', type=int, nargs='+', help='GPU ids, e.g. --gpus 0 1 (default: GPU 0 if CUDA exists)')
+    parser.add_argument('--cpu', action='store_true', help='run on the CPU even when a GPU exists')
+    parser.add_argument('--seed', type=int, default=0, help='seeds python, numpy, torch and DataLoader workers')
+    parser.add_argument('--topk', type=_positive_int, default=3, help='k of the top-k accuracy')
+    parser.add_argument('--progress_bar', action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
+    return parser
+
+
+def parse_train_args(parser):
+    """Training options on top of the common ones."""
+    parser = parse_common_args(parser)
+    parser.add_argument('--train_list', help='list file for training (default: the dataset\'s own train split)')
+    parser.add_argument('--epochs', type=_positive_int, default=12)
+    parser.add_argument('--loss', default='cross_entropy', help='loss name, see LOSSES in loss.py')
+    parser.add_argument('--optimizer', default='adamw', choices=['sgd', 'adam', 'adamw'])
+    parser.add_argument('--lr', type=_positive_float, default=3e-3, help='peak learning rate')
+    parser.add_argument('--momentum', type=_non_negative_float, default=0.9, help='SGD momentum')
+    parser.add_argument('--weight_decay', type=_non_negative_float, default=5e-4)
+    parser.add_argument('--scheduler', default='cosine', choices=['none', 'cosine', 'step'],
+                        help='learning-rate schedule, stepped once per optimizer update')
+    parser.add_argument('--lr_step_epochs', type=_positive_int, default=30, help='step scheduler: epochs per decay')
+    parser.add_argument('--lr_gamma', type=_positive_float, default=0.1, help='step scheduler: decay factor')
+    parser.add_argument('--print_freq', type=_positive_int, default=20, help='print a line every N steps')
+    parser.add_argument('--monitor', default='val/acc', help='metric that picks the best checkpoint')
+    parser.add_argument('--monitor_mode', default='max', choices=['max', 'min'])
+    parser.add_argument('--log_images', action=argparse.BooleanOptionalAction, default=True,
+                        help='write image grids to TensorBoard every epoch')
+    return parser
+
+
+def parse_test_args(parser):
+    """Evaluation options on top of the common ones.
+
+    The model, dataset and image size default to what the checkpoint was trained with.
+    """
+    parser = parse_common_args(parser)
+    parser.set_defaults(model_type=None, data_type=None, img_size=None)
+    parser.add_argument('--viz_freq', type=_positive_int, default=10, help='save a picture every N batches')
+    parser.add_argument('--save_viz', action=argparse.BooleanOptionalAction, default=True)
+    return parser
+
+
+def _config_to_argv(parser, path):
+    """Turn a YAML/JSON config file into command-line tokens, so it is checked like flags are."""
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)  # JSON is a subset of YAML
+    except FileNotFoundError:
+        parser.error(f'--config {path}: no such file')
+    except (OSError, yaml.YAMLError) as error:
+        parser.error(f'--config {path}: cannot read it as YAML or JSON ({str(error).splitlines()[0]})')
+    if config is None:
+        return []
+    if not isinstance(config, dict):
+        parser.error(f'--config {path}: expected a mapping of option: value, got {type(config).__name__}')
+    actions = {action.dest: action for action in parser._actions if action.option_strings}
+    argv = []
+    for key, value in config.items():
+        action = actions.get(key)
+        if action is None or key in ('config', 'help'):
+            parser.error(f'--config {path}: unknown option {key!r}; valid options are listed by --help')
+        flag = action.option_strings[0]
+        if value is None:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f'--no-{flag[2:]}')
+        elif action.nargs == 0:  # store_true
+            if value:
+                argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag] + [str(v) for v in value]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def parse_args(add_args, argv=None):
+    """Parse `argv` with the options added by `add_args`, applying `--config FILE` first."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = add_args(KilnArgumentParser(description=add_args.__doc__))
+    config_parser = KilnArgumentParser(add_help=False)
+    config_parser.add_argument('--config')
+    config_path = config_parser.parse_known_args(argv)[0].config
+    config_argv = _config_to_argv(parser, config_path) if config_path else []
+    return parser.parse_args(config_argv + argv)
+
+
+def save_args(args, folder):
+    """Write the options to `folder` as args.txt (for people) and args.yaml (for --config)."""
+    options = {k: v for k, v in vars(args).items() if k not in ('config', 'debug')}
+    with open(os.path.join(folder, ARGS_TXT), 'w') as f:
+        f.write('# ' + ' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n')
+        width = max(map(len, options))
+        f.writelines(f'{k:<{width}} : {v}\n' for k, v in sorted(options.items()))
+    with open(os.path.join(folder, ARGS_YAML), 'w') as f:
+        yaml.safe_dump(options, f, sort_keys=True)
+
+
+def _create_run_folder(folder, args, what_to_change):
+    if os.path.exists(folder):
+        raise KilnError(f'{folder} already exists; {what_to_change}')
+    os.makedirs(folder)
+    save_args(args, folder)
+
+
+def prepare_train_args(argv=None):
+    """Parse training options, create the experiment folder and save the options in it.
+
+    The folder is `<checkpoints_dir>/<model_type>_<data_type>_<save_prefix>` (args.model_dir);
+    an existing one is never reused or overwritten.
+    """
+    args = parse_args(parse_train_args, argv)
+    args.model_dir = os.path.join(args.checkpoints_dir, f'{args.model_type}_{args.data_type}_{args.save_prefix}')
+    _create_run_folder(args.model_dir, args, 'choose a new --save_prefix, or move that folder away')
+    return args
+
+
+def prepare_test_args(argv=None):
+    """Parse evaluation options, create the result folder and save the options in it.
+
+    The folder is `<checkpoint folder>/eval/<checkpoint>_<list>_<save_prefix>` (args.result_dir),
+    where <list> is the --val_list file name, or `val` for the default validation split.
+    """
+    args = parse_args(parse_test_args, argv)
+    if not args.load_model_path:
+        raise KilnError('no checkpoint to evaluate; give --load_model_path PATH (e.g. checkpoints/<experiment>/best.pth)')
+    if not os.path.isfile(args.load_model_path):
+        raise KilnError(f'checkpoint {args.load_model_path} does not exist; check --load_model_path')
+    checkpoint_name = os.path.splitext(os.path.basename(args.load_model_path))[0]
+    list_name = os.path.splitext(os.path.basename(args.val_list))[0] if args.val_list else 'val'
+    args.result_dir = os.path.join(os.path.dirname(args.load_model_path), 'eval',
+                                   f'{checkpoint_name}_{list_name}_{args.save_prefix}')
+    _create_run_folder(args.result_dir, args, 'choose a new --save_prefix to keep the old results')
+    return args
+
+
+@contextlib.contextmanager
+def discard_folder_if_setup_fails(folder):
+    """Remove a just-created run folder again if setup fails, so the same command can be re-run.
+
+    Only the option files written by this module are removed; a folder holding anything else
+    is left alone.
+    """
+    try:
+        yield
+    except BaseException:
+        for name in (ARGS_TXT, ARGS_YAML):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+        raise

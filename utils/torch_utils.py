@@ -1,0 +1,136 @@
+"""Small PyTorch helpers: seeding, device choice, unwrapping and tolerant weight loading."""
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from utils.checkpoint import load_checkpoint
+from utils.errors import KilnError
+
+WRAPPER_PREFIXES = ('module.', '_orig_mod.')  # added by DataParallel/DDP and by torch.compile
+
+
+def set_seed(seed):
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def seed_worker(worker_id):
+    """DataLoader worker_init_fn: seed python and numpy from the worker's own torch seed."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def select_device(args):
+    """The device a run uses: --cpu, else the first of --gpus, else GPU 0 when CUDA exists."""
+    if args.cpu:
+        return torch.device('cpu')
+    if args.gpus:
+        if not torch.cuda.is_available():
+            raise KilnError('--gpus was given but CUDA is not available here; drop --gpus or pass --cpu')
+        if max(args.gpus) >= torch.cuda.device_count() or min(args.gpus) < 0:
+            raise KilnError(f'--gpus {args.gpus}: only GPUs 0..{torch.cuda.device_count() - 1} exist')
+        return torch.device('cuda', args.gpus[0])
+    return torch.device('cuda', 0) if torch.cuda.is_available() else torch.device('cpu')
+
+
+def unwrap_model(model):
+    """The plain model inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def state_dict_of(checkpoint):
+    """The model weights inside a Kiln checkpoint, a `{'state_dict': ...}` file or a plain state dict,
+    with wrapper prefixes (`module.`, `_orig_mod.`) stripped from the names."""
+    if not isinstance(checkpoint, dict):
+        raise KilnError(f'expected a dict of tensors in the checkpoint, got {type(checkpoint).__name__}')
+    for key in ('model', 'state_dict'):
+        if isinstance(checkpoint.get(key), dict):
+            checkpoint = checkpoint[key]
+            break
+    weights = {}
+    for name, value in checkpoint.items():
+        if not torch.is_tensor(value):
+            continue
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix in WRAPPER_PREFIXES:
+                if name.startswith(prefix):
+                    name, stripped = name[len(prefix):], True
+        weights[name] = value
+    return weights
+
+
+@dataclass
+class LoadReport:
+    """What load_match_dict did: names loaded, skipped for shape, missing from, unexpected in the file."""
+    loaded: list = field(default_factory=list)
+    shape_mismatched: list = field(default_factory=list)  # (name, shape in file, shape in model)
+    missing: list = field(default_factory=list)
+    unexpected: list = field(default_factory=list)
+
+    def __str__(self):
+        lines = [f'loaded {len(self.loaded)} tensors, skipped {len(self.shape_mismatched)} for shape, '
+                 f'{len(self.missing)} missing from the checkpoint, {len(self.unexpected)} unexpected']
+        lines += [f'  shape mismatch: {n} {tuple(a)} in file vs {tuple(b)} in model' for n, a, b in self.shape_mismatched]
+        lines += [f'  missing: {n}' for n in self.missing]
+        lines += [f'  unexpected: {n}' for n in self.unexpected]
+        return '\n'.join(lines)
+
+
+def load_match_dict(model, checkpoint):
+    """Load into `model` only the tensors whose names and shapes match; return a LoadReport.
+
+    `checkpoint` is a path or an already loaded dict. Use it to start from weights of a model
+    that differs in places (another head, an extra block); everything else keeps its init.
+    """
+    if isinstance(checkpoint, str):
+        checkpoint = load_checkpoint(checkpoint)
+    weights = state_dict_of(checkpoint)
+    model = unwrap_model(model)
+    own = model.state_dict()
+    report = LoadReport()
+    matched = {}
+    for name, value in weights.items():
+        if name not in own:
+            report.unexpected.append(name)
+        elif own[name].shape != value.shape:
+            report.shape_mismatched.append((name, value.shape, own[name].shape))
+        else:
+            matched[name] = value
+            report.loaded.append(name)
+    report.missing = [name for name in own if name not in weights]
+    model.load_state_dict(matched, strict=False)
+    return report
+
+
+def load_weights(model, checkpoint, strict=True):
+    """Load model weights from `checkpoint` (a path or a loaded dict): all of them when `strict`,
+    else the matching ones via load_match_dict, whose LoadReport is printed and returned.
+
+    A strict load that does not fit raises a KilnError suggesting --load_not_strict.
+    """
+    source = checkpoint if isinstance(checkpoint, str) else 'the checkpoint'
+    if isinstance(checkpoint, str):
+        checkpoint = load_checkpoint(checkpoint)
+    if not strict:
+        report = load_match_dict(model, checkpoint)
+        print(f'load_match_dict from {source}: {report}')
+        return report
+    try:
+        unwrap_model(model).load_state_dict(state_dict_of(checkpoint))
+    except RuntimeError as error:
+        lines = str(error).splitlines()
+        detail = lines[1].strip() if len(lines) > 1 else lines[0]
+        raise KilnError(f'{source} does not fit this model ({detail}); check --model_type/--num_classes '
+                        f'or pass --load_not_strict to load only the tensors that match') from None
+    return None

@@ -1,0 +1,64 @@
+"""Pictures for TensorBoard and evaluation results: labelled image grids and confusion matrices.
+
+Everything returns an HxWx3 uint8 numpy array (save it with `save_png`).
+"""
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+GOOD = (40, 170, 60)
+BAD = (210, 40, 40)
+
+
+def _font(size):
+    return ImageFont.load_default(size=size)
+
+
+def labeled_grid(images, predicted, true, class_names=None, columns=8, tile=96):
+    """Grid of images, each captioned 'predicted / true' in green when right, red when wrong.
+
+    `images` is a float tensor (N, 3, H, W) in [0, 1]; `predicted` and `true` are label lists.
+    """
+    name = (lambda i: class_names[i]) if class_names else str
+    pixels = (images.detach().float().cpu().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    count = len(pixels)
+    columns = min(columns, count)
+    rows = (count + columns - 1) // columns
+    caption = 16
+    canvas = Image.new('RGB', (columns * tile, rows * (tile + caption)), 'white')
+    draw = ImageDraw.Draw(canvas)
+    font = _font(11)
+    for i in range(count):
+        x, y = (i % columns) * tile, (i // columns) * (tile + caption)
+        canvas.paste(Image.fromarray(pixels[i]).resize((tile, tile), Image.NEAREST), (x, y))
+        colour = GOOD if predicted[i] == true[i] else BAD
+        draw.text((x + 2, y + tile + 1), f'{name(predicted[i])} / {name(true[i])}', fill=colour, font=font)
+    return np.asarray(canvas)
+
+
+def confusion_matrix_image(matrix, class_names=None, cell=44):
+    """A confusion matrix (rows: true class, columns: predicted class) drawn with counts."""
+    matrix = np.asarray(matrix.cpu() if hasattr(matrix, 'cpu') else matrix)
+    count = len(matrix)
+    names = class_names or [str(i) for i in range(count)]
+    margin = 70
+    canvas = Image.new('RGB', (margin + count * cell + 4, margin + count * cell + 4), 'white')
+    draw = ImageDraw.Draw(canvas)
+    font = _font(11)
+    draw.text((margin, 2), 'predicted', fill='black', font=font)
+    draw.text((2, 2), 'true', fill='black', font=font)
+    row_totals = matrix.sum(axis=1, keepdims=True).clip(min=1)
+    for i in range(count):
+        draw.text((margin + i * cell + 2, margin - 16), names[i][:7], fill='black', font=font)
+        draw.text((2, margin + i * cell + cell // 2 - 6), names[i][:10], fill='black', font=font)
+        for j in range(count):
+            share = matrix[i, j] / row_totals[i, 0]
+            shade = int(255 - 200 * share)
+            x, y = margin + j * cell, margin + i * cell
+            draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=(shade, shade, 255), outline='gray')
+            draw.text((x + 4, y + cell // 2 - 6), str(int(matrix[i, j])), fill='black' if share < 0.6 else 'white', font=font)
+    return np.asarray(canvas)
+
+
+def save_png(image, path):
+    """Write an HxWx3 uint8 array as a PNG file."""
+    Image.fromarray(image).save(path)
