@@ -16,6 +16,8 @@ from utils.errors import KilnError
 
 ARGS_TXT = 'args.txt'
 ARGS_YAML = 'args.yaml'
+NOT_SAVED = ('config', 'debug')  # how a run was configured, not what it is
+DERIVED = ('model_dir', 'result_dir')  # computed from the options: shown in args.txt, not in args.yaml
 
 
 class KilnArgumentParser(argparse.ArgumentParser):
@@ -140,7 +142,7 @@ def _config_to_argv(parser, path):
     for key, value in config.items():
         action = actions.get(key)
         if action is None or key in ('config', 'help'):
-            parser.error(f'--config {path}: unknown option {key!r}; valid options are listed by --help')
+            parser.error(f'--config {path}: unknown option {key!r}')
         flag = action.option_strings[0]
         if value is None:
             continue
@@ -169,13 +171,13 @@ def parse_args(add_args, argv=None):
 
 def save_args(args, folder):
     """Write the options to `folder` as args.txt (for people) and args.yaml (for --config)."""
-    options = {k: v for k, v in vars(args).items() if k not in ('config', 'debug')}
+    shown = {k: v for k, v in vars(args).items() if k not in NOT_SAVED}
     with open(os.path.join(folder, ARGS_TXT), 'w') as f:
         f.write('# ' + ' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n')
-        width = max(map(len, options))
-        f.writelines(f'{k:<{width}} : {v}\n' for k, v in sorted(options.items()))
+        width = max(map(len, shown))
+        f.writelines(f'{k:<{width}} : {v}\n' for k, v in sorted(shown.items()))
     with open(os.path.join(folder, ARGS_YAML), 'w') as f:
-        yaml.safe_dump(options, f, sort_keys=True)
+        yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, f, sort_keys=True)
 
 
 def _create_run_folder(folder, args, what_to_change):

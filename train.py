@@ -19,7 +19,7 @@ from data.data_entry import select_eval_loader, select_train_loader
 from loss import select_loss
 from metrics import classification_metrics
 from model.model_entry import equip_multi_gpu, select_model
-from options import discard_folder_if_setup_fails, prepare_train_args
+from options import NOT_SAVED, discard_folder_if_setup_fails, prepare_train_args
 from utils.errors import KilnError, run_cli
 from utils.logger import Logger, progress
 from utils.torch_utils import load_weights, select_device, set_seed, unwrap_model
@@ -144,7 +144,7 @@ class Trainer:
             'global_step': self.global_step,
             'best_metric': self.best_metric,
             'class_names': self.class_names,
-            'args': {k: v for k, v in vars(self.args).items() if k not in ('config', 'debug')},
+            'args': {k: v for k, v in vars(self.args).items() if k not in NOT_SAVED},
         }
 
     def save_checkpoints(self, metrics):

@@ -1,0 +1,166 @@
+"""End to end: train.py, eval.py and the bash scripts run as a user runs them, on tiny data."""
+import csv
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import REPO, run_script
+
+
+def _train(tiny_args, *extra):
+    result = run_script('train.py', *tiny_args, *extra)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def _experiment(tiny_args, prefix='default', model='small_cnn'):
+    return os.path.join(tiny_args[tiny_args.index('--checkpoints_dir') + 1], f'{model}_list_{prefix}')
+
+
+@pytest.fixture
+def trained(tiny_args):
+    """One finished 2-epoch training run on the tiny data: (experiment folder, stdout)."""
+    result = _train(tiny_args, '--print_freq', '2')
+    return _experiment(tiny_args), result.stdout
+
+
+def test_training_writes_args_checkpoints_and_tensorboard(trained):
+    folder, stdout = trained
+    assert 'epoch 2/2' in stdout and 'best.pth' in stdout and 'tensorboard --logdir' in stdout
+    assert 'step 2/6' in stdout  # --print_freq lines: 96 images / 16 per batch = 6 steps
+
+    with open(os.path.join(folder, 'args.yaml')) as f:
+        saved = yaml.safe_load(f)
+    assert saved['epochs'] == 2 and saved['batch_size'] == 16 and saved['model_type'] == 'small_cnn'
+    with open(os.path.join(folder, 'args.txt')) as f:
+        text = f.read()
+    assert text.startswith('# train.py') and 'batch_size' in text and ': 16' in text
+
+    best = torch.load(os.path.join(folder, 'best.pth'), weights_only=True)
+    last = torch.load(os.path.join(folder, 'last.pth'), weights_only=True)
+    assert last['epoch'] == 2 and last['global_step'] == 12
+    assert set(last) >= {'model', 'optimizer', 'scheduler', 'best_metric', 'args', 'class_names'}
+    assert best['best_metric'] == last['best_metric']
+    assert best['args']['num_classes'] == 6 and best['class_names'][0] == 'circle'
+
+    events = EventAccumulator(folder, size_guidance={'images': 0, 'scalars': 0})
+    events.Reload()
+    scalars = set(events.Tags()['scalars'])
+    assert {'train/loss', 'train/acc', 'train/top3', 'train/lr', 'val/loss', 'val/acc', 'val/top3'} <= scalars
+    assert [e.step for e in events.Scalars('val/acc')] == [6, 12]
+    assert max(e.value for e in events.Scalars('val/acc')) == pytest.approx(best['best_metric'])
+    assert 'val/predictions' in events.Tags()['images']
+
+
+def test_eval_writes_results_that_match_the_predictions(trained):
+    folder, _ = trained
+    checkpoint = os.path.join(folder, 'best.pth')
+    result = run_script('eval.py', '--load_model_path', checkpoint, '--batch_size', '16', '--viz_freq', '2',
+                        '--no-progress_bar', '--num_workers', '0')
+    assert result.returncode == 0, result.stderr
+    out = os.path.join(folder, 'eval', 'best_val_default')
+    assert out in result.stdout
+
+    with open(os.path.join(out, 'result.txt')) as f:
+        lines = dict(line.rstrip('\n').split(': ', 1) for line in f)
+    assert lines['samples'] == '48' and lines['checkpoint'] == checkpoint
+    with open(os.path.join(out, 'result.json')) as f:
+        summary = json.load(f)
+    with open(os.path.join(out, 'predictions.csv')) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 48
+    correct = sum(row['label'] == row['prediction'] for row in rows)
+    assert float(lines['acc']) == pytest.approx(correct / 48, abs=1e-4)
+    assert summary['metrics']['acc'] == pytest.approx(correct / 48)
+    matrix = summary['confusion_matrix']
+    assert sum(map(sum, matrix)) == 48 and sum(matrix[i][i] for i in range(6)) == correct
+    # the validation accuracy of the best epoch is what eval measures on the same list
+    best = torch.load(checkpoint, weights_only=True)
+    assert best['best_metric'] == pytest.approx(correct / 48, abs=1e-6)
+    # 48 images / 16 = 3 batches, a picture for batches 0 and 2
+    assert sorted(f for f in os.listdir(out) if f.startswith('predictions_batch')) == [
+        'predictions_batch0000.png', 'predictions_batch0002.png']
+    assert os.path.getsize(os.path.join(out, 'confusion_matrix.png')) > 0
+
+
+def test_eval_on_another_list_names_the_result_folder_after_it(trained, tiny_shapes):
+    folder, _ = trained
+    result = run_script('eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--val_list',
+                        os.path.join(tiny_shapes, 'train.txt'), '--save_prefix', 'again', '--no-save_viz',
+                        '--no-progress_bar')
+    assert result.returncode == 0, result.stderr
+    out = os.path.join(folder, 'eval', 'last_train_again')
+    with open(os.path.join(out, 'result.txt')) as f:
+        assert 'samples: 96' in f.read()
+    assert not [f for f in os.listdir(out) if f.startswith('predictions_batch')]
+
+
+def test_saved_args_given_back_with_config_reproduce_the_run(trained, tiny_args):
+    folder, _ = trained
+    ck = os.path.dirname(folder)
+    result = run_script('train.py', '--config', os.path.join(folder, 'args.yaml'), '--save_prefix', 'replay',
+                        '--checkpoints_dir', ck)
+    assert result.returncode == 0, result.stderr
+    first = torch.load(os.path.join(folder, 'last.pth'), weights_only=True)['model']
+    second = torch.load(os.path.join(ck, 'small_cnn_list_replay', 'last.pth'), weights_only=True)['model']
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_command_line_overrides_config(tiny_args, tmp_path):
+    config = tmp_path / 'run.json'
+    config.write_text(json.dumps({'epochs': 5, 'lr': 0.01, 'save_prefix': 'fromfile', 'progress_bar': False}))
+    _train(tiny_args, '--config', str(config), '--epochs', '1')
+    with open(os.path.join(_experiment(tiny_args, 'fromfile'), 'args.yaml')) as f:
+        saved = yaml.safe_load(f)
+    assert saved['epochs'] == 1 and saved['lr'] == 0.01 and saved['progress_bar'] is False
+
+
+def test_load_not_strict_reuses_a_checkpoint_with_another_head(trained, tiny_args):
+    folder, _ = trained
+    result = _train(tiny_args, '--epochs', '1', '--num_classes', '8', '--save_prefix', 'eight',
+                    '--load_model_path', os.path.join(folder, 'best.pth'), '--load_not_strict')
+    assert 'skipped 2 for shape' in result.stdout
+    assert 'head.weight (6, 64) in file vs (8, 64) in model' in result.stdout
+
+
+@pytest.mark.parametrize('model', ['resnet18', 'linear'])
+def test_other_models_train(tiny_args, model):
+    _train(tiny_args, '--model_type', model, '--epochs', '1')
+    assert os.path.isfile(os.path.join(_experiment(tiny_args, model=model), 'best.pth'))
+
+
+def test_scripts_train_then_eval_on_the_default_dataset(tmp_path):
+    """The bash scripts as shipped, on the real default dataset (generated into tmp), one epoch."""
+    env = {'EPOCHS': '1', 'SAVE_PREFIX': 'script'}
+    common = ['--data_root', str(tmp_path / 'gen'), '--no-progress_bar']
+    train = run_script('bash', 'scripts/train.sh', '--checkpoints_dir', str(tmp_path / 'ck'), *common, env=env)
+    assert train.returncode == 0, train.stderr
+    assert os.path.isfile(tmp_path / 'gen' / 'shapes' / 'images' / 'train' / '05999.png')
+    checkpoint = tmp_path / 'ck' / 'small_cnn_shapes_script' / 'best.pth'
+    evaluate = run_script('bash', 'scripts/eval.sh', *common, env={'CHECKPOINT': str(checkpoint)})
+    assert evaluate.returncode == 0, evaluate.stderr
+    with open(tmp_path / 'ck' / 'small_cnn_shapes_script' / 'eval' / 'best_val_default' / 'result.txt') as f:
+        result = f.read()
+    assert 'samples: 1200' in result
+    # one epoch on 6000 images already beats chance (1/6) by far
+    accuracy = float(result.split('acc: ')[1].split()[0])
+    assert accuracy > 0.3
+
+
+def test_pycharm_run_configurations_point_at_the_scripts():
+    import xml.etree.ElementTree as ElementTree
+    for name in ('train', 'eval'):
+        root = ElementTree.parse(os.path.join(REPO, '.run', f'{name}.run.xml')).getroot()
+        config = root.find('configuration')
+        options = {o.get('name'): o.get('value') for o in config.findall('option')}
+        assert root.get('name') == 'ProjectRunConfigurationManager'
+        assert config.get('type') == 'PythonConfigurationType'
+        assert options['SCRIPT_NAME'] == f'$PROJECT_DIR$/{name}.py'
+        assert options['WORKING_DIRECTORY'] == '$PROJECT_DIR$'
+        # the parameters must be accepted by the script's own parser
+        from options import parse_args, parse_test_args, parse_train_args
+        parse_args(parse_train_args if name == 'train' else parse_test_args, options['PARAMETERS'].split())
