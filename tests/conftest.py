@@ -23,9 +23,14 @@ def tiny_shapes(tmp_path_factory):
     return generate_shapes(str(tmp_path_factory.mktemp('data') / 'shapes'), train_size=96, val_size=48)
 
 
+def tiny_run_args(shapes_dir, checkpoints_dir):
+    """Command-line options for a fast 2-epoch training run on a tiny dataset."""
+    return ['--data_type', 'list', '--train_list', os.path.join(shapes_dir, 'train.txt'),
+            '--val_list', os.path.join(shapes_dir, 'val.txt'), '--checkpoints_dir', str(checkpoints_dir),
+            '--epochs', '2', '--batch_size', '16', '--no-progress_bar', '--num_workers', '0']
+
+
 @pytest.fixture
 def tiny_args(tiny_shapes, tmp_path):
-    """Command-line options for a fast training run on the tiny dataset, writing under tmp_path."""
-    return ['--data_type', 'list', '--train_list', os.path.join(tiny_shapes, 'train.txt'),
-            '--val_list', os.path.join(tiny_shapes, 'val.txt'), '--checkpoints_dir', str(tmp_path / 'ck'),
-            '--epochs', '2', '--batch_size', '16', '--no-progress_bar', '--num_workers', '0']
+    """tiny_run_args writing under this test's tmp_path."""
+    return tiny_run_args(tiny_shapes, tmp_path / 'ck')

@@ -8,7 +8,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, run_script
+from conftest import REPO, run_script, tiny_run_args
 
 
 def _train(tiny_args, *extra):
@@ -21,11 +21,12 @@ def _experiment(tiny_args, prefix='default', model='small_cnn'):
     return os.path.join(tiny_args[tiny_args.index('--checkpoints_dir') + 1], f'{model}_list_{prefix}')
 
 
-@pytest.fixture
-def trained(tiny_args):
-    """One finished 2-epoch training run on the tiny data: (experiment folder, stdout)."""
-    result = _train(tiny_args, '--print_freq', '2')
-    return _experiment(tiny_args), result.stdout
+@pytest.fixture(scope='module')
+def trained(tiny_shapes, tmp_path_factory):
+    """One finished 2-epoch training run on the tiny data, shared by this module: (experiment folder, stdout)."""
+    args = tiny_run_args(tiny_shapes, tmp_path_factory.mktemp('trained'))
+    result = _train(args, '--print_freq', '2')
+    return _experiment(args), result.stdout
 
 
 def test_training_writes_args_checkpoints_and_tensorboard(trained):
@@ -99,9 +100,9 @@ def test_eval_on_another_list_names_the_result_folder_after_it(trained, tiny_sha
     assert not [f for f in os.listdir(out) if f.startswith('predictions_batch')]
 
 
-def test_saved_args_given_back_with_config_reproduce_the_run(trained, tiny_args):
+def test_saved_args_given_back_with_config_reproduce_the_run(trained, tmp_path):
     folder, _ = trained
-    ck = os.path.dirname(folder)
+    ck = str(tmp_path)
     result = run_script('train.py', '--config', os.path.join(folder, 'args.yaml'), '--save_prefix', 'replay',
                         '--checkpoints_dir', ck)
     assert result.returncode == 0, result.stderr

@@ -1,0 +1,337 @@
+"""Bad input: train.py and eval.py answer with one clear line, never a traceback, and overwrite nothing.
+
+The rule under test, for every mistake a user can make on the command line or in the data:
+- exactly one non-empty line on stderr, starting with `error: `, naming what is wrong
+  (the option, the path, the list file and line number) and how to fix it;
+- a non-zero exit code;
+- no Python traceback, unless `--debug` is given;
+- nothing that existed before is changed (experiment folders, checkpoints, results).
+
+Every case runs the real scripts in a subprocess on a tiny generated dataset (24 train and
+12 val images), so one training run takes a few seconds.
+"""
+import hashlib
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+TIMEOUT = 180
+FAST = ['--epochs', '1', '--batch_size', '8', '--no-progress_bar']
+
+
+def run(script, *args):
+    """Run `python <script> <args>` in the repo root; return the CompletedProcess."""
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def train(checkpoints_dir, data, *extra):
+    """train.py on the tiny data, writing under `checkpoints_dir`; `extra` flags override the defaults."""
+    return run('train.py', '--checkpoints_dir', checkpoints_dir, '--data_type', 'list',
+               '--train_list', data / 'train.txt', '--val_list', data / 'val.txt', '--num_workers', '0',
+               *FAST, *extra)
+
+
+def evaluate(checkpoint, *extra):
+    """eval.py on `checkpoint` (its own validation list unless --val_list is in `extra`)."""
+    return run('eval.py', '--load_model_path', checkpoint, '--no-progress_bar', '--num_workers', '0', *extra)
+
+
+def assert_one_error_line(result, *needles):
+    """The failure is one `error: ` line on stderr containing every needle; return that line."""
+    shown = f'exit code {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}'
+    assert result.returncode != 0, shown
+    assert 'Traceback' not in result.stderr + result.stdout, shown
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, shown
+    line = lines[0]
+    assert line.startswith('error: '), shown
+    for needle in needles:
+        assert str(needle) in line, f'{needle!r} not in the error line\n{shown}'
+    return line
+
+
+def assert_succeeded(result):
+    assert result.returncode == 0, f'--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}'
+
+
+def snapshot(folder):
+    """{relative path: sha256} of every file under `folder`."""
+    digests = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, 'rb') as f:
+                digests[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return digests
+
+
+def leftovers(checkpoints_dir):
+    """What a failed run left in `checkpoints_dir` (it may not exist at all)."""
+    return sorted(os.listdir(checkpoints_dir)) if os.path.isdir(checkpoints_dir) else []
+
+
+def write_list(data, name, lines):
+    """Write a list file beside the tiny data (so classes.txt applies); return its path."""
+    path = data / name
+    path.write_text(''.join(line + '\n' for line in lines))
+    return path
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    """The tiny shapes dataset: images/, train.txt, val.txt and classes.txt (6 classes)."""
+    from data.shapes import generate_shapes
+    root = tmp_path_factory.mktemp('bad_input_data') / 'shapes'
+    generate_shapes(str(root), train_size=24, val_size=12)
+    return root
+
+
+@pytest.fixture(scope='module')
+def trained(data, tmp_path_factory):
+    """One finished training run: (checkpoints_dir, experiment folder). Tests must not change it."""
+    checkpoints_dir = tmp_path_factory.mktemp('bad_input_trained')
+    assert_succeeded(train(checkpoints_dir, data, '--save_prefix', 'base'))
+    folder = checkpoints_dir / 'small_cnn_list_base'
+    assert (folder / 'best.pth').is_file()
+    return checkpoints_dir, folder
+
+
+# 1. unknown names ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('option, bad, valid', [
+    ('--model_type', 'no_such_model', 'small_cnn'),
+    ('--data_type', 'no_such_data', 'shapes'),
+])
+def test_unknown_name_lists_the_valid_ones_and_leaves_no_folder(data, tmp_path, option, bad, valid):
+    checkpoints_dir = tmp_path / 'ck'
+    result = train(checkpoints_dir, data, option, bad, '--save_prefix', 'retry')
+    assert_one_error_line(result, option, bad, valid)
+    assert leftovers(checkpoints_dir) == []
+
+    if option == '--model_type':  # the same command with the name fixed just works
+        assert_succeeded(train(checkpoints_dir, data, option, valid, '--save_prefix', 'retry'))
+        assert (checkpoints_dir / 'small_cnn_list_retry' / 'best.pth').is_file()
+
+
+# 2. missing list file ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('option', ['--train_list', '--val_list'])
+def test_missing_list_file(data, tmp_path, option):
+    missing = tmp_path / 'no_such_list.txt'
+    result = train(tmp_path / 'ck', data, option, missing)
+    assert_one_error_line(result, missing, option)
+    assert leftovers(tmp_path / 'ck') == []
+
+
+# 3. list line naming a missing image ---------------------------------------------------------------
+
+def test_list_line_with_missing_image(data, tmp_path):
+    listed = write_list(data, 'missing_image.txt', ['images/train/00000.png 0', 'images/train/no_such.png 1'])
+    result = train(tmp_path / 'ck', data, '--train_list', listed)
+    assert_one_error_line(result, f'{listed}:2', 'no_such.png')
+    assert leftovers(tmp_path / 'ck') == []
+
+
+# 4. malformed list lines ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize('line', [
+    'just_one_field',
+    'images/train/00001.png notanumber',
+    'images/train/00001.png \u00b2',  # superscript two: str.isdigit() says yes, int() says no
+], ids=['one_field', 'not_a_number', 'superscript_digit'])
+def test_malformed_list_line_names_its_line_number(data, tmp_path, line):
+    name = f'malformed_{hashlib.md5(line.encode()).hexdigest()[:8]}.txt'
+    listed = write_list(data, name, ['# a comment, then a blank line', '', 'images/train/00000.png 0', line])
+    result = train(tmp_path / 'ck', data, '--train_list', listed)
+    assert_one_error_line(result, f'{listed}:4')
+    assert leftovers(tmp_path / 'ck') == []
+
+
+# 5. corrupt image -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def corrupt_list(data):
+    """A training list whose line 3 is a .png file of garbage bytes: (list path, image path)."""
+    garbage = data / 'images' / 'garbage.png'
+    garbage.write_bytes(random.Random(0).randbytes(600))
+    listed = write_list(data, 'corrupt.txt', [
+        'images/train/00000.png 0', 'images/train/00001.png 1', 'images/garbage.png 2',
+        'images/train/00003.png 3', 'images/train/00004.png 4', 'images/train/00005.png 5'])
+    return listed, garbage
+
+
+@pytest.mark.parametrize('data_type, workers', [('list', 0), ('list', 1), ('mem_list', 0)])
+def test_corrupt_image_names_the_image(data, tmp_path, corrupt_list, data_type, workers):
+    listed, garbage = corrupt_list
+    result = train(tmp_path / 'ck', data, '--data_type', data_type, '--train_list', listed,
+                   '--num_workers', workers)  # with 1 worker, 'list' fails inside a DataLoader worker
+    assert_one_error_line(result, garbage, f'{listed}:3')  # mem_list decodes in the main process at startup
+
+
+# 6. label outside the class range -------------------------------------------------------------------
+
+def test_label_beyond_classes_txt(data, tmp_path):
+    listed = write_list(data, 'label_9.txt', ['images/train/00000.png 0', 'images/train/00001.png 9'])
+    result = train(tmp_path / 'ck', data, '--train_list', listed)
+    assert_one_error_line(result, f'{listed}:2', 'label 9')
+    assert leftovers(tmp_path / 'ck') == []
+
+
+def test_label_beyond_num_classes(data, tmp_path):
+    listed = write_list(data, 'label_5.txt', ['images/train/00000.png 0', 'images/train/00005.png 5'])
+    result = train(tmp_path / 'ck', data, '--train_list', listed, '--num_classes', '2')
+    assert_one_error_line(result, f'{listed}:2', 'label 5', '--num_classes')
+    assert leftovers(tmp_path / 'ck') == []
+
+
+# 7. missing checkpoint -------------------------------------------------------------------------------
+
+def test_eval_missing_checkpoint(tmp_path):
+    missing = tmp_path / 'nope.pth'
+    assert_one_error_line(evaluate(missing), missing, '--load_model_path')
+    assert leftovers(tmp_path) == []
+
+
+def test_train_missing_checkpoint(data, tmp_path):
+    missing = tmp_path / 'nope.pth'
+    result = train(tmp_path / 'ck', data, '--load_model_path', missing)
+    assert_one_error_line(result, missing, '--load_model_path')
+    assert leftovers(tmp_path / 'ck') == []
+
+
+# 8. incompatible checkpoint --------------------------------------------------------------------------
+
+def test_eval_checkpoint_of_another_model(trained):
+    _, folder = trained
+    before = snapshot(folder)
+    result = evaluate(folder / 'best.pth', '--model_type', 'resnet18', '--save_prefix', 'other_model')
+    assert_one_error_line(result, '--model_type', '--load_not_strict')
+    assert not (folder / 'eval' / 'best_val_other_model').exists()
+    assert snapshot(folder) == before
+
+
+def test_train_checkpoint_with_other_num_classes(data, trained, tmp_path):
+    _, folder = trained
+    checkpoint = folder / 'best.pth'
+    result = train(tmp_path / 'ck', data, '--load_model_path', checkpoint, '--num_classes', '10')
+    assert_one_error_line(result, checkpoint, '--num_classes', '--load_not_strict')
+    assert leftovers(tmp_path / 'ck') == []
+
+    fixed = train(tmp_path / 'ck', data, '--load_model_path', checkpoint, '--num_classes', '10', '--load_not_strict')
+    assert_succeeded(fixed)
+    assert 'load_match_dict' in fixed.stdout
+    assert (tmp_path / 'ck' / 'small_cnn_list_default' / 'best.pth').is_file()
+
+
+# 9. a file that is not a checkpoint -----------------------------------------------------------------
+
+@pytest.mark.parametrize('content', [
+    random.Random(0).randbytes(3000),
+    b'',
+    b'this is not a checkpoint\n',
+], ids=['random_bytes', 'empty', 'text'])
+def test_eval_file_that_is_not_a_checkpoint(tmp_path, content):
+    path = tmp_path / 'x.pth'
+    path.write_bytes(content)
+    line = assert_one_error_line(evaluate(path), path)
+    # it is a damaged or foreign file, not a checkpoint that safe loading refuses: re-saving it cannot help
+    assert 'safe loading does not allow' not in line
+    assert not (tmp_path / 'eval' / 'x_val_default').exists()
+    assert path.read_bytes() == content
+
+
+# 10. non-positive numbers (argparse) ----------------------------------------------------------------
+
+@pytest.mark.parametrize('option, value', [
+    ('--batch_size', '0'), ('--epochs', '0'), ('--lr', '0'), ('--lr', '-1'),
+])
+def test_non_positive_number(data, tmp_path, option, value):
+    result = train(tmp_path / 'ck', data, option, value)
+    assert_one_error_line(result, option, value)
+    assert result.returncode == 2
+    assert leftovers(tmp_path / 'ck') == []
+
+
+# 11. existing experiment folder ---------------------------------------------------------------------
+
+def test_existing_experiment_folder_is_not_touched(data, trained):
+    checkpoints_dir, folder = trained
+    before = snapshot(folder)
+    assert {'best.pth', 'last.pth', 'args.yaml', 'args.txt'} <= set(before)
+    result = train(checkpoints_dir, data, '--save_prefix', 'base')
+    assert_one_error_line(result, folder, '--save_prefix')
+    after = snapshot(folder)
+    for name in ('best.pth', 'last.pth', 'args.yaml', 'args.txt'):
+        assert after[name] == before[name], f'{name} changed'
+    assert {k: v for k, v in after.items() if not k.startswith('eval')} == \
+        {k: v for k, v in before.items() if not k.startswith('eval')}
+
+
+# 12. eval result folder that already holds results ----------------------------------------------------
+
+def test_existing_eval_results_are_not_touched(trained):
+    _, folder = trained
+    assert_succeeded(evaluate(folder / 'best.pth', '--save_prefix', 'twice'))
+    results = [folder / 'eval' / name for name in os.listdir(folder / 'eval') if name.endswith('_twice')]
+    assert len(results) == 1 and (results[0] / 'result.txt').is_file()
+    before = snapshot(results[0])
+
+    result = evaluate(folder / 'best.pth', '--save_prefix', 'twice')
+    assert_one_error_line(result, results[0], '--save_prefix')
+    assert snapshot(results[0]) == before
+
+
+# 13. --config problems ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('content, needle', [
+    (None, None),  # no such file
+    (b'epochs: [1\nlr: 0.1\n', None),  # malformed YAML
+    (b'epochz: 1\n', 'epochz'),  # unknown option
+    (b'- epochs\n- 1\n', None),  # not a mapping
+    (b'\xff\xfe\x00epochs: 1\n', None),  # not text at all
+], ids=['missing', 'malformed_yaml', 'unknown_key', 'not_a_mapping', 'not_utf8'])
+def test_bad_config_file(data, tmp_path, content, needle):
+    config = tmp_path / 'config.yaml'
+    if content is not None:
+        config.write_bytes(content)
+    result = train(tmp_path / 'ck', data, '--config', config)
+    assert_one_error_line(result, '--config', config, *([needle] if needle else []))
+    assert leftovers(tmp_path / 'ck') == []
+
+
+# 14. --debug shows the traceback ----------------------------------------------------------------------
+
+def test_debug_shows_the_traceback(data, tmp_path):
+    result = train(tmp_path / 'ck', data, '--model_type', 'no_such_model', '--debug')
+    assert result.returncode != 0
+    assert 'Traceback' in result.stderr
+    assert 'no_such_model' in result.stderr
+    assert leftovers(tmp_path / 'ck') == []
+
+
+# 15. --gpus without CUDA ----------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a machine without CUDA')
+def test_gpus_without_cuda(data, tmp_path):
+    result = train(tmp_path / 'ck', data, '--gpus', '0')
+    assert_one_error_line(result, '--gpus')
+    assert leftovers(tmp_path / 'ck') == []
+
+
+# more paths that are not what they should be -----------------------------------------------------------
+
+def test_checkpoints_dir_that_is_a_file(data, tmp_path):
+    not_a_folder = tmp_path / 'a_file'
+    not_a_folder.write_text('keep me\n')
+    result = train(not_a_folder, data)
+    assert_one_error_line(result, not_a_folder)
+    assert not_a_folder.read_text() == 'keep me\n'

@@ -1,0 +1,185 @@
+"""Unit tests of the pieces: options, data, models, metrics, logger, loading and checkpoint files."""
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO
+from data.list_dataset import ListDataset
+from data.mem_list_dataset import MemListDataset
+from data.shapes import generate_shapes
+from metrics import accuracy_from_confusion, confusion_matrix, topk_accuracy
+from model.submodules import ConvBNReLU, UpBlock
+from options import parse_args, parse_test_args, parse_train_args
+from utils.checkpoint import load_checkpoint, save_checkpoint
+from utils.errors import KilnError
+from utils.logger import Recorder
+from utils.torch_utils import load_match_dict, load_weights, unwrap_model
+
+
+@pytest.mark.parametrize('script', ['train.py', 'eval.py'])
+def test_help_answers_without_importing_torch(script):
+    probe = ("import atexit, runpy, sys\n"
+             "atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'))\n"
+             f"sys.argv = ['{script}', '--help']\n"
+             f"runpy.run_path('{script}', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert '--load_model_path' in result.stdout
+    assert result.stdout.strip().endswith('NO-TORCH')
+
+
+def test_train_and_test_share_the_common_options():
+    train = parse_args(parse_train_args, [])
+    test = parse_args(parse_test_args, [])
+    shared = set(vars(train)) & set(vars(test))
+    assert {'model_type', 'data_type', 'save_prefix', 'load_model_path', 'load_not_strict', 'val_list', 'gpus',
+            'batch_size', 'num_classes'} <= shared
+    assert test.model_type is None and train.model_type == 'small_cnn'  # eval takes it from the checkpoint
+
+
+def test_config_values_are_checked_like_flags(tmp_path):
+    config = tmp_path / 'bad.yaml'
+    config.write_text('batch_size: -3\n')
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(parse_train_args, ['--config', str(config)])
+    assert exit_info.value.code == 2
+
+
+def _dataset_args(**overrides):
+    values = dict(train_list=None, val_list=None, img_size=32, num_classes=None, data_type='list', data_root='x')
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_list_file_relative_paths_comments_and_blank_lines(tiny_shapes, tmp_path):
+    listing = tmp_path / 'sub' / 'my.txt'
+    listing.parent.mkdir()
+    image = os.path.join(tiny_shapes, 'images', 'val', '00001.png')
+    os.symlink(image, tmp_path / 'sub' / 'a b.png')  # a name with a space
+    listing.write_text(f'# my list\n\na b.png 1\n{image} 4  # absolute path, comment\n')
+    dataset = ListDataset(_dataset_args(val_list=str(listing)), 'val')
+    assert [label for _, label, _ in dataset.samples] == [1, 4]
+    assert dataset.num_classes == 5  # no classes.txt here: the largest label + 1
+    assert dataset.class_names is None
+    image, label = dataset[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and label == 1
+
+
+def test_mem_list_dataset_matches_list_dataset(tiny_shapes):
+    args = _dataset_args(val_list=os.path.join(tiny_shapes, 'val.txt'), img_size=24)
+    on_disk, in_memory = ListDataset(args, 'val'), MemListDataset(args, 'val')
+    assert len(on_disk) == len(in_memory) == 48 and in_memory.num_classes == 6
+    assert in_memory.class_names[:2] == ['circle', 'square']
+    for index in (0, 17, 47):
+        assert torch.equal(on_disk[index][0], in_memory[index][0]) and on_disk[index][1] == in_memory[index][1]
+        assert on_disk[index][0].shape == (3, 24, 24)  # resized to --img_size
+
+
+def _tree_digest(root):
+    digest = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            with open(os.path.join(folder, name), 'rb') as f:
+                digest.update(name.encode() + f.read())
+    return digest.hexdigest()
+
+
+def test_shapes_generation_is_deterministic_and_reused(tmp_path):
+    first = generate_shapes(str(tmp_path / 'a'), train_size=12, val_size=6, seed=3)
+    second = generate_shapes(str(tmp_path / 'b'), train_size=12, val_size=6, seed=3)
+    other = generate_shapes(str(tmp_path / 'c'), train_size=12, val_size=6, seed=4)
+    assert _tree_digest(first) == _tree_digest(second) != _tree_digest(other)
+    before = os.path.getmtime(os.path.join(first, 'train.txt'))
+    generate_shapes(first, train_size=12, val_size=6, seed=3)  # complete copy: nothing rewritten
+    assert os.path.getmtime(os.path.join(first, 'train.txt')) == before
+    with pytest.raises(KilnError, match='other settings'):
+        generate_shapes(first, train_size=13, val_size=6, seed=3)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith('.shapes-')]  # no staging folders left
+
+
+def test_conv_bn_relu_keeps_size_and_up_block_doubles_it():
+    x = torch.randn(2, 4, 16, 16)
+    assert ConvBNReLU(4, 8, kernel_size=5)(x).shape == (2, 8, 16, 16)
+    assert ConvBNReLU(4, 8, dilation=2)(x).shape == (2, 8, 16, 16)
+    assert ConvBNReLU(4, 8, stride=2)(x).shape == (2, 8, 8, 8)
+    skip = torch.randn(2, 3, 32, 32)
+    assert UpBlock(4, 6, skip_channels=3)(x, skip).shape == (2, 6, 32, 32)
+
+
+def test_metrics():
+    logits = torch.tensor([[3., 2., 1.], [1., 3., 2.], [1., 2., 3.], [3., 1., 2.]])
+    targets = torch.tensor([0, 2, 0, 1])
+    assert topk_accuracy(logits, targets, 1).item() == pytest.approx(0.25)
+    assert topk_accuracy(logits, targets, 2).item() == pytest.approx(0.5)
+    assert topk_accuracy(logits, targets, 10).item() == 1.0
+    matrix = confusion_matrix(logits.argmax(1), targets, 3)
+    assert matrix.tolist() == [[1, 0, 1], [1, 0, 0], [0, 1, 0]]
+    overall, recall = accuracy_from_confusion(matrix)
+    assert overall.item() == pytest.approx(0.25) and recall.tolist() == pytest.approx([0.5, 0.0, 0.0])
+
+
+def test_recorder_weighs_by_batch_size_and_keeps_no_graph():
+    recorder = Recorder()
+    weight = torch.ones(1, requires_grad=True)
+    recorder.record('train/loss', (weight * 2).sum(), n=3)
+    recorder.record('train/loss', torch.tensor(4.0), n=1)
+    recorder.record('train/lr', 0.5)
+    assert not recorder.sums['train/loss'].requires_grad
+    assert recorder.means() == {'train/loss': pytest.approx(2.5), 'train/lr': 0.5}
+    assert recorder.summary() == {'train/loss': pytest.approx(2.5), 'train/lr': 0.5}
+    assert recorder.summary() == {}  # reset after summary
+
+
+class _Net(nn.Module):
+    def __init__(self, classes=3):
+        super().__init__()
+        self.body = nn.Linear(4, 5)
+        self.head = nn.Linear(5, classes)
+
+
+def test_load_match_dict_strips_wrapper_prefixes_and_reports(tmp_path):
+    source = _Net(classes=3)
+    wrapped = {f'module._orig_mod.{k}': v for k, v in source.state_dict().items()}
+    wrapped['module.extra.weight'] = torch.zeros(2)
+    path = str(tmp_path / 'dp.pth')
+    torch.save({'model': wrapped, 'epoch': 3}, path)
+    target = nn.DataParallel(_Net(classes=7))
+    report = load_match_dict(target, path)
+    assert sorted(report.loaded) == ['body.bias', 'body.weight']
+    assert [name for name, _, _ in report.shape_mismatched] == ['head.weight', 'head.bias']
+    assert report.unexpected == ['extra.weight'] and report.missing == []
+    assert torch.equal(unwrap_model(target).body.weight, source.body.weight)
+    assert 'loaded 2 tensors, skipped 2 for shape' in str(report)
+
+
+def test_strict_load_explains_a_mismatch(tmp_path):
+    path = str(tmp_path / 'net.pth')
+    torch.save(_Net(classes=3).state_dict(), path)
+    load_weights(_Net(classes=3), path)  # fits
+    with pytest.raises(KilnError, match='--load_not_strict'):
+        load_weights(_Net(classes=4), path)
+
+
+def test_checkpoint_loading_refuses_pickled_code(tmp_path):
+    path = str(tmp_path / 'evil.pth')
+    torch.save({'model': {}, 'payload': argparse.Namespace(a=1)}, path)  # an arbitrary class: not allowed
+    with pytest.raises(KilnError, match='refusing to load'):
+        load_checkpoint(path)
+
+
+def test_checkpoint_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = str(tmp_path / 'last.pth')
+    save_checkpoint({'step': torch.tensor(1)}, [path])
+
+    def full_disk(*args):
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(os, 'replace', full_disk)
+    with pytest.raises(OSError, match='No space left'):
+        save_checkpoint({'step': torch.tensor(2)}, [path])
+    assert load_checkpoint(path)['step'].item() == 1
+    assert os.listdir(tmp_path) == ['last.pth']  # the temporary file was cleaned up
