@@ -35,7 +35,10 @@ class Evaluator:
     def __init__(self, args):
         self.args = args
         checkpoint = load_checkpoint(args.load_model_path)
-        trained_with = checkpoint.get('args', {}) if isinstance(checkpoint, dict) else {}
+        if not isinstance(checkpoint, dict):
+            raise KilnError(f'{args.load_model_path} holds a {type(checkpoint).__name__}, not model weights; '
+                            f'give a checkpoint written by train.py or a state dict')
+        trained_with = checkpoint.get('args') if isinstance(checkpoint.get('args'), dict) else {}
         for name in INHERITED:
             if getattr(args, name) is None:
                 setattr(args, name, trained_with.get(name))
@@ -49,7 +52,7 @@ class Evaluator:
         args.num_classes = args.num_classes or self.dataset.num_classes
         self.class_names = self.dataset.class_names or checkpoint.get('class_names')
         model = select_model(args)
-        load_weights(model, checkpoint, strict=not args.load_not_strict)
+        load_weights(model, checkpoint, strict=not args.load_not_strict, source=args.load_model_path)
         self.model = equip_multi_gpu(model.to(self.device), args)
 
     def step(self, batch):

@@ -17,6 +17,7 @@ from utils.errors import KilnError
 ARGS_TXT = 'args.txt'
 ARGS_YAML = 'args.yaml'
 NOT_SAVED = ('config', 'debug')  # how a run was configured, not what it is
+EVAL_FOLDER = 'eval'  # evaluation results go to <experiment>/eval/<name>/
 DERIVED = ('model_dir', 'result_dir')  # computed from the options: shown in args.txt, not in args.yaml
 
 
@@ -131,7 +132,7 @@ def _config_to_argv(parser, path):
             config = yaml.safe_load(f)  # JSON is a subset of YAML
     except FileNotFoundError:
         parser.error(f'--config {path}: no such file')
-    except (OSError, yaml.YAMLError) as error:
+    except (OSError, ValueError, yaml.YAMLError) as error:
         parser.error(f'--config {path}: cannot read it as YAML or JSON ({str(error).splitlines()[0]})')
     if config is None:
         return []
@@ -183,7 +184,10 @@ def save_args(args, folder):
 def _create_run_folder(folder, args, what_to_change):
     if os.path.exists(folder):
         raise KilnError(f'{folder} already exists; {what_to_change}')
-    os.makedirs(folder)
+    try:
+        os.makedirs(folder)
+    except OSError as error:
+        raise KilnError(f'cannot create {folder} ({error.strerror}); check --checkpoints_dir') from None
     save_args(args, folder)
 
 
@@ -212,7 +216,7 @@ def prepare_test_args(argv=None):
         raise KilnError(f'checkpoint {args.load_model_path} does not exist; check --load_model_path')
     checkpoint_name = os.path.splitext(os.path.basename(args.load_model_path))[0]
     list_name = os.path.splitext(os.path.basename(args.val_list))[0] if args.val_list else 'val'
-    args.result_dir = os.path.join(os.path.dirname(args.load_model_path), 'eval',
+    args.result_dir = os.path.join(os.path.dirname(args.load_model_path), EVAL_FOLDER,
                                    f'{checkpoint_name}_{list_name}_{args.save_prefix}')
     _create_run_folder(args.result_dir, args, 'choose a new --save_prefix to keep the old results')
     return args
@@ -233,4 +237,6 @@ def discard_folder_if_setup_fails(folder):
                 os.remove(os.path.join(folder, name))
         with contextlib.suppress(OSError):
             os.rmdir(folder)
+            if os.path.basename(os.path.dirname(folder)) == EVAL_FOLDER:
+                os.rmdir(os.path.dirname(folder))  # only succeeds when no other evaluation is in it
         raise

@@ -27,7 +27,7 @@ def read_list_file(list_path):
             if not line:
                 continue
             parts = line.rsplit(maxsplit=1)
-            if len(parts) != 2 or not parts[1].isdigit():
+            if len(parts) != 2 or not parts[1].isdecimal():
                 raise KilnError(f'{list_path}:{number}: expected "image_path label" with a label >= 0, got {line!r}')
             path = os.path.join(base, parts[0])  # an absolute parts[0] stays as it is
             if not os.path.isfile(path):

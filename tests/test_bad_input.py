@@ -214,7 +214,7 @@ def test_eval_checkpoint_of_another_model(trained):
     _, folder = trained
     before = snapshot(folder)
     result = evaluate(folder / 'best.pth', '--model_type', 'resnet18', '--save_prefix', 'other_model')
-    assert_one_error_line(result, '--model_type', '--load_not_strict')
+    assert_one_error_line(result, folder / 'best.pth', '--model_type', '--load_not_strict')
     assert not (folder / 'eval' / 'best_val_other_model').exists()
     assert snapshot(folder) == before
 
@@ -245,8 +245,45 @@ def test_eval_file_that_is_not_a_checkpoint(tmp_path, content):
     line = assert_one_error_line(evaluate(path), path)
     # it is a damaged or foreign file, not a checkpoint that safe loading refuses: re-saving it cannot help
     assert 'safe loading does not allow' not in line
-    assert not (tmp_path / 'eval' / 'x_val_default').exists()
+    assert not (tmp_path / 'eval').exists()  # no empty result folders left behind
     assert path.read_bytes() == content
+
+
+@pytest.mark.parametrize('content', [[1, 2, 3], torch.zeros(3)], ids=['list', 'tensor'])
+def test_eval_checkpoint_that_holds_no_weights(tmp_path, content):
+    path = tmp_path / 'x.pth'
+    torch.save(content, path)
+    assert_one_error_line(evaluate(path), path, 'not model weights')
+    assert not (tmp_path / 'eval').exists()
+
+
+def test_eval_checkpoint_with_malformed_args_uses_the_command_line(data, trained, tmp_path):
+    _, folder = trained
+    checkpoint = torch.load(folder / 'best.pth', weights_only=True)
+    checkpoint['args'] = 'not a dict'
+    path = tmp_path / 'odd_args.pth'
+    torch.save(checkpoint, path)
+    result = evaluate(path, '--model_type', 'small_cnn', '--data_type', 'list', '--val_list', data / 'val.txt')
+    assert_succeeded(result)
+
+
+def test_eval_refuses_a_pickle_that_would_run_code(tmp_path):
+    marker = tmp_path / 'pwned'
+    path = tmp_path / 'evil.pth'
+    torch.save({'model': Exploit(str(marker))}, path)
+    line = assert_one_error_line(evaluate(path), path, 'safe loading does not allow')
+    assert 'os.system' in line or 'posix.system' in line
+    assert not marker.exists()
+
+
+class Exploit:
+    """Unpickling this with weights_only=False would create the file `marker` by running a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f'touch {self.marker}',)
 
 
 # 10. non-positive numbers (argparse) ----------------------------------------------------------------

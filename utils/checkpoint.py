@@ -7,6 +7,7 @@ file cannot run code when loaded.
 import io
 import os
 import pickle
+import re
 
 import torch
 
@@ -52,8 +53,14 @@ def load_checkpoint(path, map_location='cpu'):
         raise KilnError(f'checkpoint {path} does not exist; check --load_model_path')
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise KilnError(f'refusing to load {path}: it holds Python objects that safe loading does not allow '
-                        f'({str(error).splitlines()[0]}); re-save it as a plain state dict') from None
-    except (RuntimeError, EOFError, OSError, ValueError) as error:
-        raise KilnError(f'{path} is not a readable PyTorch checkpoint ({str(error).splitlines()[0]})') from None
+    except Exception as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        blocked = re.search(r'GLOBAL ([\w.]+)', str(error))
+        if isinstance(error, pickle.UnpicklingError) and blocked:
+            raise KilnError(f'refusing to load {path}: it holds the Python object {blocked.group(1)}, which could run '
+                            f'code and which safe loading does not allow; re-save it as a plain state dict') from None
+        reason = lines[0] if lines else type(error).__name__
+        if isinstance(error, pickle.UnpicklingError):
+            reason = 'not a torch.save file'
+        raise KilnError(f'{path} is not a readable PyTorch checkpoint ({reason}); '
+                        f'check that the file is complete and was written by torch.save') from None

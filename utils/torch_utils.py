@@ -113,13 +113,14 @@ def load_match_dict(model, checkpoint):
     return report
 
 
-def load_weights(model, checkpoint, strict=True):
+def load_weights(model, checkpoint, strict=True, source=None):
     """Load model weights from `checkpoint` (a path or a loaded dict): all of them when `strict`,
     else the matching ones via load_match_dict, whose LoadReport is printed and returned.
 
-    A strict load that does not fit raises a KilnError suggesting --load_not_strict.
+    A strict load that does not fit raises a KilnError suggesting --load_not_strict; `source`
+    names an already loaded checkpoint in messages.
     """
-    source = checkpoint if isinstance(checkpoint, str) else 'the checkpoint'
+    source = checkpoint if isinstance(checkpoint, str) else source or 'the checkpoint'
     if isinstance(checkpoint, str):
         checkpoint = load_checkpoint(checkpoint)
     if not strict:
