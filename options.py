@@ -6,7 +6,6 @@ back with `--config`. This module imports no torch, so `--help` answers at once.
 """
 import argparse
 import contextlib
-import json
 import os
 import sys
 
@@ -16,9 +15,12 @@ from utils.errors import KilnError
 
 ARGS_TXT = 'args.txt'
 ARGS_YAML = 'args.yaml'
-NOT_SAVED = ('config', 'debug')  # how a run was configured, not what it is
+NOT_SAVED = ('config', 'debug', 'resume')  # how a run was started, not what it is
+RESUME_LATEST = 'last'  # --resume without a path
+LAST_CHECKPOINT = 'last.pth'
+BEST_CHECKPOINT = 'best.pth'
 EVAL_FOLDER = 'eval'  # evaluation results go to <experiment>/eval/<name>/
-DERIVED = ('model_dir', 'result_dir')  # computed from the options: shown in args.txt, not in args.yaml
+DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: shown in args.txt, not in args.yaml
 
 
 class KilnArgumentParser(argparse.ArgumentParser):
@@ -101,15 +103,38 @@ def parse_train_args(parser):
     parser.add_argument('--lr', type=_positive_float, default=3e-3, help='peak learning rate')
     parser.add_argument('--momentum', type=_non_negative_float, default=0.9, help='SGD momentum')
     parser.add_argument('--weight_decay', type=_non_negative_float, default=5e-4)
-    parser.add_argument('--scheduler', default='cosine', choices=['none', 'cosine', 'step'],
-                        help='learning-rate schedule, stepped once per optimizer update')
+    parser.add_argument('--scheduler', default='cosine', choices=['none', 'cosine', 'step', 'plateau'],
+                        help='learning-rate schedule: cosine (after --warmup_steps), step (every --lr_step_epochs), '
+                        'plateau (reduce when --monitor stalls), or none')
+    parser.add_argument('--warmup_steps', type=_non_negative_int, default=0,
+                        help='cosine scheduler: linear warm-up over this many optimizer steps')
     parser.add_argument('--lr_step_epochs', type=_positive_int, default=30, help='step scheduler: epochs per decay')
-    parser.add_argument('--lr_gamma', type=_positive_float, default=0.1, help='step scheduler: decay factor')
+    parser.add_argument('--lr_gamma', type=_positive_float, default=0.1,
+                        help='step and plateau schedulers: decay factor')
+    parser.add_argument('--lr_patience', type=_non_negative_int, default=2,
+                        help='plateau scheduler: validations without improvement before the decay')
+    parser.add_argument('--max_iteration', type=_positive_int,
+                        help='train for this many optimizer steps instead of --epochs')
+    parser.add_argument('--valid_interval', type=_positive_int,
+                        help='validate every N optimizer steps (default: after every epoch)')
+    parser.add_argument('--save_interval', type=_positive_int,
+                        help='also save a checkpoint every N optimizer steps (default: after every validation)')
     parser.add_argument('--print_freq', type=_positive_int, default=20, help='print a line every N steps')
     parser.add_argument('--monitor', default='val/acc', help='metric that picks the best checkpoint')
     parser.add_argument('--monitor_mode', default='max', choices=['max', 'min'])
+    parser.add_argument('--keep_last', type=_positive_int, default=1, help='keep the newest N checkpoints')
+    parser.add_argument('--keep_best', type=_positive_int, default=1, help='keep the best N checkpoints by --monitor')
+    parser.add_argument('--early_stop_patience', type=_positive_int,
+                        help='stop after N validations without --monitor improving (default: never)')
+    parser.add_argument('--early_stop_min_delta', type=_non_negative_float, default=0.0,
+                        help='the least change of --monitor that counts as an improvement')
+    parser.add_argument('--resume', nargs='?', const=RESUME_LATEST, metavar='CHECKPOINT',
+                        help='continue this experiment from its last checkpoint (or from CHECKPOINT); '
+                        'starts it when there is nothing to continue')
+    parser.add_argument('--deterministic', action='store_true',
+                        help='use deterministic algorithms only (slower on GPU; makes resumed runs bitwise exact)')
     parser.add_argument('--log_images', action=argparse.BooleanOptionalAction, default=True,
-                        help='write image grids to TensorBoard every epoch')
+                        help='write image grids to TensorBoard at every validation')
     return parser
 
 
@@ -159,14 +184,17 @@ def _config_to_argv(parser, path):
     return argv
 
 
-def parse_args(add_args, argv=None):
-    """Parse `argv` with the options added by `add_args`, applying `--config FILE` first."""
+def parse_args(add_args, argv=None, base_config=None):
+    """Parse `argv` with the options added by `add_args`, applying `--config FILE` first.
+
+    `base_config` (a resumed run's args.yaml) comes before even that.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = add_args(KilnArgumentParser(description=add_args.__doc__))
     config_parser = KilnArgumentParser(add_help=False)
     config_parser.add_argument('--config')
     config_path = config_parser.parse_known_args(argv)[0].config
-    config_argv = _config_to_argv(parser, config_path) if config_path else []
+    config_argv = [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)]
     return parser.parse_args(config_argv + argv)
 
 
@@ -195,12 +223,51 @@ def prepare_train_args(argv=None):
     """Parse training options, create the experiment folder and save the options in it.
 
     The folder is `<checkpoints_dir>/<model_type>_<data_type>_<save_prefix>` (args.model_dir);
-    an existing one is never reused or overwritten.
+    an existing one is never reused or overwritten, except by `--resume`, which continues the
+    run in it: its saved options apply, and flags given now override them. args.resume_from
+    is the checkpoint to continue from (None when there is nothing to continue yet).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(parse_train_args, argv)
     args.model_dir = os.path.join(args.checkpoints_dir, f'{args.model_type}_{args.data_type}_{args.save_prefix}')
-    _create_run_folder(args.model_dir, args, 'choose a new --save_prefix, or move that folder away')
+    resume_from = _checkpoint_to_resume(args)
+    if resume_from:
+        folder = os.path.dirname(resume_from) or os.curdir
+        saved = os.path.join(folder, ARGS_YAML)
+        if not os.path.isfile(saved):
+            raise KilnError(f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint '
+                            f'inside its experiment folder (to start a new run from its weights, use --load_model_path)')
+        args = parse_args(parse_train_args, argv, base_config=saved)
+        args.model_dir, args.resume_from = folder, resume_from
+        return args
+    args.resume_from = None
+    if args.resume and os.path.isdir(args.model_dir):
+        print(f'{args.model_dir} holds no checkpoint yet; starting the run in it')
+        save_args(args, args.model_dir)
+        return args
+    _create_run_folder(args.model_dir, args, 'choose a new --save_prefix, add --resume to continue that run, '
+                       'or move that folder away')
     return args
+
+
+def _checkpoint_to_resume(args):
+    """The checkpoint --resume points to; None without --resume or when the run has none yet."""
+    if not args.resume:
+        return None
+    if args.resume != RESUME_LATEST:
+        if not os.path.isfile(args.resume):
+            raise KilnError(f'--resume {args.resume}: no such checkpoint file; give an existing .pth file, '
+                            f'or --resume alone for the experiment\'s last checkpoint')
+        return args.resume
+    last = os.path.join(args.model_dir, LAST_CHECKPOINT)
+    if os.path.isfile(last):
+        return last
+    others = sorted(name for name in os.listdir(args.model_dir) if name.endswith('.pth')) \
+        if os.path.isdir(args.model_dir) else []
+    if others:
+        raise KilnError(f'{args.model_dir} has no {LAST_CHECKPOINT}; choose a checkpoint to continue from with '
+                        f'--resume {os.path.join(args.model_dir, others[-1])}')
+    return None
 
 
 def prepare_test_args(argv=None):

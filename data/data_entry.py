@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from data.list_dataset import ListDataset
 from data.mem_list_dataset import MemListDataset
+from data.sampler import ResumableBatchSampler, SeededDataset
 from data.shapes_dataset import ShapesDataset
 from utils.errors import KilnError
 from utils.torch_utils import seed_worker
@@ -32,16 +33,14 @@ def _loader(args, dataset, shuffle):
     workers = args.num_workers
     if workers is None:
         workers = 0 if getattr(dataset, 'in_memory', False) else min(4, os.cpu_count() or 1)
-    generator = torch.Generator()
-    generator.manual_seed(args.seed)
-    return DataLoader(dataset, batch_size=args.batch_size, shuffle=shuffle, num_workers=workers,
-                      drop_last=shuffle and len(dataset) > args.batch_size,  # no size-1 batch for BatchNorm
+    batches = ResumableBatchSampler(len(dataset), args.batch_size, shuffle, args.seed)
+    return DataLoader(SeededDataset(dataset), batch_sampler=batches, num_workers=workers,
                       pin_memory=torch.cuda.is_available() and not args.cpu,
-                      persistent_workers=workers > 0, worker_init_fn=seed_worker, generator=generator)
+                      persistent_workers=workers > 0, worker_init_fn=seed_worker)
 
 
 def select_train_loader(args):
-    """Shuffled DataLoader over the training split."""
+    """DataLoader over the training split, shuffled by (--seed, epoch); see data/sampler.py."""
     return _loader(args, select_dataset(args, 'train'), shuffle=True)
 
 

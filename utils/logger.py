@@ -1,10 +1,9 @@
 """Recording metrics (Recorder) and writing them to TensorBoard (Logger)."""
-import os
 
 import torch
 from tqdm import tqdm
 
-from utils.checkpoint import save_checkpoint
+from utils.checkpoint import CheckpointKeeper
 
 
 class Recorder:
@@ -36,6 +35,16 @@ class Recorder:
                 totals[i] = value
         return {name: float(total) / self.counts[name] for name, total in zip(names, totals)}
 
+    def state_dict(self):
+        """The running sums and counts as plain numbers (one host sync), for checkpoints."""
+        means = self.means()
+        return {name: [means[name], self.counts[name]] for name in means}
+
+    def load_state_dict(self, state):
+        """Continue the sums saved by `state_dict`."""
+        self.sums = {name: mean * count for name, (mean, count) in state.items()}
+        self.counts = {name: count for name, (_, count) in state.items()}
+
     def summary(self):
         """The weighted means (see `means`), then a reset for the next epoch."""
         means = self.means()
@@ -52,11 +61,14 @@ class Logger:
     TensorBoard is imported only when a Logger is made.
     """
 
-    def __init__(self, log_dir):
+    def __init__(self, log_dir, keep_last=1, keep_best=1, monitor_mode='max', purge_step=None):
         from torch.utils.tensorboard import SummaryWriter
         self.log_dir = log_dir
-        self.writer = SummaryWriter(log_dir)
+        # purge_step hides points a killed run wrote after its last checkpoint, so a resumed
+        # run's curves have no duplicates
+        self.writer = SummaryWriter(log_dir, purge_step=purge_step)
         self.recorder = Recorder()
+        self.checkpoints = CheckpointKeeper(log_dir, keep_last, keep_best, monitor_mode)
 
     def record_scalar(self, name, value, n=1):
         """Record one value of `name` (mean over `n` samples) for the current interval."""
@@ -74,9 +86,10 @@ class Logger:
         for tag, image in images.items():
             self.writer.add_image(tag, image, step, dataformats='HWC')
 
-    def save_check_point(self, state, names):
-        """Write a checkpoint into the experiment folder under each file name in `names`."""
-        save_checkpoint(state, [os.path.join(self.log_dir, name) for name in names])
+    def save_check_point(self, state, name, metric=None):
+        """Write a checkpoint into the experiment folder as `name` and update last.pth/best.pth
+        (see CheckpointKeeper); return whether it is the new best by `metric`."""
+        return self.checkpoints.save(state, name, metric)
 
     def close(self):
         """Flush and close the event file."""

@@ -1,4 +1,5 @@
 """Small PyTorch helpers: seeding, device choice, unwrapping and tolerant weight loading."""
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -16,6 +17,36 @@ def set_seed(seed):
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def set_deterministic(enabled):
+    """Use only deterministic algorithms (--deterministic), so the same run gives the same bits."""
+    if enabled:
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # required by deterministic cuBLAS
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def rng_states():
+    """The states of python's, numpy's and torch's (CPU and CUDA) random generators, checkpointable
+    with weights_only loading (no numpy arrays)."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        'python': random.getstate(),
+        'numpy': (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached),
+        'torch': torch.get_rng_state(),
+        'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_states(states):
+    """Restore generator states saved by `rng_states`."""
+    random.setstate(states['python'])
+    kind, keys, position, has_gauss, cached = states['numpy']
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(states['torch'])
+    if states['cuda'] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states['cuda'])
 
 
 def seed_worker(worker_id):

@@ -1,0 +1,114 @@
+"""Batches whose order and randomness are a pure function of (seed, epoch, batch number).
+
+`ResumableBatchSampler` draws each epoch's order from the seed and the epoch, can start an
+epoch part-way (for resuming a checkpoint written mid-epoch), and splits the batches between
+distributed ranks. Each batch carries its own seed; `SeededDataset` seeds python, numpy and
+torch with it while the batch is loaded, so augmentations come out the same whatever the
+number of DataLoader workers and whether or not the run was interrupted.
+"""
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+
+class SeededBatch(list):
+    """A list of dataset indices with the `seed` to load them with."""
+
+    def __init__(self, indices, seed):
+        super().__init__(indices)
+        self.seed = seed
+
+
+def _mix(*numbers):
+    """A 63-bit seed from a few integers (a SplitMix-style hash), stable across processes."""
+    value = 0x9E3779B97F4A7C15
+    for number in numbers:
+        value = (value ^ (number & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        value ^= value >> 31
+    return value >> 1
+
+
+class ResumableBatchSampler(Sampler):
+    """Batches of one rank for the current epoch, starting at batch `start`.
+
+    Training (`shuffle=True`) permutes the whole dataset by (seed, epoch), cuts it into global
+    batches of `batch_size * world_size` (dropping an incomplete last one, so every rank makes
+    the same number of steps) and gives rank r the r-th slice of each. Evaluation
+    (`shuffle=False`) keeps the file order and deals samples out round-robin without padding,
+    so no sample is counted twice across ranks.
+    """
+
+    def __init__(self, length, batch_size, shuffle, seed=0, rank=0, world_size=1):
+        self.length, self.batch_size, self.shuffle = length, batch_size, shuffle
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch, start=0):
+        """Make the next iteration give epoch `epoch`'s batches from batch number `start` on."""
+        self.epoch, self.start = epoch, start
+
+    def order(self, epoch=None):
+        """The sample order (all ranks) of `epoch` (default: the current one) as a list of indices."""
+        if not self.shuffle:
+            return list(range(self.length))
+        generator = torch.Generator()
+        generator.manual_seed(_mix(self.seed, self.epoch if epoch is None else epoch))
+        return torch.randperm(self.length, generator=generator).tolist()
+
+    def batches(self, epoch=None):
+        """Every batch of this rank in `epoch` (default: the current one), from batch 0."""
+        order = self.order(epoch)
+        if not self.shuffle:
+            mine = order[self.rank::self.world_size]
+            return [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
+        step = self.batch_size * self.world_size
+        count = len(order) // step if len(order) >= step else 1  # a tiny dataset still gives one batch
+        first = self.rank * self.batch_size
+        return [order[i * step + first:i * step + first + self.batch_size] for i in range(count)]
+
+    def __iter__(self):
+        epoch, start = self.epoch, self.start  # fixed for this pass, whatever set_epoch does meanwhile
+        for number, indices in enumerate(self.batches(epoch)[start:], start=start):
+            yield SeededBatch(indices, _mix(self.seed, epoch, number, self.rank))
+
+    def __len__(self):
+        return max(0, len(self.batches()) - self.start)
+
+
+class SeededDataset(Dataset):
+    """Wraps a dataset so each SeededBatch is loaded under its own seed.
+
+    The caller's random states are put back afterwards, so loading in the main process
+    (`num_workers=0`) does not disturb the model's random numbers. Other attributes
+    (num_classes, class_names, ...) are those of the wrapped dataset.
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __getattr__(self, name):
+        if name == 'dataset':  # not set yet (while unpickling in a worker)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def __getitems__(self, batch):
+        states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        seed = getattr(batch, 'seed', None)
+        if seed is not None:
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
+        try:
+            return [self.dataset[index] for index in batch]
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
