@@ -183,7 +183,7 @@ class Trainer:
                 self.epoch, self.batch_in_epoch = epoch + 1, 0
                 self.history.end_epoch()
             self.after_update()
-            if self.stop_reason:
+            if self.stop_reason or self.global_step >= self.max_steps:
                 break
         bar.close()
 

@@ -2,7 +2,7 @@
 
 Both train the same model, from the same initial weights, on the same in-memory data (the
 Trainer's own DataLoaders over the default shapes dataset) for the same number of epochs,
-validating after each epoch. The Trainer runs as users run it: progress bar, TensorBoard
+validating after each epoch. It also times one save of the full training state. The Trainer runs as users run it: progress bar, TensorBoard
 curves and images, printed lines, `last.pth`/`best.pth` written every epoch. The two alternate
 --repeats times in one process, so machine noise hits both alike; the median ratio is printed.
 """
@@ -83,10 +83,14 @@ def main():
             ratios.append(kiln / hand)
             print(f'repeat {repeat + 1}: Trainer {kiln:.2f}s  hand-written {hand:.2f}s  ratio {kiln / hand:.3f}',
                   flush=True)
+        saves = [timed(trainer.save_checkpoint) for _ in range(5)]  # the full state, as after each epoch
     overhead = statistics.median(ratios) - 1
     print(f'median Trainer overhead over a hand-written loop: {overhead * 100:+.1f}% '
           f'({options.repeats} alternating runs of {options.epochs} epochs, {options.model_type}, '
           f'progress bar + TensorBoard + checkpoints on)')
+    epoch_seconds = kiln / options.epochs
+    print(f'saving a checkpoint: median {statistics.median(saves) * 1000:.0f} ms, '
+          f'{statistics.median(saves) / epoch_seconds * 100:.1f}% of one epoch ({epoch_seconds:.1f}s)')
 
 
 if __name__ == '__main__':

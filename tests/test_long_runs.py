@@ -1,0 +1,296 @@
+"""Long runs: exact resume after SIGKILL, clean stops on signals, crash-safe checkpoints, run history,
+early stopping, non-finite losses and iteration mode, with real processes and real files."""
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import REPO, run_script, tiny_run_args
+from utils.checkpoint import CheckpointKeeper
+from utils.errors import KilnError
+from utils.run_history import InMemoryRunHistory
+
+EXPERIMENT = 'small_cnn_list_default'
+
+
+def _train(args, *extra, code=0):
+    result = run_script('train.py', *args, *extra)
+    assert result.returncode == code, result.stdout + result.stderr
+    assert 'Traceback' not in result.stderr
+    return result
+
+
+def _folder(args):
+    return os.path.join(args[args.index('--checkpoints_dir') + 1], EXPERIMENT)
+
+
+def _load(path):
+    return torch.load(path, weights_only=True)
+
+
+def _scalars(folder, tag):
+    events = EventAccumulator(folder, size_guidance={'scalars': 0})
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def _saved_step(folder):
+    """The global step of the newest checkpoint on record, or -1 before the first save."""
+    try:
+        with open(os.path.join(folder, 'checkpoints.json')) as f:
+            last = json.load(f)['last']
+    except (OSError, ValueError):
+        return -1
+    return int(last[-1].split('step')[1].split('.')[0]) if last else -1
+
+
+def _start(args, *extra):
+    return subprocess.Popen([sys.executable, 'train.py', *args, *extra], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_save(process, folder, step, timeout=120):
+    deadline = time.time() + timeout
+    while _saved_step(folder) < step:
+        assert process.poll() is None, process.communicate()
+        assert time.time() < deadline, 'no checkpoint in time'
+        time.sleep(0.01)
+
+
+# Two ways to run: epochs with worker processes and a cosine schedule, and an iteration budget
+# with mid-run validation and a plateau schedule (whose state lives in the checkpoint too).
+RESUME_CONFIGS = {
+    'epochs': ['--epochs', '4', '--batch_size', '8', '--num_workers', '1'],
+    'iterations': ['--max_iteration', '40', '--valid_interval', '7', '--batch_size', '8', '--scheduler', 'plateau',
+                   '--lr_patience', '0'],
+}
+
+
+@pytest.mark.parametrize('config', list(RESUME_CONFIGS))
+def test_run_killed_at_a_random_step_resumes_bitwise_exact(tiny_shapes, tmp_path, config):
+    extra = RESUME_CONFIGS[config] + ['--save_interval', '1', '--deterministic', '--print_freq', '5']
+    whole = tiny_run_args(tiny_shapes, tmp_path / 'whole')
+    _train(whole, *extra)
+
+    killed = tiny_run_args(tiny_shapes, tmp_path / 'killed')
+    kill_after = random.Random().randrange(3, 36)
+    process = _start(killed, *extra)
+    _wait_for_save(process, _folder(killed), kill_after)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    stopped_at = _load(os.path.join(_folder(killed), 'last.pth'))
+    total = 40 if config == 'iterations' else 48
+    assert stopped_at['global_step'] < total, 'the run finished before it was killed'
+    result = _train(killed, *extra, '--resume')
+    assert f'step {stopped_at["global_step"]}' in result.stdout
+
+    final_whole = _load(os.path.join(_folder(whole), 'last.pth'))
+    final_resumed = _load(os.path.join(_folder(killed), 'last.pth'))
+    assert (final_resumed['global_step'], final_whole['global_step']) == (total, total)
+    for name, tensor in final_whole['model'].items():
+        assert torch.equal(tensor, final_resumed['model'][name]), f'{name} differs (killed after {kill_after})'
+    assert final_resumed['history'] == final_whole['history']
+    # TensorBoard: the same points, none twice, in order, although the killed run wrote some twice
+    for tag in ('val/acc', 'train/loss', 'train/lr'):
+        assert _scalars(_folder(killed), tag) == _scalars(_folder(whole), tag), tag
+    with open(os.path.join(_folder(killed), 'reproduce.json')) as f:
+        starts = json.load(f)
+    assert len(starts) == 2 and starts[1]['args']['resume'] == 'last'
+
+
+@pytest.mark.parametrize('signame', ['SIGTERM', 'SIGINT', 'SIGUSR1'])
+def test_stop_signal_saves_the_state_and_exits_cleanly(tiny_shapes, tmp_path, signame):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    extra = ['--epochs', '200', '--save_interval', '4']
+    process = _start(args, *extra)
+    _wait_for_save(process, _folder(args), 4)
+    process.send_signal(getattr(signal, signame))
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + getattr(signal, signame), stderr
+    assert 'Traceback' not in stderr
+    assert f'stopped by {signame}' in stdout
+    last = _load(os.path.join(_folder(args), 'last.pth'))
+    assert 4 <= last['global_step'] < 200 * 6
+    # the saved step is the one the signal interrupted: not a step lost, none repeated on resume
+    assert f'at step {last["global_step"]}' in stdout
+    assert 'resuming' in _train(args, '--epochs', str(last['epoch'] + 1), '--resume').stdout
+
+
+def test_second_ctrl_c_stops_at_once(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    process = _start(args, '--epochs', '200', '--save_interval', '2')
+    _wait_for_save(process, _folder(args), 2)
+    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert 'Traceback' not in stderr
+    _load(os.path.join(_folder(args), 'last.pth'))  # whatever happened, last.pth is whole
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    for error in (errno.ENOSPC, errno.EACCES):
+        folder = tmp_path / str(error)
+        folder.mkdir()
+        keeper = CheckpointKeeper(str(folder), keep_last=1, keep_best=1)
+        keeper.save({'w': torch.ones(3)}, 'epoch001_step0000001.pth', metric=0.5)
+        before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+
+        def failing_fsync(fd, error=error):
+            raise OSError(error, os.strerror(error))
+        with monkeypatch.context() as patch:
+            patch.setattr(os, 'fsync', failing_fsync)
+            with pytest.raises(KilnError, match='could not write checkpoint .*previous checkpoints are intact'):
+                keeper.save({'w': torch.zeros(3)}, 'epoch002_step0000002.pth', metric=0.9)
+        assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before  # no temp files
+        assert torch.equal(_load(folder / 'last.pth')['w'], torch.ones(3))
+        assert torch.equal(_load(folder / 'best.pth')['w'], torch.ones(3))
+
+
+def test_keeper_keeps_newest_and_best_across_restarts(tmp_path):
+    keeper = CheckpointKeeper(str(tmp_path), keep_last=2, keep_best=2, mode='max')
+    for step, metric in enumerate([0.3, 0.9, 0.1, 0.2, 0.4], start=1):
+        keeper.save({'step': step}, f'step{step}.pth', metric=metric)
+    files = sorted(name for name in os.listdir(tmp_path) if name.endswith('.pth'))
+    assert files == ['best.pth', 'last.pth', 'step2.pth', 'step4.pth', 'step5.pth']  # best 0.9, 0.4; newest 4, 5
+    assert _load(tmp_path / 'best.pth')['step'] == 2 and _load(tmp_path / 'last.pth')['step'] == 5
+
+    restarted = CheckpointKeeper(str(tmp_path), keep_last=2, keep_best=2, mode='max')
+    restarted.save({'step': 6}, 'step6.pth', metric=0.95)
+    files = sorted(name for name in os.listdir(tmp_path) if name.endswith('.pth'))
+    assert files == ['best.pth', 'last.pth', 'step2.pth', 'step5.pth', 'step6.pth']
+    assert _load(tmp_path / 'best.pth')['step'] == 6
+
+
+def test_nonfinite_loss_stops_with_the_step_and_saves_nothing_after_it(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    result = _train(args, '--optimizer', 'sgd', '--lr', '1e30', '--epochs', '5', '--print_freq', '3', code=2)
+    line = result.stderr.strip()
+    assert line.startswith('error: non-finite loss at step ') and '--resume' in line
+    bad_step = int(line.split('at step ')[1].split(';')[0])
+    for name in os.listdir(_folder(args)):
+        if name.endswith('.pth'):
+            checkpoint = _load(os.path.join(_folder(args), name))
+            assert checkpoint['global_step'] < bad_step
+            assert all(torch.isfinite(t).all() for t in checkpoint['model'].values() if t.is_floating_point())
+
+
+def test_nonfinite_loss_is_named_exactly_without_syncing_each_step(tiny_shapes, tmp_path):
+    from options import prepare_train_args
+    from train import Trainer
+
+    class NanAtStepFive(Trainer):
+        def compute_loss(self, outputs, targets):
+            loss = super().compute_loss(outputs, targets)
+            return loss * float('nan') if self.global_step == 4 else loss  # the 5th step
+
+    args = prepare_train_args(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4', '--epochs', '3'])
+    trainer = NanAtStepFive(args)
+    assert trainer.train() == 'non-finite loss at step 5'
+    # noticed at the next check point (the end-of-epoch save at step 6, before print step 8),
+    # which then saves nothing: the first save would have been that one
+    assert trainer.global_step == 6
+    assert not os.path.exists(os.path.join(args.model_dir, 'last.pth'))
+
+
+def test_early_stopping(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    result = _train(args, '--epochs', '20', '--early_stop_patience', '2', '--early_stop_min_delta', '1.0')
+    assert 'early stop: val/acc did not improve for 2 validations' in result.stdout
+    with open(os.path.join(_folder(args), 'history.json')) as f:
+        history = json.load(f)
+    assert history['current_epoch'] == 3 and len(history['metrics']['val/acc']) == 3
+    assert _load(os.path.join(_folder(args), 'last.pth'))['early_stop']['waited'] == 2
+
+
+def test_iteration_mode_validates_and_saves_on_its_intervals(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--max_iteration', '10', '--valid_interval', '4', '--save_interval', '3', '--keep_last', '10')
+    folder = _folder(args)
+    assert [step for step, _ in _scalars(folder, 'val/acc')] == [4, 8, 10]
+    saved = sorted(name for name in os.listdir(folder) if name.startswith('epoch'))
+    assert [int(name.split('step')[1][:7]) for name in saved] == [3, 4, 6, 8, 9, 10]
+    assert _load(os.path.join(folder, 'last.pth'))['global_step'] == 10
+    with open(os.path.join(folder, 'run_config.json')) as f:
+        config = json.load(f)
+    assert config['max_num_train_steps'] == 10 and config['num_update_steps_per_epoch'] == 6
+    assert config['per_device_batch_size'] == 16 and config['world_size'] == 1
+
+
+def test_resume_options(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    fresh = _train(args, '--resume')  # nothing to continue: starts the run
+    assert 'resuming' not in fresh.stdout
+    exists = run_script('train.py', *args)
+    assert exists.returncode == 2 and '--resume' in exists.stderr
+    done = _train(args, '--resume')  # already finished: nothing more to do, nothing changed
+    assert 'resuming' in done.stdout and 'at step 12' in done.stdout
+    more = _train(args, '--resume', '--epochs', '3')  # a longer schedule continues
+    assert _load(os.path.join(_folder(args), 'last.pth'))['global_step'] == 18 and 'epoch 3/3' in more.stdout
+
+    missing = run_script('train.py', *args, '--resume', str(tmp_path / 'nope.pth'))
+    assert missing.returncode == 2 and 'no such checkpoint' in missing.stderr
+    weights_only = tmp_path / 'weights.pth'
+    torch.save(_load(os.path.join(_folder(args), 'last.pth'))['model'], weights_only)
+    (tmp_path / 'args.yaml').write_text((tmp_path / 'ck' / EXPERIMENT / 'args.yaml').read_text())
+    plain = run_script('train.py', *args, '--resume', str(weights_only))
+    assert plain.returncode == 2 and 'not a full training checkpoint' in plain.stderr and '--load_model_path' in plain.stderr
+
+
+def test_reproducibility_record(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--epochs', '1', '--deterministic')
+    with open(os.path.join(_folder(args), 'reproduce.json')) as f:
+        (entry,) = json.load(f)
+    assert entry['command'][1:3] == ['train.py', '--data_type']
+    assert entry['args']['deterministic'] is True and entry['args']['epochs'] == 1
+    assert entry['torch'] == torch.__version__ and entry['host'] and entry['start_time']
+    assert 'git_commit' in entry and 'git_diff' in entry
+
+
+def test_run_history():
+    history = InMemoryRunHistory()
+    with pytest.raises(KilnError, match="'val/acc'"):
+        history.get_latest_metric('val/acc')
+    history.update_metric('val/acc', 0.5)
+    history.update_metric('val/acc', 0.7)
+    history.end_epoch()
+    assert history.get_latest_metric('val/acc') == 0.7 and history.get_metric_values('val/acc') == [0.5, 0.7]
+    assert history.get_metric_names() == {'val/acc'} and history.current_epoch == 1
+    copy = InMemoryRunHistory()
+    copy.load_state_dict(history.state_dict())
+    assert copy.get_metric_values('val/acc') == [0.5, 0.7] and copy.current_epoch == 1
+    history.reset()
+    assert history.get_metric_names() == set() and history.current_epoch == 0
+
+
+def test_schedulers_by_name():
+    from options import parse_args, parse_train_args
+    from train import SCHEDULERS
+    model = torch.nn.Linear(2, 2)
+    args = parse_args(parse_train_args, ['--warmup_steps', '4', '--lr', '1.0'])
+    optimizer = torch.optim.SGD(model.parameters(), 1.0)
+    scheduler = SCHEDULERS['cosine'](optimizer, args, 14, 7)
+    lrs = []
+    for _ in range(14):
+        lrs.append(optimizer.param_groups[0]['lr'])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and lrs[4] == pytest.approx(1.0)
+    assert lrs[9] == pytest.approx(0.5) and optimizer.param_groups[0]['lr'] == pytest.approx(0.0)
+
+    optimizer = torch.optim.SGD(model.parameters(), 1.0)
+    args = parse_args(parse_train_args, ['--lr_patience', '0', '--lr_gamma', '0.5'])
+    plateau = SCHEDULERS['plateau'](optimizer, args, 10, 5)
+    for value in (0.5, 0.6, 0.6):  # --monitor_mode max: the second 0.6 is no improvement
+        plateau.step(value)
+    assert optimizer.param_groups[0]['lr'] == 0.5
+    assert plateau.state_dict()['best'] == 0.6
