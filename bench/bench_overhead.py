@@ -50,7 +50,7 @@ def hand_written_loop(trainer, epochs):
 def make_trainer(argv, folder):
     """A Trainer writing into `folder`, set up as train.py would set it up."""
     args = parse_args(parse_train_args, argv + ['--cpu'])
-    args.model_dir = folder
+    args.model_dir, args.resume_from = folder, None
     os.makedirs(folder)
     return Trainer(args)
 
