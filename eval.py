@@ -8,6 +8,7 @@ from options import parse_args, parse_test_args
 if __name__ == '__main__':
     parse_args(parse_test_args)  # answer --help and option mistakes before the slow torch import
 
+import contextlib
 import csv
 import json
 import os
@@ -20,9 +21,11 @@ from metrics import accuracy_from_confusion, classification_metrics, confusion_m
 from model.model_entry import equip_multi_gpu, select_model
 from options import discard_folder_if_setup_fails, prepare_test_args
 from utils.checkpoint import load_checkpoint
+from utils.distributed import (all_gather_objects, all_reduce_sum, cleanup_distributed, init_distributed,
+                               is_main_process, run_on_main_process)
 from utils.errors import KilnError, run_cli
 from utils.logger import Recorder, progress
-from utils.torch_utils import load_weights, select_device
+from utils.torch_utils import load_weights, select_device, to_device
 from utils.viz import confusion_matrix_image, labeled_grid, save_png
 
 # options that describe the model and data; unset ones are taken from the checkpoint's training run
@@ -53,14 +56,16 @@ class Evaluator:
         self.class_names = self.dataset.class_names or checkpoint.get('class_names')
         model = select_model(args)
         load_weights(model, checkpoint, strict=not args.load_not_strict, source=args.load_model_path)
-        self.model = equip_multi_gpu(model.to(self.device), args)
+        model = model.to(self.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+        self.model = equip_multi_gpu(torch.compile(model) if args.compile else model, args)
+        amp_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(args.amp)
+        self.autocast = lambda: torch.autocast(self.device.type, amp_dtype, enabled=amp_dtype is not None)
 
     def step(self, batch):
         """Move one batch to the device and run the model; return (inputs, outputs, targets)."""
-        inputs, targets = batch
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
-        return inputs, self.model(inputs), targets
+        inputs, targets = to_device(batch, self.device, self.args.channels_last)
+        with self.autocast():
+            return inputs, self.model(inputs).float(), targets
 
     def compute_metrics(self, outputs, targets):
         """Metrics of one batch as {name: device tensor}; averaged over the whole list."""
@@ -73,27 +78,35 @@ class Evaluator:
 
     @torch.no_grad()
     def eval(self):
-        """Evaluate the whole list and write the result files; return the metrics."""
+        """Evaluate the whole list and write the result files; return the metrics.
+
+        Under torchrun each rank evaluates every world_size-th image (none twice); counts, sums
+        and predictions are gathered, so the results equal those of one process. Rank 0 writes.
+        """
         self.model.eval()
         recorder = Recorder()
         num_classes = self.args.num_classes
         matrix = torch.zeros(num_classes, num_classes, dtype=torch.long, device=self.device)
         predictions = []
-        for i, batch in enumerate(progress(self.loader, self.args.progress_bar, 'eval')):
+        for i, batch in enumerate(progress(self.loader, self.args.progress_bar and is_main_process(), 'eval')):
             inputs, outputs, targets = self.step(batch)
             for name, value in self.compute_metrics(outputs, targets).items():
                 recorder.record(name, value, len(targets))
             confidence, predicted = outputs.softmax(dim=1).max(dim=1)
             matrix += confusion_matrix(predicted, targets, num_classes)
             predictions.append(torch.stack([targets.double(), predicted.double(), confidence.double()], dim=1))
-            if self.args.save_viz and i % self.args.viz_freq == 0:
+            if self.args.save_viz and i % self.args.viz_freq == 0 and is_main_process():
                 for name, image in self.gen_imgs_to_write(inputs, outputs, targets).items():
                     save_png(image, os.path.join(self.args.result_dir, f'{name}_batch{i:04d}.png'))
-        metrics = recorder.summary()
+        metrics = recorder.summary(all_ranks=True)
+        all_reduce_sum(matrix)
         _, recall = accuracy_from_confusion(matrix)
         names = self.class_names or [str(c) for c in range(num_classes)]
         metrics.update({f'recall/{name}': value for name, value in zip(names, recall.tolist())})
-        self.write_results(metrics, matrix.cpu(), torch.cat(predictions).cpu().tolist(), names)
+        per_rank = all_gather_objects(torch.cat(predictions).cpu().tolist())
+        in_order = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
+        if is_main_process():
+            self.write_results(metrics, matrix.cpu(), in_order, names)
         return metrics
 
     def write_results(self, metrics, matrix, predictions, names):
@@ -116,14 +129,20 @@ class Evaluator:
 
 
 def main(argv=None):
-    """Parse the options, make the result folder and evaluate."""
-    args = prepare_test_args(argv)
-    with discard_folder_if_setup_fails(args.result_dir):
-        evaluator = Evaluator(args)
-    metrics = evaluator.eval()
-    print(' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if '/' not in k))
-    print(f'results in {args.result_dir}: result.txt, result.json, predictions.csv, '
-          f'confusion_matrix.png{", predictions_batch*.png" if args.save_viz else ""}')
+    """Join torchrun's processes if any, make the result folder and evaluate."""
+    init_distributed(parse_args(parse_test_args, argv))
+    try:
+        args = run_on_main_process(prepare_test_args, argv)
+        with discard_folder_if_setup_fails(args.result_dir) if is_main_process() else contextlib.nullcontext():
+            evaluator = Evaluator(args)
+        metrics = evaluator.eval()
+        main_process = is_main_process()
+    finally:
+        cleanup_distributed()
+    if main_process:
+        print(' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if '/' not in k))
+        print(f'results in {args.result_dir}: result.txt, result.json, predictions.csv, '
+              f'confusion_matrix.png{", predictions_batch*.png" if args.save_viz else ""}')
 
 
 if __name__ == '__main__':

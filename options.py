@@ -83,11 +83,15 @@ def parse_common_args(parser):
     parser.add_argument('--img_size', type=_positive_int, default=32, help='images are resized to this side')
     parser.add_argument('--batch_size', type=_positive_int, default=128)
     parser.add_argument('--num_workers', type=_non_negative_int,
-                        help='DataLoader worker processes (default: 0 for in-memory datasets, else min(4, CPUs))')
+                        help='DataLoader worker processes (default: 0 for in-memory datasets, else min(4, CPUs per process))')
     parser.add_argument('--gpus', type=int, nargs='+', help='GPU ids, e.g. --gpus 0 1 (default: GPU 0 if CUDA exists)')
     parser.add_argument('--cpu', action='store_true', help='run on the CPU even when a GPU exists')
     parser.add_argument('--seed', type=int, default=0, help='seeds python, numpy, torch and DataLoader workers')
     parser.add_argument('--topk', type=_positive_int, default=3, help='k of the top-k accuracy')
+    parser.add_argument('--amp', default='off', choices=['off', 'bf16', 'fp16'],
+                        help='mixed precision: autocast to bfloat16, or float16 with a gradient scaler')
+    parser.add_argument('--channels_last', action='store_true', help='channels-last memory format (faster convs on GPU)')
+    parser.add_argument('--compile', action='store_true', help='torch.compile the model')
     parser.add_argument('--progress_bar', action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
     return parser
@@ -119,7 +123,14 @@ def parse_train_args(parser):
                         help='validate every N optimizer steps (default: after every epoch)')
     parser.add_argument('--save_interval', type=_positive_int,
                         help='also save a checkpoint every N optimizer steps (default: after every validation)')
-    parser.add_argument('--print_freq', type=_positive_int, default=20, help='print a line every N steps')
+    parser.add_argument('--grad_accum_steps', type=_positive_int, default=1,
+                        help='add up the gradients of N batches per optimizer step (batch size x N)')
+    parser.add_argument('--clip_grad_norm', type=_positive_float, help='clip the gradient norm to this value')
+    parser.add_argument('--clip_grad_value', type=_positive_float, help='clip each gradient to [-value, value]')
+    parser.add_argument('--print_freq', type=_positive_int, default=20,
+                        help='print a line (and check for stops) every N optimizer steps')
+    parser.add_argument('--tensorboard', action=argparse.BooleanOptionalAction, default=True,
+                        help='write TensorBoard curves and images')
     parser.add_argument('--monitor', default='val/acc', help='metric that picks the best checkpoint')
     parser.add_argument('--monitor_mode', default='max', choices=['max', 'min'])
     parser.add_argument('--keep_last', type=_positive_int, default=1, help='keep the newest N checkpoints')

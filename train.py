@@ -3,7 +3,11 @@
 The Trainer is a plain class: adapt it to a new task by overriding `step`, `compute_loss`,
 `compute_metrics` and `gen_imgs_to_write` (or any other method) in a subclass.
 """
-from options import parse_args, parse_train_args
+import time
+
+STARTED = time.perf_counter()  # for the time-to-first-step figure
+
+from options import parse_args, parse_train_args  # noqa: E402
 
 if __name__ == '__main__':
     parse_args(parse_train_args)  # answer --help and option mistakes before the slow torch import
@@ -13,7 +17,6 @@ import math
 import os
 import signal
 import sys
-import time
 
 import torch
 from tqdm import tqdm
@@ -25,13 +28,16 @@ from metrics import classification_metrics
 from model.model_entry import equip_multi_gpu, select_model
 from options import NOT_SAVED, discard_folder_if_setup_fails, prepare_train_args
 from utils.checkpoint import load_checkpoint
+from utils.distributed import (all_gather_objects, all_reduce_max, barrier, cleanup_distributed, collective_device,
+                               init_distributed, is_distributed, is_main_process, local_rank, rank,
+                               run_on_main_process, world_size)
 from utils.errors import KilnError, run_cli
 from utils.logger import Logger, progress
 from utils.run_history import InMemoryRunHistory
 from utils.run_record import TrainerRunConfig, append_reproducibility_record
 from utils.stop_signals import StopSignals
 from utils.torch_utils import (load_weights, rng_states, select_device, set_deterministic, set_rng_states, set_seed,
-                               unwrap_model)
+                               to_device, unwrap_model)
 from utils.viz import labeled_grid
 
 OPTIMIZERS = {
@@ -65,8 +71,10 @@ SCHEDULERS = {
 class Trainer:
     """Trains `--model_type` on `--data_type`, validating and checkpointing on schedule.
 
-    Everything a run needs to continue exactly after a kill lives in `state_dict()`; the loop
-    itself is `train` -> `train_per_epoch` -> `step`/`compute_loss`, then `after_update`.
+    Everything a run needs to continue exactly after a kill lives in `state_dict()`. The loop is
+    `train` -> `train_per_epoch`, which runs `step`/`compute_loss` on each batch and, every
+    --grad_accum_steps batches, `optimizer_step` and `after_update`. Under torchrun the same code
+    runs in every process; rank 0 alone writes files and prints.
     """
 
     def __init__(self, args):
@@ -81,12 +89,17 @@ class Trainer:
         model = select_model(args)
         if args.load_model_path:
             load_weights(model, args.load_model_path, strict=not args.load_not_strict)
-        self.model = equip_multi_gpu(model.to(self.device), args)
+        model = model.to(self.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+        self.model = equip_multi_gpu(torch.compile(model) if args.compile else model, args)
         self.criterion = select_loss(args.loss)
-        self.updates_per_epoch = len(self.train_loader)
+        self.batches_per_epoch = len(self.train_loader)
+        self.updates_per_epoch = math.ceil(self.batches_per_epoch / args.grad_accum_steps)
         self.max_steps = args.max_iteration or args.epochs * self.updates_per_epoch
         self.optimizer = self.make_optimizer()
         self.scheduler = self.make_scheduler()
+        amp_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(args.amp)
+        self.autocast = lambda: torch.autocast(self.device.type, amp_dtype, enabled=amp_dtype is not None)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.amp == 'fp16')
         self.epoch = 0  # epochs completed
         self.batch_in_epoch = 0  # batches of the current epoch already trained on
         self.global_step = 0  # optimizer updates made
@@ -97,13 +110,16 @@ class Trainer:
         self.nonfinite_step = torch.full((), -1, dtype=torch.long, device=self.device)
         self.device_step = torch.zeros((), dtype=torch.long, device=self.device)
         self.stop_reason = None
+        self.stop_signal = None  # the signal that stopped the run
         self.signals = StopSignals()
+        self.first_step_seconds = None
         checkpoint = load_checkpoint(args.resume_from) if args.resume_from else None
         if checkpoint is not None:
             self.load_state_dict(checkpoint)
         self.logger = Logger(args.model_dir, args.keep_last, args.keep_best, args.monitor_mode,
-                             purge_step=self.global_step + 1 if checkpoint is not None else None)
-        if checkpoint is not None:
+                             purge_step=self.global_step + 1 if checkpoint is not None else None,
+                             tensorboard=args.tensorboard)
+        if checkpoint is not None and is_main_process():  # the saved sums are those of all ranks
             self.logger.recorder.load_state_dict(checkpoint['recorder'])
 
     def make_optimizer(self):
@@ -112,14 +128,12 @@ class Trainer:
         return OPTIMIZERS[self.args.optimizer](params, self.args)
 
     def make_scheduler(self):
-        """The learning-rate schedule named by --scheduler (see SCHEDULERS)."""
+        """The learning-rate schedule named by --scheduler (see SCHEDULERS), in optimizer steps."""
         return SCHEDULERS[self.args.scheduler](self.optimizer, self.args, self.max_steps, self.updates_per_epoch)
 
     def step(self, batch):
         """Move one batch to the device and run the model; return (inputs, outputs, targets)."""
-        inputs, targets = batch
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
+        inputs, targets = to_device(batch, self.device, self.args.channels_last)
         return inputs, self.model(inputs), targets
 
     def compute_loss(self, outputs, targets):
@@ -139,7 +153,8 @@ class Trainer:
 
     def train(self):
         """Train until --epochs (or --max_iteration) are done, or a stop; return the stop reason or None."""
-        self.write_run_records()
+        if is_main_process():
+            self.write_run_records()
         start = time.perf_counter()
         with self.signals:
             try:
@@ -147,7 +162,8 @@ class Trainer:
                     self.train_per_epoch(self.epoch)
             finally:
                 self.logger.close()
-        self.report(time.perf_counter() - start)
+        if is_main_process():
+            self.report(time.perf_counter() - start)
         return self.stop_reason
 
     def train_per_epoch(self, epoch):
@@ -157,29 +173,33 @@ class Trainer:
         """
         self.model.train()
         self.train_loader.batch_sampler.set_epoch(epoch, start=self.batch_in_epoch)
-        bar = progress(self.train_loader, self.args.progress_bar, f'epoch {epoch + 1}')
-        start, seen = time.perf_counter(), 0
+        bar = progress(self.train_loader, self.args.progress_bar and is_main_process(), f'epoch {epoch + 1}')
+        accumulate, start, seen = self.args.grad_accum_steps, time.perf_counter(), 0
         for batch in bar:
-            inputs, outputs, targets = self.step(batch)
-            loss = self.compute_loss(outputs, targets)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-            if self.args.scheduler != 'plateau':
-                self.scheduler.step()
-            self.global_step += 1
+            # the batches of one update: --grad_accum_steps of them, fewer at the end of the epoch
+            group_start = self.batch_in_epoch // accumulate * accumulate
+            group_size = min(accumulate, self.batches_per_epoch - group_start)
             self.batch_in_epoch += 1
+            update = self.batch_in_epoch == group_start + group_size
+            with self.gradient_sync(update):
+                with self.autocast():
+                    inputs, outputs, targets = self.step(batch)
+                    loss = self.compute_loss(outputs, targets)
+                self.scaler.scale(loss / group_size).backward()
             self.watch_loss(loss)
-
             count = len(targets)
             seen += count
             self.logger.record_scalar('train/loss', loss, count)
             for name, value in self.compute_metrics(outputs.detach(), targets).items():
                 self.logger.record_scalar(f'train/{name}', value, count)
+            if not update:
+                continue
+
+            self.optimizer_step()
             if self.global_step % self.args.print_freq == 0:  # the only host syncs between validations
-                self.check_loss_finite()
+                self.agree_on_stop()
                 self.print_progress(seen / (time.perf_counter() - start))
-            if self.batch_in_epoch == self.updates_per_epoch:  # so a checkpoint saved now records a whole epoch
+            if self.batch_in_epoch == self.batches_per_epoch:  # so a checkpoint saved now records a whole epoch
                 self.epoch, self.batch_in_epoch = epoch + 1, 0
                 self.history.end_epoch()
             self.after_update()
@@ -187,18 +207,52 @@ class Trainer:
                 break
         bar.close()
 
+    def gradient_sync(self, update):
+        """DistributedDataParallel averages gradients only on the batch that ends an update."""
+        if update or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def optimizer_step(self):
+        """Unscale and clip the accumulated gradients, step the optimizer and the schedule."""
+        args = self.args
+        if args.clip_grad_norm or args.clip_grad_value:
+            self.scaler.unscale_(self.optimizer)
+            params = [p for group in self.optimizer.param_groups for p in group['params']]
+            if args.clip_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
+            if args.clip_grad_value:
+                torch.nn.utils.clip_grad_value_(params, args.clip_grad_value)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if args.scheduler != 'plateau':
+            self.scheduler.step()
+        self.global_step += 1
+        self.device_step += 1
+        if self.first_step_seconds is None:
+            self.first_step_seconds = time.perf_counter() - STARTED
+
     def watch_loss(self, loss):
         """Note, on the device and without waiting for it, the first step whose loss is not finite."""
-        self.device_step += 1
         bad = ~torch.isfinite(loss.detach())
-        self.nonfinite_step = torch.where(bad & (self.nonfinite_step < 0), self.device_step, self.nonfinite_step)
+        self.nonfinite_step = torch.where(bad & (self.nonfinite_step < 0), self.device_step + 1, self.nonfinite_step)
 
-    def check_loss_finite(self):
-        """Read the non-finite flag (a host sync); on a bad loss set the stop reason and return False."""
-        step = int(self.nonfinite_step)
-        if step >= 0 and not self.stop_reason:
-            self.stop_reason = f'non-finite loss at step {step}'
-        return step < 0
+    def agree_on_stop(self):
+        """Read the stop flags, a non-finite loss or a signal (a host sync; under torchrun all ranks
+        take the same decision). Sets the stop reason; returns False after a non-finite loss."""
+        flags = torch.stack([self.nonfinite_step, torch.tensor(self.signals.received or 0, device=self.device)])
+        bad_step, signum = all_reduce_max(flags.to(collective_device())).tolist()
+        if bad_step >= 0:
+            self.stop_reason = f'non-finite loss at step {bad_step}'
+        elif signum and not self.stop_reason:
+            self.stop_by_signal(signum)
+        return bad_step < 0
+
+    def stop_by_signal(self, signum):
+        """Stop the run because of signal `signum` (saving first)."""
+        self.stop_signal = signum
+        self.stop_reason = f'stopped by {signal.Signals(signum).name}'
 
     def position(self):
         """Where the run is, for printed lines: `epoch 3/12 step 5/46`, `epoch 3/12`, or `step 40/100`."""
@@ -206,19 +260,21 @@ class Trainer:
             return f'step {self.global_step}/{self.max_steps}'
         if self.batch_in_epoch == 0:
             return f'epoch {self.epoch}/{self.args.epochs}'
-        return f'epoch {self.epoch + 1}/{self.args.epochs} step {self.batch_in_epoch}/{self.updates_per_epoch}'
+        updates = math.ceil(self.batch_in_epoch / self.args.grad_accum_steps)
+        return f'epoch {self.epoch + 1}/{self.args.epochs} step {updates}/{self.updates_per_epoch}'
 
     def print_progress(self, images_per_second):
-        """One line of running train metrics, learning rate and throughput."""
-        running = ' '.join(f'{k} {v:.4f}' for k, v in self.logger.recorder.means().items())
-        tqdm.write(f'{self.position()} {running} lr {self.optimizer.param_groups[0]["lr"]:.2e} '
-                   f'{images_per_second:.0f} img/s')
+        """One line of running train metrics (this process's), learning rate and throughput."""
+        if is_main_process():
+            running = ' '.join(f'{k} {v:.4f}' for k, v in self.logger.recorder.means().items())
+            tqdm.write(f'{self.position()} {running} lr {self.optimizer.param_groups[0]["lr"]:.2e} '
+                       f'{images_per_second * world_size():.0f} img/s')
 
     def after_update(self):
         """Validate, save and decide whether to stop, as --valid_interval/--save_interval and signals say."""
         args, step = self.args, self.global_step
-        if self.signals.received:
-            self.stop_reason = f'stopped by {self.signals.received}'
+        if self.signals.received and not is_distributed():  # under torchrun, agreed at print intervals
+            self.stop_by_signal(self.signals.received)
         finished = step >= self.max_steps
         epoch_ended = self.batch_in_epoch == 0
         due = (step % args.valid_interval == 0) if args.valid_interval else epoch_ended
@@ -246,8 +302,9 @@ class Trainer:
         if improved:
             self.best_metric = value
         self.update_early_stop(value)
-        shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if k != 'train/lr')
-        print(f'{self.position()} {shown}{" (best)" if improved else ""}', flush=True)
+        if is_main_process():
+            shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if k != 'train/lr')
+            print(f'{self.position()} {shown}{" (best)" if improved else ""}', flush=True)
         return metrics
 
     def is_better(self, value, than, margin=0.0):
@@ -267,41 +324,50 @@ class Trainer:
 
     @torch.no_grad()
     def val_per_epoch(self, epoch):
-        """One pass over the validation data in eval mode; returns the mean val/* metrics."""
+        """One pass over the validation data in eval mode; returns the mean val/* metrics over all ranks."""
         self.model.eval()
-        for i, batch in enumerate(progress(self.val_loader, self.args.progress_bar, f'val {epoch}')):
-            inputs, outputs, targets = self.step(batch)
+        bar = progress(self.val_loader, self.args.progress_bar and is_main_process(), f'val {epoch}')
+        for i, batch in enumerate(bar):
+            with self.autocast():
+                inputs, outputs, targets = self.step(batch)
+                loss = self.compute_loss(outputs, targets)
             count = len(targets)
-            self.logger.record_scalar('val/loss', self.compute_loss(outputs, targets), count)
+            self.logger.record_scalar('val/loss', loss, count)
             for name, value in self.compute_metrics(outputs, targets).items():
                 self.logger.record_scalar(f'val/{name}', value, count)
-            if i == 0 and self.args.log_images:
-                self.logger.save_imgs(self.gen_imgs_to_write(inputs, outputs, targets, 'val'), self.global_step)
+            if i == 0 and self.args.log_images and self.logger.writer:
+                self.logger.save_imgs(self.gen_imgs_to_write(inputs, outputs.float(), targets, 'val'), self.global_step)
         self.model.train()
         return self.logger.save_curves(self.global_step)
 
     def save_checkpoint(self, metrics=None):
-        """Save the full state (never one reached through a non-finite loss); best.pth when --monitor improved."""
-        if not self.check_loss_finite():
+        """Save the full state (never one reached through a non-finite loss); best.pth when --monitor improved.
+
+        Every rank takes part (the state gathers all ranks' random states); rank 0 writes.
+        """
+        if not self.agree_on_stop():
             return
-        value = metrics.get(self.args.monitor) if metrics else None
-        name = f'epoch{self.epoch:03d}_step{self.global_step:07d}.pth'
-        self.logger.save_check_point(self.state_dict(), name, value if value is not None and math.isfinite(value)
-                                     else None)
-        self.history.save_json(os.path.join(self.args.model_dir, 'history.json'))
+        state = self.state_dict()
+        if is_main_process():
+            value = metrics.get(self.args.monitor) if metrics else None
+            name = f'epoch{self.epoch:03d}_step{self.global_step:07d}.pth'
+            self.logger.save_check_point(state, name, value if value is not None and math.isfinite(value) else None)
+            self.history.save_json(os.path.join(self.args.model_dir, 'history.json'))
+        barrier()
 
     def state_dict(self):
-        """Everything needed to continue this run exactly: weights, optimizer, scheduler, position
-        in the data, random states, metrics so far, early-stopping state, and the args."""
+        """Everything needed to continue this run exactly: weights, optimizer, scheduler, gradient scaler,
+        position in the data, random states (of every rank), metrics so far, early stopping, and the args."""
         return {
             'model': unwrap_model(self.model).state_dict(),
             'optimizer': self.optimizer.state_dict(),
             'scheduler': self.scheduler.state_dict(),
+            'scaler': self.scaler.state_dict(),
             'epoch': self.epoch,
             'batch_in_epoch': self.batch_in_epoch,
             'global_step': self.global_step,
             'data_order': torch.tensor(self.train_loader.batch_sampler.order(self.epoch), dtype=torch.int32),
-            'rng': rng_states(),
+            'rng': all_gather_objects(rng_states()),
             'best_metric': self.best_metric,
             'early_stop': dict(self.early_stop),
             'history': self.history.state_dict(),
@@ -317,6 +383,7 @@ class Trainer:
             unwrap_model(self.model).load_state_dict(checkpoint['model'])
             self.optimizer.load_state_dict(checkpoint['optimizer'])
             self.scheduler.load_state_dict(checkpoint['scheduler'])
+            self.scaler.load_state_dict(checkpoint['scaler'])
             self.epoch, self.batch_in_epoch = checkpoint['epoch'], checkpoint['batch_in_epoch']
             self.global_step = checkpoint['global_step']
             order = checkpoint['data_order']
@@ -333,17 +400,21 @@ class Trainer:
             raise KilnError(f'the training data or --seed differ from those of {path}; resume with the same '
                             f'--train_list and --seed')
         self.device_step.fill_(self.global_step)
-        set_rng_states(rng)
-        print(f'resuming {path}: epoch {self.epoch + 1}, batch {self.batch_in_epoch}, step {self.global_step}')
+        set_rng_states(rng[rank()] if len(rng) == world_size() else rng[0])
+        if is_main_process():
+            print(f'resuming {path}: epoch {self.epoch + 1}, batch {self.batch_in_epoch}, step {self.global_step}')
 
     def write_run_records(self):
         """Write run_config.json and add this start to reproduce.json in the experiment folder."""
         args = self.args
         TrainerRunConfig(
             num_epochs=math.ceil(self.max_steps / self.updates_per_epoch), per_device_batch_size=args.batch_size,
-            total_batch_size=args.batch_size, gradient_accumulation_steps=1, gradient_clip_value=None,
-            num_update_steps_per_epoch=self.updates_per_epoch, max_num_train_steps=self.max_steps, world_size=1,
-            is_local_process_zero=True, is_world_process_zero=True, is_distributed=False, mixed_precision='off',
+            total_batch_size=args.batch_size * args.grad_accum_steps * world_size(),
+            gradient_accumulation_steps=args.grad_accum_steps,
+            gradient_clip_value=args.clip_grad_norm or args.clip_grad_value,
+            num_update_steps_per_epoch=self.updates_per_epoch, max_num_train_steps=self.max_steps,
+            world_size=world_size(), is_local_process_zero=local_rank() == 0, is_world_process_zero=rank() == 0,
+            is_distributed=is_distributed(), mixed_precision=args.amp,
         ).save(args.model_dir)
         append_reproducibility_record(args.model_dir, args)
 
@@ -351,8 +422,9 @@ class Trainer:
         """Say how the run ended and where its files are."""
         folder, monitor = self.args.model_dir, self.args.monitor
         best = 'none' if self.best_metric is None else f'{self.best_metric:.4f}'
-        ending = self.stop_reason or 'done'
-        print(f'{ending} after {seconds:.0f}s at step {self.global_step}; best {monitor} {best}\n'
+        first = '' if self.first_step_seconds is None else f' (first step {self.first_step_seconds:.1f}s after start)'
+        print(f'{self.stop_reason or "done"} after {seconds:.0f}s at step {self.global_step}{first}; '
+              f'best {monitor} {best}\n'
               f'  checkpoints: {folder}/best.pth, {folder}/last.pth\n'
               f'  TensorBoard: tensorboard --logdir {self.args.checkpoints_dir}\n'
               f'  evaluate:    python eval.py --load_model_path {folder}/best.pth\n'
@@ -360,18 +432,22 @@ class Trainer:
 
 
 def main(argv=None):
-    """Parse the options, make (or reopen, with --resume) the experiment folder and train."""
-    args = prepare_train_args(argv)
-    # a failed setup removes a folder it just made, never one that --resume reopened
-    guard = contextlib.nullcontext() if args.resume else discard_folder_if_setup_fails(args.model_dir)
-    with guard:
-        trainer = Trainer(args)
-    trainer.train()
+    """Join torchrun's processes if any, make (or reopen, with --resume) the experiment folder, and train."""
+    init_distributed(parse_args(parse_train_args, argv))
+    try:
+        args = run_on_main_process(prepare_train_args, argv)
+        # a failed setup removes a folder it just made, never one that --resume reopened
+        fresh = is_main_process() and not args.resume
+        with discard_folder_if_setup_fails(args.model_dir) if fresh else contextlib.nullcontext():
+            trainer = Trainer(args)
+        trainer.train()
+    finally:
+        cleanup_distributed()
     if trainer.stop_reason and trainer.stop_reason.startswith('non-finite'):
         raise KilnError(f'{trainer.stop_reason}; nothing after it was saved. Lower --lr (or clip gradients) and '
                         f'continue from the last good checkpoint with --resume {args.model_dir}/last.pth')
-    if trainer.signals.received:
-        sys.exit(128 + signal.Signals[trainer.signals.received].value)
+    if trainer.stop_signal:
+        sys.exit(128 + trainer.stop_signal)
 
 
 if __name__ == '__main__':

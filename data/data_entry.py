@@ -12,6 +12,7 @@ from data.list_dataset import ListDataset
 from data.mem_list_dataset import MemListDataset
 from data.sampler import ResumableBatchSampler, SeededDataset
 from data.shapes_dataset import ShapesDataset
+from utils.distributed import rank, world_size
 from utils.errors import KilnError
 from utils.torch_utils import seed_worker
 
@@ -31,9 +32,10 @@ def select_dataset(args, split):
 
 def _loader(args, dataset, shuffle):
     workers = args.num_workers
-    if workers is None:
-        workers = 0 if getattr(dataset, 'in_memory', False) else min(4, os.cpu_count() or 1)
-    batches = ResumableBatchSampler(len(dataset), args.batch_size, shuffle, args.seed)
+    if workers is None:  # share the CPUs between the processes torchrun started on this machine
+        cpus_per_process = (os.cpu_count() or 1) // int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+        workers = 0 if getattr(dataset, 'in_memory', False) else max(1, min(4, cpus_per_process))
+    batches = ResumableBatchSampler(len(dataset), args.batch_size, shuffle, args.seed, rank(), world_size())
     return DataLoader(SeededDataset(dataset), batch_sampler=batches, num_workers=workers,
                       pin_memory=torch.cuda.is_available() and not args.cpu,
                       persistent_workers=workers > 0, worker_init_fn=seed_worker)

@@ -8,6 +8,7 @@ import torch
 from model.linear import LinearClassifier
 from model.resnet import ResNet18
 from model.small_cnn import SmallCNN
+from utils.distributed import is_distributed, local_rank
 from utils.errors import KilnError
 
 MODELS = {
@@ -25,7 +26,11 @@ def select_model(args):
 
 
 def equip_multi_gpu(model, args):
-    """Wrap the model in DataParallel when several --gpus are given (single process, legacy path)."""
+    """Wrap the model for several devices: DistributedDataParallel when launched by torchrun,
+    else DataParallel when several --gpus are given (the single-process legacy path)."""
+    if is_distributed():
+        on_gpu = next(model.parameters()).is_cuda
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank()] if on_gpu else None)
     if args.gpus and len(args.gpus) > 1 and not args.cpu:
         return torch.nn.DataParallel(model, device_ids=args.gpus)
     return model

@@ -1,4 +1,5 @@
 """User-facing errors: one clear line and a non-zero exit instead of a traceback."""
+import os
 import sys
 
 
@@ -27,7 +28,9 @@ def run_cli(main, argv=None):
     try:
         return main(argv)
     except KilnError as error:
-        print(f'error: {_one_line(error)}', file=sys.stderr)
+        # under torchrun every rank fails alike on a shared error; one copy of the line is enough
+        if os.environ.get('RANK', '0') == '0' or type(error).__name__ != 'SharedKilnError':
+            print(f'error: {_one_line(error)}', file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print('interrupted', file=sys.stderr)

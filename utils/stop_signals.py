@@ -6,7 +6,7 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ('SIGINT', 'SIGTERM', 'SI
 
 
 class StopSignals:
-    """A context manager that turns the first stop signal into a request: `received` names it.
+    """A context manager that turns the first stop signal into a request: `received` is its number.
 
     The training loop checks `received` after every step (a plain attribute, free to read),
     saves its state and returns. A second signal raises KeyboardInterrupt at once.
@@ -20,8 +20,8 @@ class StopSignals:
     def _handle(self, signum, frame):
         if self.received:
             raise KeyboardInterrupt(f'second {signal.Signals(signum).name}')
-        self.received = signal.Signals(signum).name
-        print(f'\n{self.received} received: finishing the current step and saving; '
+        self.received = signum
+        print(f'\n{signal.Signals(signum).name} received: finishing the current step and saving; '
               f'send it again to stop at once', file=sys.stderr, flush=True)
 
     def __enter__(self):

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from utils.checkpoint import load_checkpoint
+from utils.distributed import is_distributed, local_rank
 from utils.errors import KilnError
 
 WRAPPER_PREFIXES = ('module.', '_orig_mod.')  # added by DataParallel/DDP and by torch.compile
@@ -57,9 +58,12 @@ def seed_worker(worker_id):
 
 
 def select_device(args):
-    """The device a run uses: --cpu, else the first of --gpus, else GPU 0 when CUDA exists."""
+    """The device a run uses: --cpu, else the first of --gpus, else GPU 0 when CUDA exists
+    (under torchrun: the GPU of this process's LOCAL_RANK)."""
     if args.cpu:
         return torch.device('cpu')
+    if is_distributed():
+        return torch.device('cuda', local_rank()) if torch.cuda.is_available() else torch.device('cpu')
     if args.gpus:
         if not torch.cuda.is_available():
             raise KilnError('--gpus was given but CUDA is not available here; drop --gpus or pass --cpu')
@@ -67,6 +71,16 @@ def select_device(args):
             raise KilnError(f'--gpus {args.gpus}: only GPUs 0..{torch.cuda.device_count() - 1} exist')
         return torch.device('cuda', args.gpus[0])
     return torch.device('cuda', 0) if torch.cuda.is_available() else torch.device('cpu')
+
+
+def to_device(batch, device, channels_last=False):
+    """Move an (inputs, targets) batch to `device` without waiting for the copy; image inputs
+    optionally in channels-last memory format."""
+    inputs, targets = batch
+    inputs = inputs.to(device, non_blocking=True)
+    if channels_last and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return inputs, targets.to(device, non_blocking=True)
 
 
 def unwrap_model(model):

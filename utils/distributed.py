@@ -1,0 +1,115 @@
+"""Running under `torchrun`: process group set-up, rank queries and the few collectives Kiln needs.
+
+Without torchrun (no WORLD_SIZE in the environment, or WORLD_SIZE=1) every function here is a
+cheap no-op, so single-process code calls them unconditionally.
+"""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from utils.errors import KilnError
+
+
+class SharedKilnError(KilnError):
+    """A KilnError that rank 0 raised and every rank re-raises; only rank 0 prints it."""
+
+
+def local_rank():
+    """This process's rank on its machine (torchrun's LOCAL_RANK; 0 without torchrun)."""
+    return int(os.environ.get('LOCAL_RANK', 0))
+
+
+def init_distributed(args):
+    """Join the process group torchrun set up (gloo on CPU, nccl on GPUs), once per process.
+    Returns whether this is a multi-process run."""
+    if int(os.environ.get('WORLD_SIZE', 1)) == 1:
+        return False
+    if args.gpus:
+        raise KilnError('--gpus selects GPUs in one process; under torchrun each process takes the GPU of its '
+                        'LOCAL_RANK: drop --gpus (use CUDA_VISIBLE_DEVICES to choose GPUs)')
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if use_cuda:
+        torch.cuda.set_device(local_rank())
+    if not dist.is_initialized():
+        dist.init_process_group('nccl' if use_cuda else 'gloo', timeout=datetime.timedelta(minutes=10))
+    return True
+
+
+def is_distributed():
+    """Whether this process is one of several in a process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank():
+    """This process's rank (0 without torchrun)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size():
+    """The number of processes (1 without torchrun)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process():
+    """Whether this process writes logs, checkpoints and results (rank 0)."""
+    return rank() == 0
+
+
+def barrier():
+    """Wait until every process gets here."""
+    if is_distributed():
+        dist.barrier()
+
+
+def collective_device():
+    """Where tensors for collectives live: this process's GPU under nccl, else the CPU."""
+    if is_distributed() and dist.get_backend() == 'nccl':
+        return torch.device('cuda', local_rank())
+    return torch.device('cpu')
+
+
+def all_reduce_sum(tensor):
+    """Sum `tensor` over all processes, in place; returns it."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor):
+    """Maximum of `tensor` over all processes, in place; returns it."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def all_gather_objects(value):
+    """A list with every process's `value` (picklable), indexed by rank."""
+    if not is_distributed():
+        return [value]
+    gathered = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def run_on_main_process(function, *args):
+    """Run `function(*args)` on rank 0 only and give every rank its result; a KilnError there
+    is raised on every rank, so no rank waits forever for one that stopped."""
+    outcome = [None, None]
+    if is_main_process():
+        try:
+            outcome = [function(*args), None]
+        except KilnError as error:
+            outcome = [None, str(error)]
+    if is_distributed():
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise SharedKilnError(outcome[1])
+    return outcome[0]
+
+
+def cleanup_distributed():
+    """Leave the process group (at the end of a run)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
