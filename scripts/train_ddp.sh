@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Train with DistributedDataParallel, launched by PyTorch's torchrun. Each process takes one GPU
+# (or CPU cores with the gloo backend) and BATCH_SIZE images per step: the global batch is
+# BATCH_SIZE x processes. Extra arguments go to train.py as they are.
+#
+# One machine, all its GPUs:       bash scripts/train_ddp.sh
+# One machine, 2 processes on CPU: NPROC=2 bash scripts/train_ddp.sh --cpu
+# Several machines: run on each, with the same RDZV_ENDPOINT (host:port of the first machine):
+#   NNODES=2 RDZV_ENDPOINT=node1:29500 bash scripts/train_ddp.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+NPROC=${NPROC:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')}
+NNODES=${NNODES:-1}
+RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
+RDZV_ID=${RDZV_ID:-kiln}
+MODEL_TYPE=${MODEL_TYPE:-small_cnn}
+DATA_TYPE=${DATA_TYPE:-shapes}
+SAVE_PREFIX=${SAVE_PREFIX:-ddp}
+EPOCHS=${EPOCHS:-12}
+BATCH_SIZE=${BATCH_SIZE:-64}
+LR=${LR:-3e-3}
+
+if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
+    LAUNCH=(--standalone --nproc-per-node="$NPROC")
+else
+    LAUNCH=(--nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
+            --rdzv-id="$RDZV_ID")
+fi
+"$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" train.py --model_type "$MODEL_TYPE" --data_type "$DATA_TYPE" \
+    --save_prefix "$SAVE_PREFIX" --epochs "$EPOCHS" --batch_size "$BATCH_SIZE" --lr "$LR" "$@"

@@ -1,0 +1,293 @@
+"""Scale and speed: DDP under torchrun on CPU (gloo, 2 processes), mixed precision, gradient
+accumulation, clipping, compile, channels-last, and a training loop with no hidden host syncs."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, run_script, tiny_run_args
+
+TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node=2']
+
+
+def _torchrun(script, *args, timeout=180):
+    result = subprocess.run([*TORCHRUN, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                            timeout=timeout, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _train(args, *extra):
+    result = run_script('train.py', *args, *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _folder(args, model='small_cnn'):
+    return os.path.join(args[args.index('--checkpoints_dir') + 1], f'{model}_list_default')
+
+
+def _last(folder):
+    return torch.load(os.path.join(folder, 'last.pth'), weights_only=True)
+
+
+def _assert_same_weights(a, b, atol):
+    for name, tensor in a['model'].items():
+        assert torch.allclose(tensor.float(), b['model'][name].float(), atol=atol, rtol=0), name
+
+
+# the linear model has no BatchNorm, whose batch statistics would differ between 1 x 16 and 2 x 8 images
+LINEAR_SGD = ['--model_type', 'linear', '--optimizer', 'sgd', '--lr', '0.05', '--epochs', '2']
+
+
+@pytest.fixture(scope='module')
+def one_and_two_processes(tiny_shapes, tmp_path_factory):
+    """The same training as 1 process x 16 images and 2 processes x 8 images: (args1, args2)."""
+    one = tiny_run_args(tiny_shapes, tmp_path_factory.mktemp('one'))
+    two = tiny_run_args(tiny_shapes, tmp_path_factory.mktemp('two'))
+    _train(one, *LINEAR_SGD)
+    _torchrun('train.py', *two, *LINEAR_SGD, '--batch_size', '8')
+    return one, two
+
+
+def test_two_processes_train_like_one_with_the_same_global_batch(one_and_two_processes):
+    one, two = one_and_two_processes
+    single, double = _last(_folder(one, 'linear')), _last(_folder(two, 'linear'))
+    assert single['global_step'] == double['global_step'] == 12
+    _assert_same_weights(single, double, atol=1e-5)
+    # validation metrics over the 2 processes are those of 1 process (reduced sums and counts)
+    for name in ('val/acc', 'val/top3'):
+        assert single['history']['metrics'][name] == double['history']['metrics'][name]
+    assert single['history']['metrics']['val/loss'] == pytest.approx(double['history']['metrics']['val/loss'], 1e-5)
+    with open(os.path.join(_folder(two, 'linear'), 'run_config.json')) as f:
+        config = json.load(f)
+    assert config['world_size'] == 2 and config['total_batch_size'] == 16 and config['is_distributed']
+
+
+def test_only_rank_zero_writes(one_and_two_processes):
+    one, two = one_and_two_processes
+    names = lambda folder: sorted(n if not n.startswith('events.') else 'events' for n in os.listdir(folder))
+    assert names(_folder(two, 'linear')) == names(_folder(one, 'linear'))  # one event file, no per-rank copies
+    with open(os.path.join(_folder(two, 'linear'), 'reproduce.json')) as f:
+        assert len(json.load(f)) == 1
+
+
+def test_eval_under_two_processes_equals_one(one_and_two_processes):
+    one, _ = one_and_two_processes
+    checkpoint = os.path.join(_folder(one, 'linear'), 'last.pth')
+    run_script('eval.py', '--load_model_path', checkpoint, '--save_prefix', 'one', '--no-progress_bar')
+    _torchrun('eval.py', '--load_model_path', checkpoint, '--save_prefix', 'two', '--no-progress_bar')
+    results = os.path.join(_folder(one, 'linear'), 'eval')
+    read = lambda name, file: open(os.path.join(results, name, file)).read()
+    assert json.loads(read('last_val_one', 'result.json'))['samples'] == 48
+    for file in ('result.json', 'result.txt', 'predictions.csv'):  # no sample counted twice or left out
+        assert read('last_val_two', file) == read('last_val_one', file), file
+
+
+def test_resume_under_two_processes(tiny_shapes, tmp_path):
+    flat = [*LINEAR_SGD, '--batch_size', '8', '--scheduler', 'none']  # a schedule that --epochs does not stretch
+    whole = tiny_run_args(tiny_shapes, tmp_path / 'whole')
+    _torchrun('train.py', *whole, *flat)
+    parts = tiny_run_args(tiny_shapes, tmp_path / 'parts')
+    _torchrun('train.py', *parts, *flat, '--epochs', '1')
+    resumed = _torchrun('train.py', *parts, *flat, '--resume')
+    assert 'resuming' in resumed.stdout and resumed.stdout.count('resuming') == 1  # printed by rank 0 only
+    _assert_same_weights(_last(_folder(whole, 'linear')), _last(_folder(parts, 'linear')), atol=1e-6)
+
+
+def test_a_shared_error_stops_every_rank_with_one_line(one_and_two_processes):
+    _, two = one_and_two_processes
+    result = subprocess.run([*TORCHRUN, 'train.py', *two, *LINEAR_SGD], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count('error: ') == 1 and 'already exists' in result.stderr
+
+
+def _worker_pids(launcher):
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        children = subprocess.run(['ps', '-o', 'pid=', '--ppid', str(launcher.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        if len(children) == 2:
+            return [int(pid) for pid in children]
+        time.sleep(0.1)
+    raise AssertionError('torchrun did not start 2 workers')
+
+
+def _wait_for_checkpoint(folder, launcher):
+    deadline = time.time() + 120
+    while not os.path.exists(os.path.join(folder, 'last.pth')):
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize('target, signame', [('one worker', 'SIGUSR1'), ('torchrun', 'SIGTERM')])
+def test_a_signal_stops_all_ranks_at_the_same_step(tiny_shapes, tmp_path, target, signame):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    launcher = subprocess.Popen([*TORCHRUN, 'train.py', *args, *LINEAR_SGD, '--batch_size', '8', '--epochs', '500',
+                                 '--print_freq', '3', '--save_interval', '6'], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    workers = _worker_pids(launcher)
+    _wait_for_checkpoint(_folder(args, 'linear'), launcher)
+    # to one worker: only that one hears it; to torchrun (as SLURM or a Ctrl-C does): it passes it on
+    os.kill(max(workers) if target == 'one worker' else launcher.pid, getattr(signal, signame))
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert f'stopped by {signame}' in stdout, stdout + stderr
+    last = _last(_folder(args, 'linear'))
+    assert last['global_step'] % 3 == 0 and last['global_step'] < 500 * 6  # agreed at a print interval
+
+
+def test_a_crashed_rank_ends_the_job(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    launcher = subprocess.Popen([*TORCHRUN, 'train.py', *args, *LINEAR_SGD, '--batch_size', '8', '--epochs', '500',
+                                 '--save_interval', '6'], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    workers = _worker_pids(launcher)
+    _wait_for_checkpoint(_folder(args, 'linear'), launcher)
+    os.kill(max(workers), signal.SIGKILL)
+    _, stderr = launcher.communicate(timeout=120)  # no hang
+    assert launcher.returncode != 0 and ('Signal 9' in stderr or 'SIGKILL' in stderr), stderr[-2000:]
+
+
+def test_gradient_accumulation_equals_a_bigger_batch(tiny_shapes, tmp_path):
+    big = tiny_run_args(tiny_shapes, tmp_path / 'big')
+    accumulated = tiny_run_args(tiny_shapes, tmp_path / 'acc')
+    _train(big, *LINEAR_SGD)
+    _train(accumulated, *LINEAR_SGD, '--batch_size', '8', '--grad_accum_steps', '2')
+    big_state, accumulated_state = _last(_folder(big, 'linear')), _last(_folder(accumulated, 'linear'))
+    assert big_state['global_step'] == accumulated_state['global_step'] == 12  # steps count optimizer updates
+    _assert_same_weights(big_state, accumulated_state, atol=1e-5)
+    # the logged loss is the loss of the batches, not divided by the accumulation steps
+    assert accumulated_state['history']['metrics']['train/loss'] == pytest.approx(
+        big_state['history']['metrics']['train/loss'], rel=1e-4)
+
+
+def test_accumulation_with_a_short_last_group(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--batch_size', '8', '--grad_accum_steps', '5', '--epochs', '1')  # 12 batches: 5 + 5 + 2
+    assert _last(_folder(args))['global_step'] == 3
+    with open(os.path.join(_folder(args), 'run_config.json')) as f:
+        config = json.load(f)
+    assert config['num_update_steps_per_epoch'] == 3 and config['gradient_accumulation_steps'] == 5
+
+
+@pytest.mark.parametrize('amp', ['bf16', 'fp16'])
+def test_mixed_precision_on_cpu_and_its_scaler_resumes(tiny_shapes, tmp_path, amp):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--amp', amp, '--epochs', '1')
+    first = _last(_folder(args))
+    assert first['args']['amp'] == amp
+    assert bool(first['scaler']) == (amp == 'fp16')  # a GradScaler only for float16, its state checkpointed
+    _train(args, '--amp', amp, '--epochs', '2', '--resume')
+    assert _last(_folder(args))['global_step'] == 12
+
+
+def test_clipping_bounds_the_update(tiny_shapes, tmp_path):
+    from options import prepare_train_args
+    from train import Trainer
+    args = prepare_train_args(tiny_run_args(tiny_shapes, tmp_path / 'ck') + [
+        '--model_type', 'linear', '--optimizer', 'sgd', '--momentum', '0', '--weight_decay', '0', '--lr', '1',
+        '--scheduler', 'none', '--clip_grad_norm', '0.001', '--max_iteration', '1', '--no-tensorboard'])
+    trainer = Trainer(args)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    change = torch.cat([(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)])
+    assert 0 < change.norm() <= 0.001 * 1.0001  # lr 1 x clipped gradient norm
+
+
+def test_compiled_and_channels_last_checkpoints_load_uncompiled(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--compile', '--channels_last', '--epochs', '1', '--no-log_images')
+    state = _last(_folder(args))
+    assert not any(name.startswith(('_orig_mod.', 'module.')) for name in state['model'])
+    result = run_script('eval.py', '--load_model_path', os.path.join(_folder(args), 'last.pth'), '--no-progress_bar')
+    assert result.returncode == 0, result.stderr
+
+
+SYNCS = ('item', 'tolist', 'cpu', 'numpy', '__float__', '__int__', '__bool__', '__index__')
+
+
+def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, tmp_path, monkeypatch):
+    """Count the host-syncing tensor calls that Kiln's own code makes, step by step, through the real Trainer."""
+    from options import prepare_train_args
+    from train import Trainer
+
+    class CountingTrainer(Trainer):
+        def step(self, batch):
+            self.iterations.append((self.model.training, self.global_step, []))
+            return super().step(batch)
+
+    args = prepare_train_args(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4'])
+    trainer = CountingTrainer(args)
+    trainer.iterations = []
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCS}
+
+    def counted(name):
+        def call(tensor, *a, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            if trainer.iterations and caller.startswith(REPO) and '/tests/' not in caller:
+                trainer.iterations[-1][2].append(f'{name} in {os.path.relpath(caller, REPO)}:{sys._getframe(1).f_lineno}')
+            return originals[name](tensor, *a, **k)
+        return call
+    for name in SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    trainer.train()
+    monkeypatch.undo()
+
+    training = [(step, calls) for is_training, step, calls in trainer.iterations if is_training]
+    assert len(training) == 12  # 2 epochs of 6 batches
+    for step_before, calls in training:
+        step = step_before + 1
+        if step % 4 and step % 6:  # neither a print interval nor an epoch end (validation, checkpoint)
+            assert calls == [], f'step {step} synced: {calls}'
+    assert any(calls for _, calls in training), 'the counter saw nothing: the test is broken'
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path):
+    from options import prepare_train_args
+    from train import Trainer
+
+    class SyncCheckingTrainer(Trainer):
+        def step(self, batch):
+            between_checks = self.global_step % self.args.print_freq not in (0, self.args.print_freq - 1)
+            torch.cuda.set_sync_debug_mode('error' if between_checks and self.batch_in_epoch else 0)
+            return super().step(batch)
+
+        def after_update(self):
+            torch.cuda.set_sync_debug_mode(0)
+            super().after_update()
+
+    args = prepare_train_args(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4', '--num_workers', '0'])
+    try:
+        SyncCheckingTrainer(args).train()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_tensorboard_is_imported_only_when_logging_is_on(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    code = ('import sys, train; train.main(sys.argv[1:]); '
+            'print("tensorboard imported:", "torch.utils.tensorboard" in sys.modules)')
+    off = subprocess.run([sys.executable, '-c', code, *args, '--epochs', '1', '--no-tensorboard'], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert 'tensorboard imported: False' in off.stdout, off.stderr
+    assert not any(name.startswith('events.') for name in os.listdir(_folder(args)))
+
+
+def test_dataloader_defaults(tiny_shapes, monkeypatch):
+    from data.data_entry import select_train_loader
+    from options import parse_args, parse_train_args
+    args = parse_args(parse_train_args, tiny_run_args(tiny_shapes, 'unused')[:6])  # list data, workers unset
+    monkeypatch.setattr(os, 'cpu_count', lambda: 8)
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
+    loader = select_train_loader(args)
+    assert loader.num_workers == 2 and loader.persistent_workers  # 8 CPUs shared by 4 processes
+    assert loader.pin_memory == torch.cuda.is_available()
+    assert loader.worker_init_fn is not None
