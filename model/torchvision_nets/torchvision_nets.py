@@ -1,0 +1,49 @@
+"""torchvision's ImageNet classifiers with a head for --num_classes, optionally starting from
+weights in a local file (--pretrained_path); nothing is ever downloaded."""
+import functools
+import os
+
+import torchvision
+from torch import nn
+
+from utils.errors import KilnError
+from utils.torch_utils import load_weights
+
+# name -> (torchvision builder, dotted path of the final nn.Linear)
+TORCHVISION_NETS = {
+    'tv_resnet18': (torchvision.models.resnet18, 'fc'),
+    'tv_resnet34': (torchvision.models.resnet34, 'fc'),
+    'tv_resnet50': (torchvision.models.resnet50, 'fc'),
+    'tv_mobilenet_v3_small': (torchvision.models.mobilenet_v3_small, 'classifier.3'),
+    'tv_mobilenet_v3_large': (torchvision.models.mobilenet_v3_large, 'classifier.3'),
+    'tv_efficientnet_b0': (torchvision.models.efficientnet_b0, 'classifier.1'),
+}
+
+
+def _build(name, args):
+    builder, head_path = TORCHVISION_NETS[name]
+    model = builder(weights=None)  # ImageNet shape (1000 classes), so a torchvision weights file fits it whole
+    path = getattr(args, 'pretrained_path', None)
+    if path:
+        if not os.path.isfile(path):
+            raise KilnError(
+                f'--pretrained_path {path} does not exist; Kiln never downloads weights: on a machine with internet '
+                f'run python -c "import torchvision; torchvision.models.{builder.__name__}(weights=\'DEFAULT\')" '
+                f'and copy the .pth file it saves under ~/.cache/torch/hub/checkpoints/ to {path}')
+        load_weights(model, path, strict=True)
+        print(f'{name}: ImageNet weights loaded from {path}')
+    parent_path, _, attribute = head_path.rpartition('.')
+    parent = model.get_submodule(parent_path) if parent_path else model
+    head = getattr(parent, attribute) if not attribute.isdigit() else parent[int(attribute)]
+    if head.out_features != args.num_classes:
+        new_head = nn.Linear(head.in_features, args.num_classes)
+        if attribute.isdigit():
+            parent[int(attribute)] = new_head
+        else:
+            setattr(parent, attribute, new_head)
+    return model
+
+
+def torchvision_net(name):
+    """The MODELS entry for torchvision net `name`: a function of args that builds it."""
+    return functools.partial(_build, name)

@@ -1,0 +1,83 @@
+"""Freezing and unfreezing parts of a model for fine-tuning in stages."""
+from torch import nn
+
+from utils.torch_utils import unwrap_model
+
+BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+class ModelFreezer:
+    """Freezes a model by layer groups (its direct children, in order) or looks at its layers
+    (its leaf modules).
+
+    Indices are inclusive and may be negative, as in Python: `freeze(0, -2)` freezes every group
+    but the last (typically the head). Normalization layers (BatchNorm, GroupNorm, LayerNorm) stay
+    trainable unless `freeze_batch_norms=True`.
+    """
+
+    def __init__(self, model, freeze_batch_norms=False):
+        self.model = unwrap_model(model)
+        self.freeze_batch_norms = freeze_batch_norms
+        self.eval_modules = []  # modules freeze() put in eval mode; keep_eval_modes() puts them back
+
+    def get_layer_groups(self):
+        """The model's direct children, in order."""
+        return list(self.model.children())
+
+    def get_layers(self):
+        """The model's leaf modules (those without children), in order."""
+        return [module for module in self.model.modules() if not list(module.children())]
+
+    def get_trainable_parameters(self):
+        """The parameters that currently require gradients."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _groups_between(self, from_index, to_index):
+        groups = self.get_layer_groups()
+        first, last = (index % len(groups) if -len(groups) <= index < len(groups) else None
+                       for index in (from_index, to_index))
+        if first is None or last is None:
+            raise IndexError(f'layer group index out of range: the model has {len(groups)} groups '
+                             f'(0..{len(groups) - 1}, or -{len(groups)}..-1)')
+        step = 1 if first <= last else -1
+        return [groups[i] for i in range(first, last + step, step)]
+
+    def _skipped(self, module):
+        return isinstance(module, BATCH_NORMS) and not self.freeze_batch_norms
+
+    def freeze(self, from_index=0, to_index=-2, set_modules_as_eval=False):
+        """Stop training the layer groups `from_index`..`to_index`; with `set_modules_as_eval`,
+        also put their modules in eval mode (BatchNorm statistics stop moving)."""
+        for group in self._groups_between(from_index, to_index):
+            for module in group.modules():
+                if self._skipped(module):
+                    continue
+                for param in module.parameters(recurse=False):
+                    param.requires_grad = False
+                if set_modules_as_eval:
+                    module.eval()
+                    self.eval_modules.append(module)
+
+    def unfreeze(self, from_index=-1, to_index=0, set_modules_as_training=True):
+        """Train the layer groups `from_index`..`to_index` again; return the newly trainable
+        parameters as optimizer param groups, one `{'params': [...]}` per layer group."""
+        param_groups = []
+        for group in self._groups_between(from_index, to_index):
+            unfrozen = []
+            for module in group.modules():
+                for param in module.parameters(recurse=False):
+                    if not param.requires_grad:
+                        param.requires_grad = True
+                        unfrozen.append(param)
+                if set_modules_as_training:
+                    module.train()
+                    if module in self.eval_modules:
+                        self.eval_modules.remove(module)
+            if unfrozen:
+                param_groups.append({'params': unfrozen})
+        return param_groups
+
+    def keep_eval_modes(self):
+        """Put the modules freeze() set to eval back in eval mode (after a `model.train()`)."""
+        for module in self.eval_modules:
+            module.eval()
