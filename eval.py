@@ -19,7 +19,7 @@ from data.augment import denormalize
 from data.data_entry import select_eval_loader
 from metrics import accuracy_from_confusion, classification_metrics, confusion_matrix
 from model.model_entry import equip_multi_gpu, select_model
-from options import discard_folder_if_setup_fails, prepare_test_args
+from options import discard_folder_if_setup_fails, prefix_map, prepare_test_args
 from utils.checkpoint import load_checkpoint
 from utils.distributed import (all_gather_objects, all_reduce_sum, cleanup_distributed, init_distributed,
                                is_main_process, run_on_main_process)
@@ -55,7 +55,8 @@ class Evaluator:
         args.num_classes = args.num_classes or self.dataset.num_classes
         self.class_names = self.dataset.class_names or checkpoint.get('class_names')
         model = select_model(args)
-        load_weights(model, checkpoint, strict=not args.load_not_strict, source=args.load_model_path)
+        load_weights(model, checkpoint, strict=not args.load_not_strict, source=args.load_model_path,
+                     prefix_map=prefix_map(args))
         model = model.to(self.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
         self.model = equip_multi_gpu(torch.compile(model) if args.compile else model, args)
         amp_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(args.amp)

@@ -58,6 +58,19 @@ def _non_negative_float(text):
     return value
 
 
+def _prefix_rename(text):
+    old, separator, new = text.partition('=')
+    if not separator or not old:
+        raise argparse.ArgumentTypeError(f'must look like old.=new. (a name prefix in the file, then the one '
+                                         f'in the model), got {text!r}')
+    return text
+
+
+def prefix_map(args):
+    """--load_prefix_map as a dict {old prefix: new prefix}."""
+    return dict(item.split('=', 1) for item in args.load_prefix_map or [])
+
+
 def _name_part(text):
     if not text or any(c in text for c in '/\\') or text in ('.', '..'):
         raise argparse.ArgumentTypeError(f'must be a plain name without slashes, got {text!r}')
@@ -76,6 +89,8 @@ def parse_common_args(parser):
     parser.add_argument('--load_model_path', help='checkpoint to start training from, or to evaluate')
     parser.add_argument('--load_not_strict', action=argparse.BooleanOptionalAction, default=False,
                         help='load only the tensors whose names and shapes match the model (load_match_dict)')
+    parser.add_argument('--load_prefix_map', type=_prefix_rename, nargs='+', metavar='OLD=NEW',
+                        help='rename tensors in --load_model_path first, e.g. net.=  or  fc.=head.')
     parser.add_argument('--val_list', help='list file of "image_path label" lines for validation/evaluation '
                         '(default: the dataset\'s own val split)')
     parser.add_argument('--data_root', default='data/generated', help='where generated datasets are written')
@@ -101,6 +116,19 @@ def parse_train_args(parser):
     """Training options on top of the common ones."""
     parser = parse_common_args(parser)
     parser.add_argument('--train_list', help='list file for training (default: the dataset\'s own train split)')
+    parser.add_argument('--pretrained_path', help='local ImageNet weights for the tv_* models (never downloaded)')
+    parser.add_argument('--freeze_to', type=int, metavar='INDEX',
+                        help='freeze the layer groups (the model\'s direct children) 0..INDEX at the start; '
+                        '-2 freezes all but the last (the head)')
+    parser.add_argument('--freeze_batch_norms', action='store_true',
+                        help='with --freeze_to, freeze normalization layers too and keep their statistics fixed')
+    parser.add_argument('--unfreeze_at_epoch', type=_positive_int, metavar='EPOCH',
+                        help='unfreeze everything when epoch EPOCH (counting from 1) begins')
+    parser.add_argument('--unfrozen_lr_scale', type=_positive_float, default=1.0,
+                        help='learning rate of unfrozen groups, relative to --backbone_lr (or --lr)')
+    parser.add_argument('--head_lr', type=_positive_float, help='learning rate of the last layer group (default --lr)')
+    parser.add_argument('--backbone_lr', type=_positive_float,
+                        help='learning rate of all other layer groups (default --lr)')
     parser.add_argument('--epochs', type=_positive_int, default=12)
     parser.add_argument('--loss', default='cross_entropy', help='loss name, see LOSSES in loss.py')
     parser.add_argument('--optimizer', default='adamw', choices=['sgd', 'adam', 'adamw'])

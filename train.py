@@ -13,6 +13,7 @@ if __name__ == '__main__':
     parse_args(parse_train_args)  # answer --help and option mistakes before the slow torch import
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -26,12 +27,13 @@ from data.data_entry import select_eval_loader, select_train_loader
 from loss import select_loss
 from metrics import classification_metrics
 from model.model_entry import equip_multi_gpu, select_model
-from options import NOT_SAVED, discard_folder_if_setup_fails, prepare_train_args
-from utils.checkpoint import load_checkpoint
+from options import NOT_SAVED, discard_folder_if_setup_fails, prefix_map, prepare_train_args
+from utils.checkpoint import atomic_write_bytes, load_checkpoint
 from utils.distributed import (all_gather_objects, all_reduce_max, barrier, cleanup_distributed, collective_device,
                                init_distributed, is_distributed, is_main_process, local_rank, rank,
                                run_on_main_process, world_size)
 from utils.errors import KilnError, run_cli
+from utils.freezer import ModelFreezer
 from utils.logger import Logger, progress
 from utils.run_history import InMemoryRunHistory
 from utils.run_record import TrainerRunConfig, append_reproducibility_record
@@ -68,6 +70,16 @@ SCHEDULERS = {
 }
 
 
+def _add_group_to_scheduler(scheduler, base_lr, lr):
+    """Give a scheduler made for fewer param groups the per-group state of one more."""
+    for name, value in (('base_lrs', base_lr), ('_last_lr', lr)):
+        if isinstance(getattr(scheduler, name, None), list):
+            getattr(scheduler, name).append(value)
+    for name in ('lr_lambdas', 'min_lrs'):  # LambdaLR, ReduceLROnPlateau: the same as the first group
+        if isinstance(getattr(scheduler, name, None), list):
+            getattr(scheduler, name).append(getattr(scheduler, name)[0])
+
+
 class Trainer:
     """Trains `--model_type` on `--data_type`, validating and checkpointing on schedule.
 
@@ -87,10 +99,19 @@ class Trainer:
         self.val_loader = select_eval_loader(args)
         self.class_names = self.train_loader.dataset.class_names
         model = select_model(args)
+        self.load_report = None
         if args.load_model_path:
-            load_weights(model, args.load_model_path, strict=not args.load_not_strict)
+            self.load_report = load_weights(model, args.load_model_path, strict=not args.load_not_strict,
+                                            prefix_map=prefix_map(args))
+        self.freezer = ModelFreezer(model, args.freeze_batch_norms)
+        if args.freeze_to is not None:
+            try:
+                self.freezer.freeze(0, args.freeze_to, set_modules_as_eval=args.freeze_batch_norms)
+            except IndexError as error:
+                raise KilnError(f'--freeze_to {args.freeze_to}: {error}') from None
         model = model.to(self.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
-        self.model = equip_multi_gpu(torch.compile(model) if args.compile else model, args)
+        self.compiled = torch.compile(model) if args.compile else model
+        self.model = equip_multi_gpu(self.compiled, args)
         self.criterion = select_loss(args.loss)
         self.batches_per_epoch = len(self.train_loader)
         self.updates_per_epoch = math.ceil(self.batches_per_epoch / args.grad_accum_steps)
@@ -121,11 +142,44 @@ class Trainer:
                              tensorboard=args.tensorboard)
         if checkpoint is not None and is_main_process():  # the saved sums are those of all ranks
             self.logger.recorder.load_state_dict(checkpoint['recorder'])
+        if self.load_report is not None and is_main_process():
+            atomic_write_bytes(json.dumps({'source': args.load_model_path, **self.load_report.to_dict()}, indent=1)
+                               .encode(), os.path.join(args.model_dir, 'load_report.json'))
 
     def make_optimizer(self):
-        """The optimizer named by --optimizer over all trainable parameters."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return OPTIMIZERS[self.args.optimizer](params, self.args)
+        """The optimizer named by --optimizer over the trainable parameters: the last layer group
+        (the head) at --head_lr, the others at --backbone_lr (both default to --lr)."""
+        args = self.args
+        head = {id(p) for p in self.freezer.get_layer_groups()[-1].parameters()}
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [{'params': params, 'lr': lr, 'base_lr': lr} for params, lr in (
+            ([p for p in trainable if id(p) not in head], args.backbone_lr or args.lr),
+            ([p for p in trainable if id(p) in head], args.head_lr or args.lr)) if params]
+        return OPTIMIZERS[args.optimizer](groups, args)
+
+    def unfreeze(self):
+        """Unfreeze every layer group (--unfreeze_at_epoch): its parameters join the live optimizer as
+        new param groups at --unfrozen_lr_scale x --backbone_lr, following the schedule from here on."""
+        args, first = self.args, self.optimizer.param_groups[0]
+        progress_factor = first['lr'] / first['base_lr']  # how far the schedule has moved the learning rate
+        for group in self.freezer.unfreeze(-1, 0):
+            base = (args.backbone_lr or args.lr) * args.unfrozen_lr_scale
+            group.update(lr=base * progress_factor, base_lr=base, initial_lr=base)
+            self.optimizer.add_param_group(group)
+            _add_group_to_scheduler(self.scheduler, base, base * progress_factor)
+        if is_distributed():  # DDP syncs only the parameters that were trainable when it wrapped the model
+            self.model = equip_multi_gpu(self.compiled, args)
+        self.set_train_mode()
+
+    def is_unfrozen(self):
+        """Whether --unfreeze_at_epoch has taken effect at the current position."""
+        when = self.args.unfreeze_at_epoch
+        return when is not None and (self.epoch + 1 > when or (self.epoch + 1 == when and self.batch_in_epoch > 0))
+
+    def set_train_mode(self):
+        """Training mode, except for modules frozen in eval mode (--freeze_batch_norms)."""
+        self.model.train()
+        self.freezer.keep_eval_modes()
 
     def make_scheduler(self):
         """The learning-rate schedule named by --scheduler (see SCHEDULERS), in optimizer steps."""
@@ -171,7 +225,9 @@ class Trainer:
 
         Returns at the end of the epoch, or early when the run has to stop.
         """
-        self.model.train()
+        if self.args.unfreeze_at_epoch == epoch + 1 and self.batch_in_epoch == 0:
+            self.unfreeze()
+        self.set_train_mode()
         self.train_loader.batch_sampler.set_epoch(epoch, start=self.batch_in_epoch)
         bar = progress(self.train_loader, self.args.progress_bar and is_main_process(), f'epoch {epoch + 1}')
         accumulate, start, seen = self.args.grad_accum_steps, time.perf_counter(), 0
@@ -337,7 +393,7 @@ class Trainer:
                 self.logger.record_scalar(f'val/{name}', value, count)
             if i == 0 and self.args.log_images and self.logger.writer:
                 self.logger.save_imgs(self.gen_imgs_to_write(inputs, outputs.float(), targets, 'val'), self.global_step)
-        self.model.train()
+        self.set_train_mode()
         return self.logger.save_curves(self.global_step)
 
     def save_checkpoint(self, metrics=None):
@@ -381,10 +437,12 @@ class Trainer:
         path = self.args.resume_from
         try:
             unwrap_model(self.model).load_state_dict(checkpoint['model'])
+            self.epoch, self.batch_in_epoch = checkpoint['epoch'], checkpoint['batch_in_epoch']
+            if self.is_unfrozen():  # the saved optimizer has the unfrozen param groups too
+                self.unfreeze()
             self.optimizer.load_state_dict(checkpoint['optimizer'])
             self.scheduler.load_state_dict(checkpoint['scheduler'])
             self.scaler.load_state_dict(checkpoint['scaler'])
-            self.epoch, self.batch_in_epoch = checkpoint['epoch'], checkpoint['batch_in_epoch']
             self.global_step = checkpoint['global_step']
             order = checkpoint['data_order']
             rng = checkpoint['rng']

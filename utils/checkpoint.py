@@ -50,9 +50,17 @@ def save_checkpoint(state, paths):
 
 
 def load_checkpoint(path, map_location='cpu'):
-    """Load a checkpoint or state dict safely (`weights_only=True`); problems become a KilnError."""
+    """Load a checkpoint or state dict safely: `.safetensors` files with the safetensors package,
+    anything else with `torch.load(weights_only=True)`; problems become a KilnError."""
     if not os.path.isfile(path):
         raise KilnError(f'checkpoint {path} does not exist; check --load_model_path')
+    if path.endswith('.safetensors'):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        try:
+            return load_file(path, device=str(map_location))
+        except (SafetensorError, OSError, ValueError) as error:
+            raise KilnError(f'{path} is not a readable safetensors file ({error})') from None
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:
@@ -63,6 +71,11 @@ def load_checkpoint(path, map_location='cpu'):
                             f'code and which safe loading does not allow; re-save it as a plain state dict') from None
         reason = lines[0] if lines else type(error).__name__
         if isinstance(error, pickle.UnpicklingError):
+            with open(path, 'rb') as f:
+                if f.read(1) == b'\x80':  # a pickle's PROTO opcode: a plain pickle, not torch.save's zip
+                    raise KilnError(f'refusing to load {path}: it is a plain pickle, which could run code and which '
+                                    f'safe loading does not allow; re-save it with torch.save as a state dict') \
+                        from None
             reason = 'not a torch.save file'
         raise KilnError(f'{path} is not a readable PyTorch checkpoint ({reason}); '
                         f'check that the file is complete and was written by torch.save') from None

@@ -55,7 +55,7 @@ class ModelFreezer:
                 for param in module.parameters(recurse=False):
                     param.requires_grad = False
                 if set_modules_as_eval:
-                    module.eval()
+                    module.training = False  # this module only: .eval() would reach a kept BatchNorm inside
                     self.eval_modules.append(module)
 
     def unfreeze(self, from_index=-1, to_index=0, set_modules_as_training=True):
@@ -70,7 +70,7 @@ class ModelFreezer:
                         param.requires_grad = True
                         unfrozen.append(param)
                 if set_modules_as_training:
-                    module.train()
+                    module.training = True
                     if module in self.eval_modules:
                         self.eval_modules.remove(module)
             if unfrozen:
@@ -80,4 +80,4 @@ class ModelFreezer:
     def keep_eval_modes(self):
         """Put the modules freeze() set to eval back in eval mode (after a `model.train()`)."""
         for module in self.eval_modules:
-            module.eval()
+            module.training = False

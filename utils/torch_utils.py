@@ -92,9 +92,11 @@ def unwrap_model(model):
         model = inner
 
 
-def state_dict_of(checkpoint):
-    """The model weights inside a Kiln checkpoint, a `{'state_dict': ...}` file or a plain state dict,
-    with wrapper prefixes (`module.`, `_orig_mod.`) stripped from the names."""
+def state_dict_of(checkpoint, prefix_map=None):
+    """The model weights inside a Kiln checkpoint, a `{'state_dict': ...}` file or a plain state dict
+    (torchvision's .pth files, .safetensors files), with wrapper prefixes (`module.`, `_orig_mod.`)
+    stripped from the names, then names starting with a key of `prefix_map` renamed to start with
+    its value instead (--load_prefix_map old.=new.)."""
     if not isinstance(checkpoint, dict):
         raise KilnError(f'expected a dict of tensors in the checkpoint, got {type(checkpoint).__name__}')
     for key in ('model', 'state_dict'):
@@ -111,6 +113,10 @@ def state_dict_of(checkpoint):
             for prefix in WRAPPER_PREFIXES:
                 if name.startswith(prefix):
                     name, stripped = name[len(prefix):], True
+        for old, new in (prefix_map or {}).items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
         weights[name] = value
     return weights
 
@@ -123,6 +129,12 @@ class LoadReport:
     missing: list = field(default_factory=list)
     unexpected: list = field(default_factory=list)
 
+    def to_dict(self):
+        """The report as plain data, for JSON."""
+        return {'loaded': self.loaded, 'missing': self.missing, 'unexpected': self.unexpected,
+                'shape_mismatched': [{'name': n, 'in_file': list(a), 'in_model': list(b)}
+                                     for n, a, b in self.shape_mismatched]}
+
     def __str__(self):
         lines = [f'loaded {len(self.loaded)} tensors, skipped {len(self.shape_mismatched)} for shape, '
                  f'{len(self.missing)} missing from the checkpoint, {len(self.unexpected)} unexpected']
@@ -132,15 +144,17 @@ class LoadReport:
         return '\n'.join(lines)
 
 
-def load_match_dict(model, checkpoint):
+def load_match_dict(model, checkpoint, prefix_map=None):
     """Load into `model` only the tensors whose names and shapes match; return a LoadReport.
 
-    `checkpoint` is a path or an already loaded dict. Use it to start from weights of a model
-    that differs in places (another head, an extra block); everything else keeps its init.
+    `checkpoint` is a path (.pth or .safetensors) or an already loaded dict: a Kiln checkpoint, a
+    plain state dict or a torchvision weights file. Use it to start from weights of a model that
+    differs in places (another head, an extra block); everything else keeps its init.
+    `prefix_map` renames names first (see state_dict_of).
     """
     if isinstance(checkpoint, str):
         checkpoint = load_checkpoint(checkpoint)
-    weights = state_dict_of(checkpoint)
+    weights = state_dict_of(checkpoint, prefix_map)
     model = unwrap_model(model)
     own = model.state_dict()
     report = LoadReport()
@@ -158,9 +172,9 @@ def load_match_dict(model, checkpoint):
     return report
 
 
-def load_weights(model, checkpoint, strict=True, source=None):
+def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None):
     """Load model weights from `checkpoint` (a path or a loaded dict): all of them when `strict`,
-    else the matching ones via load_match_dict, whose LoadReport is printed and returned.
+    else the matching ones via load_match_dict, whose report is printed. Returns a LoadReport.
 
     A strict load that does not fit raises a KilnError suggesting --load_not_strict; `source`
     names an already loaded checkpoint in messages.
@@ -169,14 +183,15 @@ def load_weights(model, checkpoint, strict=True, source=None):
     if isinstance(checkpoint, str):
         checkpoint = load_checkpoint(checkpoint)
     if not strict:
-        report = load_match_dict(model, checkpoint)
+        report = load_match_dict(model, checkpoint, prefix_map)
         print(f'load_match_dict from {source}: {report}')
         return report
+    weights = state_dict_of(checkpoint, prefix_map)
     try:
-        unwrap_model(model).load_state_dict(state_dict_of(checkpoint))
+        unwrap_model(model).load_state_dict(weights)
     except RuntimeError as error:
         lines = str(error).splitlines()
         detail = lines[1].strip() if len(lines) > 1 else lines[0]
         raise KilnError(f'{source} does not fit this model ({detail}); check --model_type/--num_classes '
                         f'or pass --load_not_strict to load only the tensors that match') from None
-    return None
+    return LoadReport(loaded=list(weights))

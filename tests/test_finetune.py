@@ -1,0 +1,209 @@
+"""Fine-tuning: partial loading with a saved report, safe loading (.pth and .safetensors), layer
+freezing and gradual unfreezing through resume, discriminative learning rates, pretrained nets."""
+import json
+import os
+import pickle
+from argparse import Namespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import run_script, tiny_run_args
+from model.model_entry import select_model
+from utils.checkpoint import load_checkpoint
+from utils.errors import KilnError
+from utils.freezer import ModelFreezer
+from utils.torch_utils import load_match_dict
+
+
+def _model(name='small_cnn', classes=6, **extra):
+    return select_model(Namespace(model_type=name, num_classes=classes, img_size=32, **extra))
+
+
+def _three_class_lists(shapes_dir, folder):
+    """A 3-class task made of the tiny shapes' first three classes, with its own classes.txt."""
+    folder.mkdir()
+    for split in ('train', 'val'):
+        with open(os.path.join(shapes_dir, f'{split}.txt')) as source:
+            lines = [line.split() for line in source if line.strip()]
+        (folder / f'{split}.txt').write_text(''.join(f'{os.path.join(shapes_dir, path)} {label}\n'
+                                                     for path, label in lines if int(label) < 3))
+    names = open(os.path.join(shapes_dir, 'classes.txt')).read().split()[:3]
+    (folder / 'classes.txt').write_text('\n'.join(names) + '\n')
+    return folder
+
+
+def _run(args, *extra):
+    result = run_script('train.py', *args, *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _state(folder, name):
+    return torch.load(os.path.join(folder, name), weights_only=True)
+
+
+def _checkpoint_after(folder, epoch):
+    (name,) = [n for n in os.listdir(folder) if n.startswith(f'epoch{epoch:03d}_')]
+    return _state(folder, name)
+
+
+@pytest.fixture(scope='module')
+def finetuned(tiny_shapes, tmp_path_factory):
+    """A 6-class run, then a 3-class fine-tune of it: new head, backbone frozen in epoch 1,
+    unfrozen from epoch 2 on. Returns (base folder, fine-tune args, fine-tune folder, options)."""
+    root = tmp_path_factory.mktemp('finetune')
+    base = tiny_run_args(tiny_shapes, root / 'ck')
+    _run(base, '--epochs', '1', '--save_prefix', 'base')
+    base_folder = str(root / 'ck' / 'small_cnn_list_base')
+    three = _three_class_lists(tiny_shapes, root / 'three')
+    options = ['--train_list', str(three / 'train.txt'), '--val_list', str(three / 'val.txt'), '--epochs', '3',
+               '--load_model_path', os.path.join(base_folder, 'last.pth'), '--load_not_strict',
+               '--freeze_to', '-2', '--unfreeze_at_epoch', '2', '--head_lr', '1e-2', '--backbone_lr', '1e-3',
+               '--unfrozen_lr_scale', '0.5', '--keep_last', '5', '--deterministic', '--save_prefix', 'ft']
+    tune = tiny_run_args(tiny_shapes, root / 'ck')
+    _run(tune, *options)
+    return base_folder, tune, str(root / 'ck' / 'small_cnn_list_ft'), options
+
+
+def test_the_report_shows_exactly_the_head_as_skipped(finetuned):
+    _, _, folder, _ = finetuned
+    with open(os.path.join(folder, 'load_report.json')) as f:
+        report = json.load(f)
+    assert [item['name'] for item in report['shape_mismatched']] == ['head.weight', 'head.bias']
+    assert report['shape_mismatched'][0]['in_file'] == [6, 64] and report['shape_mismatched'][0]['in_model'] == [3, 64]
+    assert report['missing'] == [] and report['unexpected'] == [] and len(report['loaded']) > 10
+
+
+def test_frozen_layers_stay_bit_identical_until_unfrozen(finetuned):
+    base_folder, _, folder, _ = finetuned
+    base = _state(base_folder, 'last.pth')['model']
+    after_1, after_3 = _checkpoint_after(folder, 1)['model'], _checkpoint_after(folder, 3)['model']
+    convs = [name for name in base if name.endswith('.0.weight') and base[name].dim() == 4]  # ConvBNReLU's conv
+    assert convs and all(torch.equal(after_1[name], base[name]) for name in convs)  # frozen in epoch 1
+    assert not torch.equal(after_1['head.bias'], torch.zeros(3))  # the head trained
+    assert all(not torch.equal(after_3[name], base[name]) for name in convs)  # unfrozen from epoch 2
+    # normalization layers stay trainable unless --freeze_batch_norms
+    assert not torch.equal(after_1['features.0.1.weight'], base['features.0.1.weight'])
+
+
+def test_unfreezing_adds_param_groups_that_resume_exactly(finetuned):
+    _, tune, folder, options = finetuned
+    after_1, after_3 = _checkpoint_after(folder, 1), _checkpoint_after(folder, 3)
+    # trainable backbone layers (BatchNorm) at --backbone_lr, the head at --head_lr
+    assert [g['base_lr'] for g in after_1['optimizer']['param_groups']] == [1e-3, 1e-2]
+    assert len(after_3['optimizer']['param_groups']) > 2  # the unfrozen layer groups joined
+    assert after_3['optimizer']['param_groups'][2]['base_lr'] == pytest.approx(0.5 * 1e-3)
+
+    # continue a copy of the run from the end of epoch 2 (unfrozen): it must end where the run ended
+    resumed = tune[:tune.index('--checkpoints_dir') + 1] + [folder + '_copy'] + tune[tune.index('--checkpoints_dir') + 2:]
+    copy = folder + '_copy'
+    os.makedirs(copy)
+    os.link(os.path.join(folder, 'args.yaml'), os.path.join(copy, 'args.yaml'))
+    epoch_2 = [n for n in os.listdir(folder) if n.startswith('epoch002_')][0]
+    os.link(os.path.join(folder, epoch_2), os.path.join(copy, epoch_2))
+    result = _run(resumed, *options, '--resume', os.path.join(copy, epoch_2))
+    assert 'resuming' in result.stdout
+    final = _state(copy, 'last.pth')
+    assert final['global_step'] == after_3['global_step']
+    for name, tensor in after_3['model'].items():
+        assert torch.equal(tensor, final['model'][name]), name
+
+
+def test_freezer_groups_layers_and_indices():
+    model = _model()
+    freezer = ModelFreezer(model)
+    assert [type(g).__name__ for g in freezer.get_layer_groups()] == ['Sequential', 'AdaptiveAvgPool2d', 'Linear']
+    assert all(not list(layer.children()) for layer in freezer.get_layers())
+    freezer.freeze(0, -2)
+    trainable = {id(p) for p in freezer.get_trainable_parameters()}
+    assert {id(p) for p in model.head.parameters()} <= trainable
+    assert id(model.features[0][0].weight) not in trainable
+    assert id(model.features[0][1].weight) in trainable  # BatchNorm stays trainable by default
+    groups = freezer.unfreeze(-1, 0)
+    assert len(groups) == 1 and all(p.requires_grad for p in model.parameters())  # features, the only frozen group
+    with pytest.raises(IndexError, match='3 groups'):
+        freezer.freeze(0, 5)
+
+
+@pytest.mark.parametrize('freeze_batch_norms, set_eval', [(True, True), (True, False), (False, True)])
+def test_freezer_batch_norm_flags(freeze_batch_norms, set_eval):
+    model = _model()
+    freezer = ModelFreezer(model, freeze_batch_norms=freeze_batch_norms)
+    model.train()
+    freezer.freeze(0, 0, set_modules_as_eval=set_eval)
+    bn = model.features[0][1]
+    stats = bn.running_mean.clone()
+    assert bn.weight.requires_grad == (not freeze_batch_norms)
+    assert bn.training == (not (freeze_batch_norms and set_eval))  # a trainable BatchNorm is left alone
+    model(torch.randn(8, 3, 32, 32))
+    assert torch.equal(bn.running_mean, stats) == (freeze_batch_norms and set_eval)
+    model.train()  # what the Trainer does every epoch ...
+    freezer.keep_eval_modes()  # ... and then this
+    assert bn.training == (not (freeze_batch_norms and set_eval))
+    freezer.unfreeze(0, 0, set_modules_as_training=False)
+    assert bn.weight.requires_grad and bn.training == (not (freeze_batch_norms and set_eval))
+    freezer.unfreeze(0, 0, set_modules_as_training=True)
+    assert bn.training
+
+
+def test_frozen_batch_norm_statistics_survive_training(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _run(args, '--epochs', '1', '--freeze_to', '-2', '--freeze_batch_norms', '--save_prefix', 'bn')
+    torch.manual_seed(0)  # --seed 0: the same initial weights as the run's
+    start = _model().state_dict()
+    trained = _state(str(tmp_path / 'ck' / 'small_cnn_list_bn'), 'last.pth')['model']
+    frozen = [n for n in start if n.startswith('features.') and 'num_batches_tracked' not in n]
+    assert frozen and all(torch.equal(start[n], trained[n]) for n in frozen)  # weights and running stats
+    assert not torch.equal(start['head.weight'], trained['head.weight'])
+
+
+def test_prefix_map_and_file_formats(tmp_path):
+    source = _model()
+    wrapped = {f'net.{name}': tensor for name, tensor in source.state_dict().items()}
+    torch.save({'state_dict': wrapped}, tmp_path / 'wrapped.pth')
+    save_file({k: v.contiguous() for k, v in wrapped.items()}, str(tmp_path / 'wrapped.safetensors'))
+    for file in ('wrapped.pth', 'wrapped.safetensors'):
+        target = _model()
+        assert load_match_dict(target, str(tmp_path / file)).loaded == []  # every name differs
+        report = load_match_dict(target, str(tmp_path / file), prefix_map={'net.': ''})
+        assert report.missing == [] and report.unexpected == [] and report.shape_mismatched == []
+        assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / 'ran'
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f'touch {marker}',)
+    path = tmp_path / 'evil.pth'
+    path.write_bytes(pickle.dumps({'model': Payload()}))
+    with pytest.raises(KilnError, match='safe loading does not allow'):
+        load_checkpoint(str(path))
+    assert not marker.exists()
+    (tmp_path / 'bad.safetensors').write_bytes(b'\x00' * 20)
+    with pytest.raises(KilnError, match='not a readable safetensors file'):
+        load_checkpoint(str(tmp_path / 'bad.safetensors'))
+
+
+@pytest.mark.parametrize('name', ['tv_resnet18', 'tv_mobilenet_v3_small', 'tv_efficientnet_b0'])
+def test_pretrained_nets_load_local_weights_and_get_a_new_head(tmp_path, name):
+    from model.torchvision_nets import TORCHVISION_NETS
+    imagenet = TORCHVISION_NETS[name][0](weights=None)  # stands in for a downloaded weights file
+    path = tmp_path / f'{name}.safetensors'
+    save_file({k: v.contiguous() for k, v in imagenet.state_dict().items()}, str(path))
+    model = _model(name, classes=6, pretrained_path=str(path))
+    own, reference = model.state_dict(), imagenet.state_dict()
+    differing = [n for n in reference if own[n].shape != reference[n].shape or not torch.equal(own[n], reference[n])]
+    assert len(differing) == 2 and all(n.endswith(('weight', 'bias')) for n in differing)  # only the head
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 6)
+
+
+def test_missing_pretrained_weights_say_how_to_get_them(tiny_shapes, tmp_path):
+    missing = tmp_path / 'resnet18.pth'
+    result = run_script('train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--model_type', 'tv_resnet18',
+                        '--pretrained_path', str(missing))
+    assert result.returncode == 2 and 'Traceback' not in result.stderr
+    assert str(missing) in result.stderr and 'never downloads' in result.stderr and "weights='DEFAULT'" in result.stderr
