@@ -25,3 +25,19 @@ def accuracy_from_confusion(matrix):
 def classification_metrics(logits, targets, k):
     """The metrics logged for classification: top-1 accuracy `acc` and top-k accuracy `top<k>`."""
     return {'acc': topk_accuracy(logits, targets, 1), f'top{k}': topk_accuracy(logits, targets, k)}
+
+
+def iou_from_confusion(matrix):
+    """Per-class intersection over union from a confusion matrix (NaN for classes never seen)."""
+    matrix = matrix.double()
+    intersection = matrix.diagonal()
+    union = matrix.sum(dim=0) + matrix.sum(dim=1) - intersection
+    return intersection / union  # 0/0 = NaN: absent from both prediction and truth
+
+
+def segmentation_metrics(logits, targets, num_classes):
+    """Per-batch segmentation metrics: pixel accuracy `pixel_acc` and `miou`, the mean IoU over the
+    classes present in the batch (the Evaluator computes the exact mIoU over the whole list)."""
+    predicted = logits.argmax(dim=1)
+    iou = iou_from_confusion(confusion_matrix(predicted.flatten(), targets.flatten(), num_classes))
+    return {'pixel_acc': (predicted == targets).double().mean(), 'miou': iou.nanmean()}

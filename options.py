@@ -81,6 +81,8 @@ def parse_common_args(parser):
     """Options that training and evaluation share, so the two cannot drift apart."""
     parser.add_argument('--config', metavar='FILE', help='YAML or JSON file of options (e.g. a saved args.yaml); '
                         'flags on the command line override it')
+    parser.add_argument('--task', default='classify', choices=['classify', 'segment'],
+                        help='picks the Trainer/Evaluator pair (TRAINERS in train.py, EVALUATORS in eval.py)')
     parser.add_argument('--model_type', default='small_cnn', help='model name, see MODELS in model/model_entry.py')
     parser.add_argument('--data_type', default='shapes', help='dataset name, see DATASETS in data/data_entry.py')
     parser.add_argument('--save_prefix', type=_name_part, default='default',
@@ -159,7 +161,7 @@ def parse_train_args(parser):
                         help='print a line (and check for stops) every N optimizer steps')
     parser.add_argument('--tensorboard', action=argparse.BooleanOptionalAction, default=True,
                         help='write TensorBoard curves and images')
-    parser.add_argument('--monitor', default='val/acc', help='metric that picks the best checkpoint')
+    parser.add_argument('--monitor', help='metric that picks the best checkpoint (default val/acc, val/miou to segment)')
     parser.add_argument('--monitor_mode', default='max', choices=['max', 'min'])
     parser.add_argument('--keep_last', type=_positive_int, default=1, help='keep the newest N checkpoints')
     parser.add_argument('--keep_best', type=_positive_int, default=1, help='keep the best N checkpoints by --monitor')
@@ -183,7 +185,7 @@ def parse_test_args(parser):
     The model, dataset and image size default to what the checkpoint was trained with.
     """
     parser = parse_common_args(parser)
-    parser.set_defaults(model_type=None, data_type=None, img_size=None)
+    parser.set_defaults(task=None, model_type=None, data_type=None, img_size=None)
     parser.add_argument('--viz_freq', type=_positive_int, default=10, help='save a picture every N batches')
     parser.add_argument('--save_viz', action=argparse.BooleanOptionalAction, default=True)
     return parser

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from data.augment import denormalize
 from data.data_entry import select_eval_loader, select_train_loader
 from loss import select_loss
-from metrics import classification_metrics
+from metrics import classification_metrics, segmentation_metrics
 from model.model_entry import equip_multi_gpu, select_model
 from options import NOT_SAVED, discard_folder_if_setup_fails, prefix_map, prepare_train_args
 from utils.checkpoint import atomic_write_bytes, load_checkpoint
@@ -38,9 +38,9 @@ from utils.logger import Logger, progress
 from utils.run_history import InMemoryRunHistory
 from utils.run_record import TrainerRunConfig, append_reproducibility_record
 from utils.stop_signals import StopSignals
-from utils.torch_utils import (load_weights, rng_states, select_device, set_deterministic, set_rng_states, set_seed,
-                               to_device, unwrap_model)
-from utils.viz import labeled_grid
+from utils.torch_utils import (autocast_for, load_weights, place_model, rng_states, select_device, set_deterministic,
+                               set_rng_states, set_seed, to_device, unwrap_model)
+from utils.viz import labeled_grid, segmentation_grid
 
 OPTIMIZERS = {
     'sgd': lambda params, args: torch.optim.SGD(params, args.lr, momentum=args.momentum,
@@ -89,8 +89,11 @@ class Trainer:
     runs in every process; rank 0 alone writes files and prints.
     """
 
+    default_monitor = 'val/acc'  # --monitor when not given
+
     def __init__(self, args):
         self.args = args
+        args.monitor = args.monitor or self.default_monitor
         set_seed(args.seed)
         set_deterministic(args.deterministic)
         self.device = select_device(args)
@@ -109,8 +112,7 @@ class Trainer:
                 self.freezer.freeze(0, args.freeze_to, set_modules_as_eval=args.freeze_batch_norms)
             except IndexError as error:
                 raise KilnError(f'--freeze_to {args.freeze_to}: {error}') from None
-        model = model.to(self.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
-        self.compiled = torch.compile(model) if args.compile else model
+        self.compiled = place_model(model, args, self.device)
         self.model = equip_multi_gpu(self.compiled, args)
         self.criterion = select_loss(args.loss)
         self.batches_per_epoch = len(self.train_loader)
@@ -118,8 +120,7 @@ class Trainer:
         self.max_steps = args.max_iteration or args.epochs * self.updates_per_epoch
         self.optimizer = self.make_optimizer()
         self.scheduler = self.make_scheduler()
-        amp_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(args.amp)
-        self.autocast = lambda: torch.autocast(self.device.type, amp_dtype, enabled=amp_dtype is not None)
+        self.autocast = autocast_for(self.device, args.amp)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.amp == 'fp16')
         self.epoch = 0  # epochs completed
         self.batch_in_epoch = 0  # batches of the current epoch already trained on
@@ -489,6 +490,30 @@ class Trainer:
               f'  continue:    python train.py --resume {folder}/last.pth', flush=True)
 
 
+class SegmentationTrainer(Trainer):
+    """Per-pixel classification (--task segment): the loop, loss and checkpoints are the Trainer's;
+    only the metrics (pixel accuracy, mean IoU) and the pictures (image | predicted | true mask) differ."""
+
+    default_monitor = 'val/miou'
+
+    def __init__(self, args):
+        super().__init__(args)
+        if getattr(self.train_loader.dataset, 'target', None) != 'mask':
+            raise KilnError(f'--task segment needs a dataset of masks, not --data_type {args.data_type}: '
+                            f'use shapes_seg or seg_list (and --model_type seg_net)')
+
+    def compute_metrics(self, outputs, targets):
+        return segmentation_metrics(outputs, targets, self.args.num_classes)
+
+    def gen_imgs_to_write(self, inputs, outputs, targets, split):
+        count = min(8, len(inputs))
+        return {f'{split}/segmentation': segmentation_grid(denormalize(inputs[:count]), outputs[:count].argmax(1),
+                                                           targets[:count], self.args.num_classes)}
+
+
+TRAINERS = {'classify': Trainer, 'segment': SegmentationTrainer}  # --task; a new task is one more line
+
+
 def main(argv=None):
     """Join torchrun's processes if any, make (or reopen, with --resume) the experiment folder, and train."""
     init_distributed(parse_args(parse_train_args, argv))
@@ -497,7 +522,7 @@ def main(argv=None):
         # a failed setup removes a folder it just made, never one that --resume reopened
         fresh = is_main_process() and not args.resume
         with discard_folder_if_setup_fails(args.model_dir) if fresh else contextlib.nullcontext():
-            trainer = Trainer(args)
+            trainer = TRAINERS[args.task](args)
         trainer.train()
     finally:
         cleanup_distributed()

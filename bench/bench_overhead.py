@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eval import Evaluator  # noqa: E402
+from eval import Evaluator, load_evaluated_checkpoint  # noqa: E402
 from model.model_entry import select_model  # noqa: E402
 from options import parse_args, parse_test_args, parse_train_args  # noqa: E402
 from train import Trainer  # noqa: E402
@@ -123,7 +123,7 @@ def bench_eval(trainer, scratch, repeats):
         args = parse_args(parse_test_args, ['--load_model_path', checkpoint, '--cpu', '--no-progress_bar'])
         args.result_dir = os.path.join(scratch, f'eval{repeat}')
         os.makedirs(args.result_dir)
-        evaluator = Evaluator(args)
+        evaluator = Evaluator(args, load_evaluated_checkpoint(args))
 
         def bare():
             evaluator.model.eval()

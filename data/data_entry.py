@@ -11,7 +11,9 @@ from torch.utils.data import DataLoader
 from data.list_dataset import ListDataset
 from data.mem_list_dataset import MemListDataset
 from data.sampler import ResumableBatchSampler, SeededDataset
+from data.seg_list_dataset import SegListDataset
 from data.shapes_dataset import ShapesDataset
+from data.shapes_seg_dataset import ShapesSegDataset
 from utils.distributed import rank, world_size
 from utils.errors import KilnError
 from utils.torch_utils import seed_worker
@@ -20,6 +22,8 @@ DATASETS = {
     'shapes': ShapesDataset,
     'list': ListDataset,
     'mem_list': MemListDataset,
+    'shapes_seg': ShapesSegDataset,  # segmentation (--task segment)
+    'seg_list': SegListDataset,
 }
 
 

@@ -3,7 +3,9 @@
 Each image shows one shape (the class) of random colour, size, position and rotation on a
 noisy background with distracting lines and dots. The generator writes real PNG files plus
 `train.txt`, `val.txt` and `classes.txt`, so the default run reads data exactly the way a
-user's own list files are read. Run `python -m data.shapes --help` to generate a copy by hand.
+user's own list files are read. For segmentation it also writes a mask per image (0 for the
+background, 1 + class on the shape's pixels), `seg_train.txt`/`seg_val.txt` of
+`image_path mask_path` lines, and `seg_classes.txt`. Run `python -m data.shapes --help` to generate a copy by hand.
 """
 import argparse
 import json
@@ -18,7 +20,7 @@ from PIL import Image, ImageDraw
 from utils.errors import KilnError
 
 CLASS_NAMES = ('circle', 'square', 'triangle', 'star', 'cross', 'ring')
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 SUPERSAMPLE = 4  # shapes are drawn 4x larger, then shrunk, for anti-aliased edges
 
 
@@ -50,10 +52,12 @@ def _contrasting_colour(rng, background):
 
 
 def draw_shape_image(label, rng, size=32):
-    """One RGB image of class `label` drawn with the random generator `rng`."""
+    """One RGB image of class `label` drawn with the random generator `rng`, and its mask
+    (an 'L' image: 0 background, label + 1 on the shape)."""
     big = size * SUPERSAMPLE
     background = rng.integers(0, 256, size=3)
     image = Image.new('RGB', (big, big), tuple(int(c) for c in background))
+    mask = Image.new('L', (big, big), 0)
     draw = ImageDraw.Draw(image)
     for _ in range(rng.integers(1, 4)):  # clutter: thin lines and small dots
         colour = tuple(int(c) for c in rng.integers(0, 256, size=3))
@@ -71,36 +75,43 @@ def draw_shape_image(label, rng, size=32):
     colour = _contrasting_colour(rng, background)
     box = [center[0] - radius, center[1] - radius, center[0] + radius, center[1] + radius]
     name = CLASS_NAMES[label]
-    if name == 'circle':
-        draw.ellipse(box, fill=colour)
-    elif name == 'ring':
-        draw.ellipse(box, outline=colour, width=max(1, int(radius * 0.3)))
-    elif name == 'square':
-        draw.polygon(_polygon(center, radius, angle, 4), fill=colour)
-    elif name == 'triangle':
-        draw.polygon(_polygon(center, radius, angle, 3), fill=colour)
-    elif name == 'star':
-        draw.polygon(_polygon(center, radius, angle, 5, inner_ratio=0.45), fill=colour)
-    else:
-        draw.polygon(_cross(center, radius, angle, radius * 0.3), fill=colour)
+    for canvas, fill in ((draw, colour), (ImageDraw.Draw(mask), label + 1)):
+        if name == 'circle':
+            canvas.ellipse(box, fill=fill)
+        elif name == 'ring':
+            canvas.ellipse(box, outline=fill, width=max(1, int(radius * 0.3)))
+        elif name == 'square':
+            canvas.polygon(_polygon(center, radius, angle, 4), fill=fill)
+        elif name == 'triangle':
+            canvas.polygon(_polygon(center, radius, angle, 3), fill=fill)
+        elif name == 'star':
+            canvas.polygon(_polygon(center, radius, angle, 5, inner_ratio=0.45), fill=fill)
+        else:
+            canvas.polygon(_cross(center, radius, angle, radius * 0.3), fill=fill)
 
     pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.int16)
     noise = rng.normal(0, 8, size=pixels.shape)
-    return Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8))
+    return Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8)), mask.resize((size, size), Image.NEAREST)
 
 
 def _write_split(root, split, count, seed, size):
-    lines = []
+    lines, seg_lines = [], []
     os.makedirs(os.path.join(root, 'images', split))
+    os.makedirs(os.path.join(root, 'masks', split))
     for index in range(count):
         # one generator per image: the dataset is the same whatever order it is written in
         rng = np.random.default_rng([seed, 0 if split == 'train' else 1, index])
         label = index % len(CLASS_NAMES)
-        relative = f'images/{split}/{index:05d}.png'
-        draw_shape_image(label, rng, size).save(os.path.join(root, relative))
-        lines.append(f'{relative} {label}\n')
+        image_path, mask_path = f'images/{split}/{index:05d}.png', f'masks/{split}/{index:05d}.png'
+        image, mask = draw_shape_image(label, rng, size)
+        image.save(os.path.join(root, image_path))
+        mask.save(os.path.join(root, mask_path))
+        lines.append(f'{image_path} {label}\n')
+        seg_lines.append(f'{image_path} {mask_path}\n')
     with open(os.path.join(root, f'{split}.txt'), 'w') as f:
         f.writelines(lines)
+    with open(os.path.join(root, f'seg_{split}.txt'), 'w') as f:
+        f.writelines(seg_lines)
 
 
 def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
@@ -127,6 +138,8 @@ def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
         _write_split(staging, 'val', val_size, seed, size)
         with open(os.path.join(staging, 'classes.txt'), 'w') as f:
             f.write('\n'.join(CLASS_NAMES) + '\n')
+        with open(os.path.join(staging, 'seg_classes.txt'), 'w') as f:
+            f.write('\n'.join(('background',) + CLASS_NAMES) + '\n')
         with open(os.path.join(staging, 'manifest.json'), 'w') as f:
             json.dump(manifest, f, indent=1)
         try:

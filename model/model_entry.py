@@ -7,6 +7,7 @@ import torch
 
 from model.linear import LinearClassifier
 from model.resnet import ResNet18
+from model.seg_net import SegNet
 from model.small_cnn import SmallCNN
 from model.torchvision_nets import TORCHVISION_NETS, torchvision_net
 from utils.distributed import is_distributed, local_rank
@@ -16,6 +17,7 @@ MODELS = {
     'small_cnn': SmallCNN,
     'resnet18': ResNet18,
     'linear': LinearClassifier,
+    'seg_net': SegNet,  # segmentation (--task segment)
     **{name: torchvision_net(name) for name in TORCHVISION_NETS},  # tv_resnet18, ..., tv_efficientnet_b0
 }
 

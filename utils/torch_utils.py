@@ -83,6 +83,19 @@ def to_device(batch, device, channels_last=False):
     return inputs, targets.to(device, non_blocking=True)
 
 
+def place_model(model, args, device):
+    """The model on `device`, channels-last with --channels_last, compiled with --compile
+    (not yet wrapped for several devices: see model_entry.equip_multi_gpu)."""
+    model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+    return torch.compile(model) if args.compile else model
+
+
+def autocast_for(device, amp):
+    """A function giving the autocast context of --amp ('off', 'bf16', 'fp16') on `device`."""
+    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(amp)
+    return lambda: torch.autocast(device.type, dtype, enabled=dtype is not None)
+
+
 def unwrap_model(model):
     """The plain model inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
     while True:

@@ -35,6 +35,27 @@ def labeled_grid(images, predicted, true, class_names=None, columns=8, tile=96):
     return np.asarray(canvas)
 
 
+def mask_colours(num_classes):
+    """A fixed colour per class: black for class 0 (background), distinct hues for the others."""
+    rng = np.random.default_rng(7)
+    colours = rng.integers(60, 256, size=(max(num_classes, 1), 3)).astype(np.uint8)
+    colours[0] = 0
+    return colours
+
+
+def segmentation_grid(images, predicted, true, num_classes, tile=96):
+    """Rows of image | predicted mask | true mask (HxWx3 uint8); `images` in [0, 1], masks (N, H, W)."""
+    colours = mask_colours(num_classes)
+    pixels = (images.detach().float().cpu().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    predicted, true = predicted.cpu().numpy(), true.cpu().numpy()
+    canvas = Image.new('RGB', (3 * tile, len(pixels) * tile), 'white')
+    for row, columns in enumerate(zip(pixels, colours[predicted.clip(0, num_classes - 1)],
+                                      colours[true.clip(0, num_classes - 1)])):
+        for column, picture in enumerate(columns):
+            canvas.paste(Image.fromarray(picture).resize((tile, tile), Image.NEAREST), (column * tile, row * tile))
+    return np.asarray(canvas)
+
+
 def confusion_matrix_image(matrix, class_names=None, cell=44):
     """A confusion matrix (rows: true class, columns: predicted class) drawn with counts."""
     matrix = np.asarray(matrix.cpu() if hasattr(matrix, 'cpu') else matrix)

@@ -1,0 +1,3 @@
+from model.seg_net.seg_net import SegNet
+
+__all__ = ['SegNet']
