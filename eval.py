@@ -20,7 +20,8 @@ from data.data_entry import select_eval_loader
 from metrics import (accuracy_from_confusion, classification_metrics, confusion_matrix, iou_from_confusion,
                      segmentation_metrics)
 from model.model_entry import equip_multi_gpu, select_model
-from options import discard_folder_if_setup_fails, prefix_map, prepare_test_args
+from options import (checkpoints_to_evaluate, create_run_folder, discard_folder_if_setup_fails, prefix_map,
+                     prepare_test_args, result_folder)
 from utils.checkpoint import load_checkpoint
 from utils.distributed import (all_gather_objects, all_reduce_sum, cleanup_distributed, init_distributed,
                                is_main_process, run_on_main_process)
@@ -179,22 +180,65 @@ class SegmentationEvaluator(Evaluator):
 EVALUATORS = {'classify': Evaluator, 'segment': SegmentationEvaluator}  # --task
 
 
+def evaluate(argv, checkpoint=None):
+    """Evaluate one checkpoint into its own result folder; return (args, metrics)."""
+    args = run_on_main_process(prepare_test_args, argv, checkpoint)
+    with discard_folder_if_setup_fails(args.result_dir) if is_main_process() else contextlib.nullcontext():
+        loaded = load_evaluated_checkpoint(args)
+        evaluator = EVALUATORS[args.task](args, loaded)
+    metrics = evaluator.eval()
+    if is_main_process():
+        print(f'{args.load_model_path}: ' + ' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if '/' not in k))
+        print(f'  results in {args.result_dir}: result.txt, result.json, predictions.csv, '
+              f'confusion_matrix.png{", a picture every --viz_freq batches" if args.save_viz else ""}')
+    return args, metrics
+
+
+def prepare_comparison(args, checkpoints):
+    """Check that no result folder exists yet, then create the comparison folder; return its path."""
+    for checkpoint in checkpoints:
+        if os.path.exists(result_folder(args, checkpoint)):
+            raise KilnError(f'{result_folder(args, checkpoint)} already exists; choose a new --save_prefix '
+                            f'to keep the old results')
+    list_name = os.path.splitext(os.path.basename(args.val_list))[0] if args.val_list else 'val'
+    folder = os.path.join(args.checkpoints_dir, 'comparisons', f'{list_name}_{args.save_prefix}')
+    create_run_folder(folder, args, 'choose a new --save_prefix to keep the old comparison')
+    return folder
+
+
+def write_comparison(folder, rows):
+    """comparison.csv (every metric) and comparison.txt (the main ones, aligned): one row per checkpoint."""
+    names = list(dict.fromkeys(name for _, metrics in rows for name in metrics))
+    with open(os.path.join(folder, 'comparison.csv'), 'w', newline='') as f:
+        writer = csv.writer(f)
+        writer.writerow(['checkpoint', *names])
+        writer.writerows([path, *(f'{metrics[n]:.6f}' if n in metrics else '' for n in names)] for path, metrics in rows)
+    main_names = [name for name in names if '/' not in name]
+    table = [['checkpoint', *main_names]] + [[path, *(f'{metrics[n]:.4f}' if n in metrics else '-' for n in main_names)]
+                                             for path, metrics in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    with open(os.path.join(folder, 'comparison.txt'), 'w') as f:
+        f.writelines('  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() + '\n' for row in table)
+
+
 def main(argv=None):
-    """Join torchrun's processes if any, make the result folder and evaluate."""
-    init_distributed(parse_args(parse_test_args, argv))
+    """Join torchrun's processes if any, then evaluate the checkpoint, or each of several and compare them."""
+    parsed = parse_args(parse_test_args, argv)
+    init_distributed(parsed)
     try:
-        args = run_on_main_process(prepare_test_args, argv)
-        with discard_folder_if_setup_fails(args.result_dir) if is_main_process() else contextlib.nullcontext():
-            checkpoint = load_evaluated_checkpoint(args)
-            evaluator = EVALUATORS[args.task](args, checkpoint)
-        metrics = evaluator.eval()
-        main_process = is_main_process()
+        checkpoints = checkpoints_to_evaluate(parsed)
+        if len(checkpoints) == 1:
+            evaluate(argv)
+            return
+        folder = run_on_main_process(prepare_comparison, parsed, checkpoints)
+        rows = [(checkpoint, evaluate(argv, checkpoint)[1]) for checkpoint in checkpoints]
+        if is_main_process():
+            write_comparison(folder, rows)
+            with open(os.path.join(folder, 'comparison.txt')) as f:
+                print(f.read().rstrip())
+            print(f'comparison of {len(rows)} checkpoints in {folder}: comparison.txt, comparison.csv')
     finally:
         cleanup_distributed()
-    if main_process:
-        print(' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if '/' not in k))
-        print(f'results in {args.result_dir}: result.txt, result.json, predictions.csv, '
-              f'confusion_matrix.png{", a picture every --viz_freq batches" if args.save_viz else ""}')
 
 
 if __name__ == '__main__':

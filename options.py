@@ -6,6 +6,7 @@ back with `--config`. This module imports no torch, so `--help` answers at once.
 """
 import argparse
 import contextlib
+import glob
 import os
 import sys
 
@@ -88,7 +89,6 @@ def parse_common_args(parser):
     parser.add_argument('--save_prefix', type=_name_part, default='default',
                         help='names the experiment folder in training, the result folder in evaluation')
     parser.add_argument('--checkpoints_dir', default='checkpoints', help='where experiment folders are created')
-    parser.add_argument('--load_model_path', help='checkpoint to start training from, or to evaluate')
     parser.add_argument('--load_not_strict', action=argparse.BooleanOptionalAction, default=False,
                         help='load only the tensors whose names and shapes match the model (load_match_dict)')
     parser.add_argument('--load_prefix_map', type=_prefix_rename, nargs='+', metavar='OLD=NEW',
@@ -118,6 +118,7 @@ def parse_train_args(parser):
     """Training options on top of the common ones."""
     parser = parse_common_args(parser)
     parser.add_argument('--train_list', help='list file for training (default: the dataset\'s own train split)')
+    parser.add_argument('--load_model_path', help='weights to start from (a checkpoint, state dict or .safetensors)')
     parser.add_argument('--pretrained_path', help='local ImageNet weights for the tv_* models (never downloaded)')
     parser.add_argument('--freeze_to', type=int, metavar='INDEX',
                         help='freeze the layer groups (the model\'s direct children) 0..INDEX at the start; '
@@ -186,8 +187,21 @@ def parse_test_args(parser):
     """
     parser = parse_common_args(parser)
     parser.set_defaults(task=None, model_type=None, data_type=None, img_size=None)
+    parser.add_argument('--load_model_path', nargs='+', metavar='CHECKPOINT',
+                        help='checkpoint(s) to evaluate: files, experiment folders (their best.pth) or quoted '
+                        'globs; with several, a comparison table is written too')
     parser.add_argument('--viz_freq', type=_positive_int, default=10, help='save a picture every N batches')
     parser.add_argument('--save_viz', action=argparse.BooleanOptionalAction, default=True)
+    return parser
+
+
+def parse_predict_args(parser):
+    """Prediction options on top of the common ones; like evaluation, the model, task and image
+    size default to what the checkpoint was trained with."""
+    parser = parse_common_args(parser)
+    parser.set_defaults(task=None, model_type=None, data_type=None, img_size=None)
+    parser.add_argument('--load_model_path', required=True, help='the checkpoint to predict with')
+    parser.add_argument('--input', required=True, help='a folder of images, or a list file (first column: image)')
     return parser
 
 
@@ -250,7 +264,8 @@ def save_args(args, folder):
         yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, f, sort_keys=True)
 
 
-def _create_run_folder(folder, args, what_to_change):
+def create_run_folder(folder, args, what_to_change):
+    """Create a new run folder and save the options in it; an existing one is a KilnError saying `what_to_change`."""
     if os.path.exists(folder):
         raise KilnError(f'{folder} already exists; {what_to_change}')
     try:
@@ -286,7 +301,7 @@ def prepare_train_args(argv=None):
         print(f'{args.model_dir} holds no checkpoint yet; starting the run in it')
         save_args(args, args.model_dir)
         return args
-    _create_run_folder(args.model_dir, args, 'choose a new --save_prefix, add --resume to continue that run, '
+    create_run_folder(args.model_dir, args, 'choose a new --save_prefix, add --resume to continue that run, '
                        'or move that folder away')
     return args
 
@@ -311,22 +326,58 @@ def _checkpoint_to_resume(args):
     return None
 
 
-def prepare_test_args(argv=None):
-    """Parse evaluation options, create the result folder and save the options in it.
-
-    The folder is `<checkpoint folder>/eval/<checkpoint>_<list>_<save_prefix>` (args.result_dir),
-    where <list> is the --val_list file name, or `val` for the default validation split.
-    """
-    args = parse_args(parse_test_args, argv)
+def checkpoints_to_evaluate(args):
+    """The checkpoint files --load_model_path names, in order: files as they are, experiment folders
+    as their best.pth, globs (e.g. 'checkpoints/*/best.pth') expanded."""
     if not args.load_model_path:
         raise KilnError('no checkpoint to evaluate; give --load_model_path PATH (e.g. checkpoints/<experiment>/best.pth)')
+    paths = []
+    for item in args.load_model_path:
+        if glob.has_magic(item):
+            found = sorted(glob.glob(item))
+            if not found:
+                raise KilnError(f'--load_model_path {item} matches no file')
+            paths += [os.path.join(p, BEST_CHECKPOINT) if os.path.isdir(p) else p for p in found]
+        else:
+            paths.append(os.path.join(item, BEST_CHECKPOINT) if os.path.isdir(item) else item)
+    for path in paths:
+        if not os.path.isfile(path):
+            raise KilnError(f'checkpoint {path} does not exist; check --load_model_path')
+    return paths
+
+
+def result_folder(args, checkpoint):
+    """Where evaluating `checkpoint` writes: `<its folder>/eval/<checkpoint>_<list>_<save_prefix>`,
+    where <list> is the --val_list file name, or `val` for the default validation split."""
+    checkpoint_name = os.path.splitext(os.path.basename(checkpoint))[0]
+    list_name = os.path.splitext(os.path.basename(args.val_list))[0] if args.val_list else 'val'
+    return os.path.join(os.path.dirname(checkpoint), EVAL_FOLDER, f'{checkpoint_name}_{list_name}_{args.save_prefix}')
+
+
+def prepare_test_args(argv=None, checkpoint=None):
+    """Parse evaluation options for one checkpoint (`checkpoint`, or the only one --load_model_path
+    names), create its result folder (args.result_dir, see result_folder) and save the options in it."""
+    args = parse_args(parse_test_args, argv)
+    paths = checkpoints_to_evaluate(args)
+    if checkpoint is None and len(paths) > 1:
+        raise KilnError('several checkpoints given; evaluate them with eval.py, which compares them')
+    args.load_model_path = checkpoint or paths[0]
+    args.result_dir = result_folder(args, args.load_model_path)
+    create_run_folder(args.result_dir, args, 'choose a new --save_prefix to keep the old results')
+    return args
+
+
+def prepare_predict_args(argv=None):
+    """Parse prediction options, create `<checkpoint folder>/predict/<checkpoint>_<input>_<save_prefix>`
+    (args.result_dir) and save the options in it."""
+    args = parse_args(parse_predict_args, argv)
     if not os.path.isfile(args.load_model_path):
         raise KilnError(f'checkpoint {args.load_model_path} does not exist; check --load_model_path')
     checkpoint_name = os.path.splitext(os.path.basename(args.load_model_path))[0]
-    list_name = os.path.splitext(os.path.basename(args.val_list))[0] if args.val_list else 'val'
-    args.result_dir = os.path.join(os.path.dirname(args.load_model_path), EVAL_FOLDER,
-                                   f'{checkpoint_name}_{list_name}_{args.save_prefix}')
-    _create_run_folder(args.result_dir, args, 'choose a new --save_prefix to keep the old results')
+    input_name = os.path.splitext(os.path.basename(os.path.normpath(args.input)))[0]
+    args.result_dir = os.path.join(os.path.dirname(args.load_model_path), 'predict',
+                                   f'{checkpoint_name}_{input_name}_{args.save_prefix}')
+    create_run_folder(args.result_dir, args, 'choose a new --save_prefix to keep the old predictions')
     return args
 
 

@@ -210,16 +210,34 @@ class Trainer:
         """Train until --epochs (or --max_iteration) are done, or a stop; return the stop reason or None."""
         if is_main_process():
             self.write_run_records()
+            shown = {k: v for k, v in sorted(vars(self.args).items()) if k not in NOT_SAVED}
+            self.logger.save_text('args', '\n'.join(f'    {k}: {v}' for k, v in shown.items()), self.global_step)
         start = time.perf_counter()
         with self.signals:
             try:
                 while self.stop_reason is None and self.global_step < self.max_steps:
                     self.train_per_epoch(self.epoch)
             finally:
+                if self.history.get_metric_names():
+                    self.logger.save_hparams(self.hparams(), self.final_metrics())
                 self.logger.close()
         if is_main_process():
             self.report(time.perf_counter() - start)
         return self.stop_reason
+
+    def hparams(self):
+        """The options shown in TensorBoard's HParams tab (numbers, strings and booleans only)."""
+        names = ('task', 'model_type', 'data_type', 'optimizer', 'lr', 'batch_size', 'grad_accum_steps', 'epochs',
+                 'max_iteration', 'scheduler', 'weight_decay', 'amp', 'seed', 'load_model_path', 'freeze_to')
+        return {name: getattr(self.args, name) if isinstance(getattr(self.args, name), (int, float, str, bool))
+                else str(getattr(self.args, name)) for name in names}
+
+    def final_metrics(self):
+        """The last value of every metric and the best --monitor value, for the HParams tab."""
+        metrics = {f'final/{name}': self.history.get_latest_metric(name) for name in sorted(self.history.get_metric_names())}
+        if self.best_metric is not None:
+            metrics[f'best/{self.args.monitor}'] = self.best_metric
+        return metrics
 
     def train_per_epoch(self, epoch):
         """Train on epoch `epoch` (from where a resumed checkpoint left it), validating and saving on schedule.

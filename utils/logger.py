@@ -102,6 +102,16 @@ class Logger:
             for tag, image in images.items():
                 self.writer.add_image(tag, image, step, dataformats='HWC')
 
+    def save_text(self, tag, text, step=0):
+        """Write a text (Markdown) to TensorBoard's Text tab."""
+        if self.writer:
+            self.writer.add_text(tag, text, step)
+
+    def save_hparams(self, hparams, metrics):
+        """Write a run's options and results for TensorBoard's HParams tab (one row per run)."""
+        if self.writer:
+            self.writer.add_hparams(hparams, metrics, run_name='.')  # '.': beside the run's curves, not a subfolder
+
     def save_check_point(self, state, name, metric=None):
         """Write a checkpoint into the experiment folder as `name` and update last.pth/best.pth
         (see CheckpointKeeper); return whether it is the new best by `metric`. Rank 0 only."""
