@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from data.augment import denormalize
-from data.data_entry import select_eval_loader, select_train_loader
+from data.data_entry import DATASETS, select_eval_loader, select_train_loader
 from loss import select_loss
 from metrics import classification_metrics, segmentation_metrics
 from model.model_entry import equip_multi_gpu, select_model
@@ -515,10 +515,10 @@ class SegmentationTrainer(Trainer):
     default_monitor = 'val/miou'
 
     def __init__(self, args):
-        super().__init__(args)
-        if getattr(self.train_loader.dataset, 'target', None) != 'mask':
+        if args.data_type in DATASETS and getattr(DATASETS[args.data_type], 'target', None) != 'mask':
             raise KilnError(f'--task segment needs a dataset of masks, not --data_type {args.data_type}: '
                             f'use shapes_seg or seg_list (and --model_type seg_net)')
+        super().__init__(args)
 
     def compute_metrics(self, outputs, targets):
         return segmentation_metrics(outputs, targets, self.args.num_classes)

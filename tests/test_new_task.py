@@ -1,0 +1,169 @@
+"""A new task in minutes: the project generator, the segmentation example (through the same
+Trainer/Evaluator design), predict.py, comparing checkpoints and TensorBoard hparams."""
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import REPO, run_script, tiny_run_args
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _seg_args(shapes_dir, checkpoints_dir):
+    args = tiny_run_args(shapes_dir, checkpoints_dir)
+    args[args.index('--data_type') + 1] = 'seg_list'
+    args[args.index('--train_list') + 1] = os.path.join(shapes_dir, 'seg_train.txt')
+    args[args.index('--val_list') + 1] = os.path.join(shapes_dir, 'seg_val.txt')
+    return args
+
+
+def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_path):
+    dest = tmp_path / 'glaze'
+    _ok(run_script('scripts/new_task.py', str(dest), '--name', 'Glaze', '--dataset', 'leaves', '--model', 'leaf_net'))
+    files = {os.path.relpath(os.path.join(folder, name), dest) for folder, _, names in os.walk(dest) for name in names}
+    assert not any(f.startswith(('.git/', 'data/generated/')) or '__pycache__' in f or '.pytest_cache' in f
+                   for f in files)
+    assert [f for f in files if f.startswith('checkpoints/')] == ['checkpoints/.gitkeep']
+    assert {'train.py', 'eval.py', 'predict.py', 'README.md', '.ci/run', '.run/train.run.xml', 'tests/conftest.py',
+            'data/leaves.py', 'model/leaf_net/leaf_net.py', 'model/leaf_net/__init__.py'} <= files
+    readme = (dest / 'README.md').read_text()
+    assert readme.startswith('# Glaze') and not re.search(r'\bKiln\b', readme)  # KilnError is code, kept
+    assert "'leaves': LeavesDataset," in (dest / 'data' / 'data_entry.py').read_text()
+    assert "'leaf_net': LeafNet," in (dest / 'model' / 'model_entry.py').read_text()
+
+    # its own tests (the fast ones here; the whole suite is the template's) and its train.sh with the stubs
+    _ok(subprocess.run([sys.executable, '-m', 'pytest', '-q', 'tests/test_units.py'], cwd=dest, capture_output=True,
+                       text=True, timeout=300))
+    trained = subprocess.run(['bash', 'scripts/train.sh', '--data_type', 'leaves', '--model_type', 'leaf_net',
+                              '--train_list', os.path.join(tiny_shapes, 'train.txt'), '--val_list',
+                              os.path.join(tiny_shapes, 'val.txt'), '--no-progress_bar', '--batch_size', '16'],
+                             cwd=dest, capture_output=True, text=True, timeout=300, env={**os.environ, 'EPOCHS': '1'})
+    _ok(trained)
+    assert (dest / 'checkpoints' / 'leaf_net_leaves_default' / 'best.pth').is_file()
+
+
+def test_generator_refuses_a_non_empty_destination(tmp_path):
+    (tmp_path / 'mine.txt').write_text('keep me')
+    result = run_script('scripts/new_task.py', str(tmp_path))
+    assert result.returncode == 2 and result.stderr.startswith('error: ') and 'not an empty folder' in result.stderr
+    assert os.listdir(tmp_path) == ['mine.txt'] and (tmp_path / 'mine.txt').read_text() == 'keep me'
+
+
+@pytest.fixture(scope='module')
+def segmented(tiny_shapes, tmp_path_factory):
+    """A 2-epoch segmentation run through scripts/train_seg.sh on the tiny shapes' masks: its folder."""
+    args = _seg_args(tiny_shapes, tmp_path_factory.mktemp('seg'))
+    result = subprocess.run(['bash', 'scripts/train_seg.sh', *args[2:]], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, 'EPOCHS': '2', 'BATCH_SIZE': '16', 'DATA_TYPE': 'seg_list'})
+    _ok(result)
+    assert 'val/miou' in result.stdout
+    return os.path.join(args[args.index('--checkpoints_dir') + 1], 'seg_net_seg_list_default')
+
+
+def test_segmentation_trains_and_logs_masks(segmented):
+    events = EventAccumulator(segmented, size_guidance={'images': 0, 'scalars': 0})
+    events.Reload()
+    assert {'train/pixel_acc', 'train/miou', 'val/pixel_acc', 'val/miou', 'val/loss'} <= set(events.Tags()['scalars'])
+    assert 'val/segmentation' in events.Tags()['images']
+    with open(os.path.join(segmented, 'history.json')) as f:
+        assert len(json.load(f)['metrics']['val/miou']) == 2
+
+
+def test_segmentation_eval_writes_exact_iou_and_pictures(segmented):
+    result = _ok(run_script('eval.py', '--load_model_path', os.path.join(segmented, 'best.pth'), '--no-progress_bar',
+                            '--viz_freq', '1'))  # the task, model and data come from the checkpoint
+    folder = os.path.join(segmented, 'eval', 'best_val_default')
+    with open(os.path.join(folder, 'result.json')) as f:
+        saved = json.load(f)
+    matrix = np.array(saved['confusion_matrix'])
+    assert matrix.shape == (7, 7) and matrix.sum() == 48 * 32 * 32  # every pixel counted once
+    iou = np.diag(matrix) / (matrix.sum(0) + matrix.sum(1) - np.diag(matrix))
+    assert saved['metrics']['miou'] == pytest.approx(np.nanmean(iou))
+    assert saved['metrics']['pixel_acc'] == pytest.approx(np.trace(matrix) / matrix.sum())
+    assert 'miou' in result.stdout
+    picture = np.asarray(Image.open(os.path.join(folder, 'segmentation_batch0000.png')))
+    assert picture.shape[1] == 3 * 96  # image | predicted mask | true mask
+    with open(os.path.join(folder, 'predictions.csv')) as f:
+        assert len(list(csv.reader(f))) == 49
+
+
+def test_segment_task_needs_masks(tiny_shapes, tmp_path):
+    result = run_script('train.py', *tiny_run_args(tiny_shapes, tmp_path), '--task', 'segment', '--model_type', 'seg_net')
+    assert result.returncode == 2 and 'needs a dataset of masks' in result.stderr and 'Traceback' not in result.stderr
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture(scope='module')
+def classified(tiny_shapes, tmp_path_factory):
+    """Two 1-epoch classification runs (seeds 0 and 1): their experiment folders."""
+    root = tmp_path_factory.mktemp('cls')
+    folders = []
+    for seed in ('0', '1'):
+        _ok(run_script('train.py', *tiny_run_args(tiny_shapes, root), '--epochs', '1', '--seed', seed,
+                       '--save_prefix', f'seed{seed}'))
+        folders.append(str(root / f'small_cnn_list_seed{seed}'))
+    return folders
+
+
+def test_predict_classification_reports_unreadable_images(tiny_shapes, classified, tmp_path):
+    images = tmp_path / 'images'
+    images.mkdir()
+    for name in ('00000.png', '00001.png', '00002.png'):
+        os.link(os.path.join(tiny_shapes, 'images', 'val', name), images / name)
+    (images / 'broken.png').write_bytes(b'not an image')
+    result = run_script('predict.py', '--load_model_path', os.path.join(classified[0], 'best.pth'),
+                        '--input', str(images), '--no-progress_bar')
+    assert result.returncode == 2 and '1 of 4 images could not be read' in result.stderr
+    folder = os.path.join(classified[0], 'predict', 'best_images_default')
+    with open(os.path.join(folder, 'predictions.csv')) as f:
+        rows = list(csv.DictReader(f))
+    assert [os.path.basename(r['image']) for r in rows] == ['00000.png', '00001.png', '00002.png']
+    assert all(r['prediction_name'] in ('circle', 'square', 'triangle', 'star', 'cross', 'ring') for r in rows)
+    assert 'broken.png' in open(os.path.join(folder, 'unreadable.txt')).read()
+
+
+def test_predict_segmentation_writes_masks(tiny_shapes, segmented):
+    _ok(run_script('predict.py', '--load_model_path', os.path.join(segmented, 'best.pth'),
+                   '--input', os.path.join(tiny_shapes, 'seg_val.txt'), '--no-progress_bar'))
+    folder = os.path.join(segmented, 'predict', 'best_seg_val_default')
+    with open(os.path.join(folder, 'predictions.csv')) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 48
+    mask = np.asarray(Image.open(rows[0]['mask']))
+    assert mask.shape == (32, 32) and mask.max() < 7
+
+
+def test_eval_compares_several_checkpoints(classified, tmp_path):
+    pattern = os.path.join(os.path.dirname(classified[0]), '*_seed*')  # experiment folders: their best.pth
+    result = _ok(run_script('eval.py', '--load_model_path', pattern, '--no-progress_bar', '--save_prefix', 'cmp',
+                            '--checkpoints_dir', str(tmp_path)))
+    folder = tmp_path / 'comparisons' / 'val_cmp'
+    with open(folder / 'comparison.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert [os.path.dirname(r['checkpoint']) for r in rows] == classified
+    for row, experiment in zip(rows, classified):
+        with open(os.path.join(experiment, 'eval', 'best_val_cmp', 'result.json')) as f:
+            assert float(row['acc']) == pytest.approx(json.load(f)['metrics']['acc'], abs=1e-6)
+    table = (folder / 'comparison.txt').read_text().splitlines()
+    assert table[0].split() == ['checkpoint', 'acc', 'top3'] and len(table) == 3 and 'checkpoint' in result.stdout
+    again = run_script('eval.py', '--load_model_path', pattern, '--save_prefix', 'cmp', '--checkpoints_dir', str(tmp_path))
+    assert again.returncode == 2 and 'already exists' in again.stderr
+
+
+def test_runs_log_hparams_and_args(classified):
+    events = EventAccumulator(classified[0])
+    events.Reload()
+    assert '_hparams_/session_start_info' in events.PluginTagToContent('hparams')
+    assert 'args/text_summary' in events.Tags()['tensors']
+    assert {'final/val/acc', 'best/val/acc'} <= set(events.Tags()['scalars'])
