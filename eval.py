@@ -83,7 +83,8 @@ class Evaluator:
         return classification_metrics(outputs, targets, self.args.topk)
 
     def gen_imgs_to_write(self, inputs, outputs, targets):
-        """Pictures of one batch as {file name stem: HxWx3 uint8 array}."""
+        """Pictures of (the first 32 images of) one batch as {file name stem: HxWx3 uint8 array}."""
+        inputs, outputs, targets = inputs[:32], outputs[:32], targets[:32]
         grid = labeled_grid(denormalize(inputs), outputs.argmax(1).tolist(), targets.tolist(), self.class_names)
         return {'predictions': grid}
 
@@ -158,6 +159,7 @@ class SegmentationEvaluator(Evaluator):
         return segmentation_metrics(outputs, targets, self.args.num_classes)
 
     def gen_imgs_to_write(self, inputs, outputs, targets):
+        inputs, outputs, targets = inputs[:8], outputs[:8], targets[:8]
         return {'segmentation': segmentation_grid(denormalize(inputs), outputs.argmax(1), targets, self.args.num_classes)}
 
     def prediction_rows(self, outputs, targets):

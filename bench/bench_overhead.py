@@ -121,7 +121,7 @@ def bench_eval(trainer, scratch, repeats):
     ratios, speeds = [], []
     for repeat in range(repeats):
         args = parse_args(parse_test_args, ['--load_model_path', checkpoint, '--cpu', '--no-progress_bar'])
-        args.result_dir = os.path.join(scratch, f'eval{repeat}')
+        args.load_model_path, args.result_dir = checkpoint, os.path.join(scratch, f'eval{repeat}')
         os.makedirs(args.result_dir)
         evaluator = Evaluator(args, load_evaluated_checkpoint(args))
 

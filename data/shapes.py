@@ -8,6 +8,7 @@ background, 1 + class on the shape's pixels), `seg_train.txt`/`seg_val.txt` of
 `image_path mask_path` lines, and `seg_classes.txt`. Run `python -m data.shapes --help` to generate a copy by hand.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -114,22 +115,36 @@ def _write_split(root, split, count, seed, size):
         f.writelines(seg_lines)
 
 
+def _read_manifest(path):
+    """The manifest of a generated copy, or None where there is none (or it is unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
     """Write the shapes dataset into `root` unless a complete copy with these settings is there.
 
     Files are written into a temporary sibling folder and renamed into place at the end, so an
     interrupted generation never leaves a half-written dataset, and concurrent processes (one
-    per DDP rank) simply keep whichever copy finished first. Returns `root`.
+    per DDP rank) simply keep whichever copy finished first. A copy made by another generator
+    version or with other settings (its manifest.json says so) is replaced; a folder without a
+    manifest is never touched. Returns `root`.
     """
     manifest = {'version': GENERATOR_VERSION, 'train_size': train_size, 'val_size': val_size,
                 'seed': seed, 'size': size, 'classes': list(CLASS_NAMES)}
     manifest_path = os.path.join(root, 'manifest.json')
-    if os.path.isfile(manifest_path):
-        with open(manifest_path) as f:
-            if json.load(f) == manifest:
-                return root
-        raise KilnError(f'{root} holds a shapes dataset made with other settings; '
-                              f'delete the folder or choose another --data_root')
+    found = _read_manifest(manifest_path)
+    if found == manifest:
+        return root
+    if found is not None:  # made by another generator version or with other settings: replace it
+        print(f'{root} was generated with other settings; generating it again', flush=True)
+        stale = f'{root}.stale-{os.getpid()}'
+        with contextlib.suppress(FileNotFoundError):  # another process (DDP rank) may have moved it already
+            os.rename(root, stale)
+        shutil.rmtree(stale, ignore_errors=True)
     parent = os.path.dirname(os.path.abspath(root))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix='.shapes-', dir=parent)
@@ -145,8 +160,9 @@ def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
         try:
             os.rename(staging, root)
         except OSError:
-            if not os.path.isfile(manifest_path):  # not a concurrent writer that won the race
-                raise
+            if _read_manifest(manifest_path) != manifest:  # not a concurrent writer that won the race
+                raise KilnError(f'{root} exists and is not a generated shapes dataset (no manifest.json); '
+                                f'move it away or choose another --data_root') from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return root

@@ -97,9 +97,16 @@ def test_shapes_generation_is_deterministic_and_reused(tmp_path):
     before = os.path.getmtime(os.path.join(first, 'train.txt'))
     generate_shapes(first, train_size=12, val_size=6, seed=3)  # complete copy: nothing rewritten
     assert os.path.getmtime(os.path.join(first, 'train.txt')) == before
-    with pytest.raises(KilnError, match='other settings'):
-        generate_shapes(first, train_size=13, val_size=6, seed=3)
-    assert not [n for n in os.listdir(tmp_path) if n.startswith('.shapes-')]  # no staging folders left
+    generate_shapes(first, train_size=13, val_size=6, seed=3)  # an old copy with other settings is replaced
+    with open(os.path.join(first, 'train.txt')) as f:
+        assert len(f.readlines()) == 13
+    assert sorted(os.listdir(tmp_path)) == ['a', 'b', 'c']  # no staging or stale folders left
+    mine = tmp_path / 'mine'
+    mine.mkdir()
+    (mine / 'photo.png').write_bytes(b'x')
+    with pytest.raises(KilnError, match='not a generated shapes dataset'):  # someone else's: never replaced
+        generate_shapes(str(mine), train_size=12, val_size=6)
+    assert os.listdir(mine) == ['photo.png']
 
 
 def test_conv_bn_relu_keeps_size_and_up_block_doubles_it():
