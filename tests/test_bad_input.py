@@ -277,7 +277,7 @@ def test_eval_refuses_a_pickle_that_would_run_code(tmp_path):
 
 
 class Exploit:
-    """Unpickling this with weights_only=False would create the file `marker` by running a shell command."""
+    """Unpickling this without safe loading would create the file `marker` by running a shell command."""
 
     def __init__(self, marker):
         self.marker = marker
