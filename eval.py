@@ -20,8 +20,8 @@ from data.data_entry import select_eval_loader
 from metrics import (accuracy_from_confusion, classification_metrics, confusion_matrix, iou_from_confusion,
                      segmentation_metrics)
 from model.model_entry import equip_multi_gpu, select_model
-from options import (checkpoints_to_evaluate, create_run_folder, discard_folder_if_setup_fails, prefix_map,
-                     prepare_test_args, result_folder)
+from options import (checkpoints_to_evaluate, create_run_folder, discard_folder_if_setup_fails, evaluated_list_name,
+                     prefix_map, prepare_test_args, result_folder)
 from utils.checkpoint import load_checkpoint
 from utils.distributed import (all_gather_objects, all_reduce_sum, cleanup_distributed, init_distributed,
                                is_main_process, run_on_main_process)
@@ -202,8 +202,7 @@ def prepare_comparison(args, checkpoints):
         if os.path.exists(result_folder(args, checkpoint)):
             raise KilnError(f'{result_folder(args, checkpoint)} already exists; choose a new --save_prefix '
                             f'to keep the old results')
-    list_name = os.path.splitext(os.path.basename(args.val_list))[0] if args.val_list else 'val'
-    folder = os.path.join(args.checkpoints_dir, 'comparisons', f'{list_name}_{args.save_prefix}')
+    folder = os.path.join(args.checkpoints_dir, 'comparisons', f'{evaluated_list_name(args)}_{args.save_prefix}')
     create_run_folder(folder, args, 'choose a new --save_prefix to keep the old comparison')
     return folder
 

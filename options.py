@@ -346,12 +346,17 @@ def checkpoints_to_evaluate(args):
     return paths
 
 
+def evaluated_list_name(args):
+    """What result folders call the evaluated list: the --val_list file name, or `val` for the default split."""
+    return os.path.splitext(os.path.basename(args.val_list))[0] if args.val_list else 'val'
+
+
 def result_folder(args, checkpoint):
-    """Where evaluating `checkpoint` writes: `<its folder>/eval/<checkpoint>_<list>_<save_prefix>`,
-    where <list> is the --val_list file name, or `val` for the default validation split."""
+    """Where evaluating `checkpoint` writes: `<its folder>/eval/<checkpoint>_<list>_<save_prefix>`
+    (<list>: see evaluated_list_name)."""
     checkpoint_name = os.path.splitext(os.path.basename(checkpoint))[0]
-    list_name = os.path.splitext(os.path.basename(args.val_list))[0] if args.val_list else 'val'
-    return os.path.join(os.path.dirname(checkpoint), EVAL_FOLDER, f'{checkpoint_name}_{list_name}_{args.save_prefix}')
+    return os.path.join(os.path.dirname(checkpoint), EVAL_FOLDER,
+                        f'{checkpoint_name}_{evaluated_list_name(args)}_{args.save_prefix}')
 
 
 def prepare_test_args(argv=None, checkpoint=None):

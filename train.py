@@ -13,7 +13,6 @@ if __name__ == '__main__':
     parse_args(parse_train_args)  # answer --help and option mistakes before the slow torch import
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -28,7 +27,7 @@ from loss import select_loss
 from metrics import classification_metrics, segmentation_metrics
 from model.model_entry import equip_multi_gpu, select_model
 from options import NOT_SAVED, discard_folder_if_setup_fails, prefix_map, prepare_train_args
-from utils.checkpoint import atomic_write_bytes, load_checkpoint
+from utils.checkpoint import atomic_write_json, load_checkpoint
 from utils.distributed import (all_gather_objects, all_reduce_max, barrier, cleanup_distributed, collective_device,
                                init_distributed, is_distributed, is_main_process, local_rank, rank,
                                run_on_main_process, world_size)
@@ -144,8 +143,8 @@ class Trainer:
         if checkpoint is not None and is_main_process():  # the saved sums are those of all ranks
             self.logger.recorder.load_state_dict(checkpoint['recorder'])
         if self.load_report is not None and is_main_process():
-            atomic_write_bytes(json.dumps({'source': args.load_model_path, **self.load_report.to_dict()}, indent=1)
-                               .encode(), os.path.join(args.model_dir, 'load_report.json'))
+            atomic_write_json({'source': args.load_model_path, **self.load_report.to_dict()},
+                              os.path.join(args.model_dir, 'load_report.json'))
 
     def make_optimizer(self):
         """The optimizer named by --optimizer over the trainable parameters: the last layer group

@@ -181,12 +181,12 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
 
 def test_checkpoint_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
     path = str(tmp_path / 'last.pth')
-    save_checkpoint({'step': torch.tensor(1)}, [path])
+    save_checkpoint({'step': torch.tensor(1)}, path)
 
     def full_disk(*args):
         raise OSError(28, 'No space left on device')
     monkeypatch.setattr(os, 'replace', full_disk)
     with pytest.raises(OSError, match='No space left'):
-        save_checkpoint({'step': torch.tensor(2)}, [path])
+        save_checkpoint({'step': torch.tensor(2)}, path)
     assert load_checkpoint(path)['step'].item() == 1
     assert os.listdir(tmp_path) == ['last.pth']  # the temporary file was cleaned up

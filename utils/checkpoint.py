@@ -41,12 +41,16 @@ def atomic_write_bytes(data, path):
         os.close(directory)
 
 
-def save_checkpoint(state, paths):
-    """Serialize `state` once and write it atomically to every path in `paths`."""
+def atomic_write_json(data, path):
+    """Write `data` as indented JSON to `path` atomically (see atomic_write_bytes)."""
+    atomic_write_bytes(json.dumps(data, indent=1, default=str).encode(), path)
+
+
+def save_checkpoint(state, path):
+    """Serialize `state` with torch.save and write it to `path` atomically."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    for path in paths:
-        atomic_write_bytes(buffer.getvalue(), path)
+    atomic_write_bytes(buffer.getvalue(), path)
 
 
 def load_checkpoint(path, map_location='cpu'):
@@ -130,7 +134,7 @@ class CheckpointKeeper:
         """
         path = os.path.join(self.folder, name)
         try:
-            save_checkpoint(state, [path])
+            save_checkpoint(state, path)
             _link_or_copy(path, os.path.join(self.folder, 'last.pth'))
             self.last = [n for n in self.last if n != name] + [name]
             is_best = metric is not None and (not self.best or self.is_better(metric, self.best[0][0]))
@@ -140,8 +144,7 @@ class CheckpointKeeper:
                 self.best = sorted([b for b in self.best if b[1] != name] + [[metric, name]],
                                    key=lambda b: b[0], reverse=self.mode == 'max')
             dropped = self._forget_extra()
-            atomic_write_bytes(json.dumps(self.state_dict(), indent=1).encode(),
-                               os.path.join(self.folder, self.RECORD))
+            atomic_write_json(self.state_dict(), os.path.join(self.folder, self.RECORD))
         except OSError as error:
             raise KilnError(f'could not write checkpoint {path} ({error.strerror or error}); the previous '
                             f'checkpoints are intact: free space or fix permissions, then continue with --resume') \
@@ -160,7 +163,7 @@ class CheckpointKeeper:
         return dropped
 
     def state_dict(self):
-        """Which files are kept, as plain data (saved in checkpoints and checkpoints.json)."""
+        """Which files are kept, as plain data (saved as checkpoints.json)."""
         return {'last': list(self.last), 'best': [list(b) for b in self.best]}
 
     def load_state_dict(self, state):

@@ -1,8 +1,7 @@
 """What a run has measured so far, epoch by epoch: best-checkpoint and early-stopping decisions read it."""
-import json
 from abc import ABC, abstractmethod
 
-from utils.checkpoint import atomic_write_bytes
+from utils.checkpoint import atomic_write_json
 from utils.errors import KilnError
 
 
@@ -81,5 +80,5 @@ class InMemoryRunHistory(RunHistory):
 
     def save_json(self, path):
         """Write the history as JSON, atomically (for people and tools; resume reads the checkpoint)."""
-        atomic_write_bytes(json.dumps(self.state_dict(), indent=1).encode(), path)
+        atomic_write_json(self.state_dict(), path)
 

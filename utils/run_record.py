@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from utils.checkpoint import atomic_write_bytes
+from utils.checkpoint import atomic_write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,8 +31,7 @@ class TrainerRunConfig:
 
     def save(self, folder):
         """Write the config as run_config.json in `folder`."""
-        atomic_write_bytes(json.dumps(dataclasses.asdict(self), indent=1).encode(),
-                           os.path.join(folder, 'run_config.json'))
+        atomic_write_json(dataclasses.asdict(self), os.path.join(folder, 'run_config.json'))
 
 
 def _git(*command):
@@ -70,4 +69,4 @@ def append_reproducibility_record(folder, args):
         'host': socket.gethostname(),
         'platform': platform.platform(),
     })
-    atomic_write_bytes(json.dumps(entries, indent=1, default=str).encode(), path)
+    atomic_write_json(entries, path)
