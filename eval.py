@@ -1,208 +1,130 @@
 """Evaluate a checkpoint: `python eval.py --load_model_path checkpoints/<experiment>/best.pth`.
 
 Writes into `<experiment>/eval/<checkpoint>_<list>_<save_prefix>/`: result.txt, result.json,
-predictions.csv, confusion_matrix.png and a picture every --viz_freq batches.
+predictions.csv, the task's pictures of the whole list (e.g. confusion_matrix.png) and a picture
+every --viz_freq batches. With several checkpoints (files, experiment folders, quoted globs) each
+gets its result folder and a comparison table is written too. The evaluation loop is the one
+validation runs (utils/evaluation.py), so the numbers agree with training's.
 """
-from options import parse_args, parse_test_args
+from utils.errors import quiet_interrupts, run_cli
+
+quiet_interrupts()
+from options import parse_args, parse_test_args  # noqa: E402
 
 if __name__ == '__main__':
-    parse_args(parse_test_args)  # answer --help and option mistakes before the slow torch import
+    ARGS = run_cli(lambda argv: parse_args(parse_test_args, argv))  # --help and mistakes answer before torch loads
 
-import contextlib
-import csv
-import json
-import os
+import contextlib  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
 
-import torch
+from data.data_entry import select_dataset  # noqa: E402
+from data.loader import Batches  # noqa: E402
+from options import Options, prefix_map  # noqa: E402
+from tasks.task_entry import task_class  # noqa: E402
+from utils.checkpoint import load_checkpoint  # noqa: E402
+from utils.checkpoint_keeper import verify  # noqa: E402
+from utils.device import select_device  # noqa: E402
+from utils.distributed import cleanup_distributed, init_distributed, is_main_process, run_on_main_process  # noqa: E402
+from utils.errors import KilnError  # noqa: E402
+from utils.evaluation import evaluate  # noqa: E402
+from utils.model_setup import setup_model  # noqa: E402
+from utils.run_folder import (checkpoints_to_evaluate, create_run_folder, discard_folder_if_setup_fails,  # noqa: E402
+                              evaluated_list_name, result_folder)
+from utils.viz import save_png  # noqa: E402
 
-from data.augment import denormalize
-from data.data_entry import select_eval_loader
-from metrics import (accuracy_from_confusion, classification_metrics, confusion_matrix, iou_from_confusion,
-                     segmentation_metrics)
-from model.model_entry import equip_multi_gpu, select_model
-from options import (checkpoints_to_evaluate, create_run_folder, discard_folder_if_setup_fails, evaluated_list_name,
-                     prefix_map, prepare_test_args, result_folder)
-from utils.checkpoint import load_checkpoint
-from utils.distributed import (all_gather_objects, all_reduce_sum, cleanup_distributed, init_distributed,
-                               is_main_process, run_on_main_process)
-from utils.errors import KilnError, run_cli
-from utils.logger import Recorder, progress
-from utils.torch_utils import autocast_for, load_weights, place_model, select_device, to_device
-from utils.viz import confusion_matrix_image, labeled_grid, save_png, segmentation_grid
-
-# options that describe the model and data; unset ones are taken from the checkpoint's training run
-# --data_type when neither it nor the checkpoint says: (without --val_list, with it)
-DEFAULT_DATA = {'classify': ('shapes', 'list'), 'segment': ('shapes_seg', 'seg_list')}
-INHERITED = ('task', 'model_type', 'data_type', 'img_size', 'num_classes', 'val_list')
+# options that describe the model and data; the ones not given are taken from the checkpoint's training run
+INHERITED = ('task', 'model_type', 'data_type', 'img_size', 'num_classes', 'val_list', 'loss', 'topk')
 
 
-def load_evaluated_checkpoint(args):
-    """Load --load_model_path and fill the options left unset (task, model, data, image size, ...)
-    from the training run that wrote it; returns the checkpoint."""
-    checkpoint = load_checkpoint(args.load_model_path)
+def load_for_inference(args, path):
+    """Load the checkpoint `path` (checked against its recorded checksum) and resolve the options it is
+    run with: those not given come from its training run, then from its task's defaults.
+    Returns (options, checkpoint, task class)."""
+    verify(path)
+    checkpoint = load_checkpoint(path)
     if not isinstance(checkpoint, dict):
-        raise KilnError(f'{args.load_model_path} holds a {type(checkpoint).__name__}, not model weights; '
+        raise KilnError(f'{path} holds a {type(checkpoint).__name__}, not model weights; '
                         f'give a checkpoint written by train.py or a state dict')
     trained_with = checkpoint.get('args') if isinstance(checkpoint.get('args'), dict) else {}
-    for name in INHERITED:
-        if getattr(args, name) is None:
-            setattr(args, name, trained_with.get(name))
-    if args.model_type is None:
-        raise KilnError(f'{args.load_model_path} does not say which model it holds; give --model_type')
-    args.task = args.task or 'classify'
-    args.data_type = args.data_type or DEFAULT_DATA[args.task][bool(args.val_list)]
-    args.img_size = args.img_size or 32
-    return checkpoint
+    given = {name: getattr(args, name, None) for name in INHERITED}
+    values = {name: given[name] if given[name] is not None else trained_with.get(name) for name in INHERITED}
+    if values['model_type'] is None:
+        raise KilnError(f'{path} does not say which model it holds; give --model_type')
+    task_type = task_class(values['task'] or 'classify')
+    values.update(task=values['task'] or 'classify', img_size=values['img_size'] or 32, topk=values['topk'] or 3,
+                  data_type=values['data_type'] or task_type.default_data[bool(values['val_list'])])
+    class_names = checkpoint.get('class_names')
+    if values['num_classes'] is None and class_names:
+        values['num_classes'] = len(class_names)
+    return Options.of(args, **values, load_model_path=path), checkpoint, task_type
 
 
-class Evaluator:
-    """Runs a checkpoint over a list of images and writes metrics, predictions and pictures."""
-
-    def __init__(self, args, checkpoint):
-        """`checkpoint` is the loaded --load_model_path; see `load_evaluated_checkpoint`."""
-        self.args = args
-        self.device = select_device(args)
-        self.loader = select_eval_loader(args)
-        self.dataset = self.loader.dataset
-        args.num_classes = args.num_classes or self.dataset.num_classes
-        self.class_names = self.dataset.class_names or checkpoint.get('class_names')
-        model = select_model(args)
-        load_weights(model, checkpoint, strict=not args.load_not_strict, source=args.load_model_path,
-                     prefix_map=prefix_map(args))
-        self.model = equip_multi_gpu(place_model(model, args, self.device), args)
-        self.autocast = autocast_for(self.device, args.amp)
-
-    def step(self, batch):
-        """Move one batch to the device and run the model; return (inputs, outputs, targets)."""
-        inputs, targets = to_device(batch, self.device, self.args.channels_last)
-        with self.autocast():
-            return inputs, self.model(inputs).float(), targets
-
-    def compute_metrics(self, outputs, targets):
-        """Metrics of one batch as {name: device tensor}; averaged over the whole list."""
-        return classification_metrics(outputs, targets, self.args.topk)
-
-    def gen_imgs_to_write(self, inputs, outputs, targets):
-        """Pictures of (the first 32 images of) one batch as {file name stem: HxWx3 uint8 array}."""
-        inputs, outputs, targets = inputs[:32], outputs[:32], targets[:32]
-        grid = labeled_grid(denormalize(inputs), outputs.argmax(1).tolist(), targets.tolist(), self.class_names)
-        return {'predictions': grid}
-
-    def prediction_rows(self, outputs, targets):
-        """Per-sample results of one batch as a float64 tensor (N, k): label, prediction, confidence."""
-        confidence, predicted = outputs.softmax(dim=1).max(dim=1)
-        return torch.stack([targets.double(), predicted.double(), confidence.double()], dim=1)
-
-    def metrics_from_confusion(self, matrix, names):
-        """Metrics only the whole list's confusion matrix gives: recall of each class."""
-        _, recall = accuracy_from_confusion(matrix)
-        return {f'recall/{name}': value for name, value in zip(names, recall.tolist())}
-
-    def write_predictions(self, writer, names, paths, rows):
-        """Write predictions.csv (a csv.writer) from `prediction_rows` in dataset order."""
-        writer.writerow(['image', 'label', 'prediction', 'confidence', 'label_name', 'prediction_name'])
-        for path, (label, predicted, confidence) in zip(paths, rows):
-            writer.writerow([path, int(label), int(predicted), f'{confidence:.4f}', names[int(label)],
-                             names[int(predicted)]])
-
-    @torch.no_grad()
-    def eval(self):
-        """Evaluate the whole list and write the result files; return the metrics.
-
-        Under torchrun each rank evaluates every world_size-th image (none twice); counts, sums
-        and predictions are gathered, so the results equal those of one process. Rank 0 writes.
-        """
-        self.model.eval()
-        recorder = Recorder()
-        num_classes = self.args.num_classes
-        matrix = torch.zeros(num_classes, num_classes, dtype=torch.long, device=self.device)
-        rows = []
-        for i, batch in enumerate(progress(self.loader, self.args.progress_bar and is_main_process(), 'eval')):
-            inputs, outputs, targets = self.step(batch)
-            for name, value in self.compute_metrics(outputs, targets).items():
-                recorder.record(name, value, len(targets))
-            matrix += confusion_matrix(outputs.argmax(dim=1).flatten(), targets.flatten(), num_classes)
-            rows.append(self.prediction_rows(outputs, targets))
-            if self.args.save_viz and i % self.args.viz_freq == 0 and is_main_process():
-                for name, image in self.gen_imgs_to_write(inputs, outputs, targets).items():
-                    save_png(image, os.path.join(self.args.result_dir, f'{name}_batch{i:04d}.png'))
-        metrics = recorder.summary(all_ranks=True)
-        all_reduce_sum(matrix)
-        names = self.class_names or [str(c) for c in range(num_classes)]
-        metrics.update(self.metrics_from_confusion(matrix, names))
-        per_rank = all_gather_objects(torch.cat(rows).cpu().tolist())
-        in_order = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
-        if is_main_process():
-            self.write_results(metrics, matrix.cpu(), in_order, names)
-        return metrics
-
-    def write_results(self, metrics, matrix, rows, names):
-        """Write result.txt, result.json, predictions.csv and confusion_matrix.png."""
-        folder, args = self.args.result_dir, self.args
-        header = {'checkpoint': args.load_model_path, 'list': self.dataset.list_path, 'samples': len(self.dataset)}
-        with open(os.path.join(folder, 'result.txt'), 'w') as f:
-            f.writelines(f'{key}: {value}\n' for key, value in header.items())
-            f.writelines(f'{key}: {value:.4f}\n' for key, value in metrics.items())
-        with open(os.path.join(folder, 'result.json'), 'w') as f:
-            json.dump({**header, 'metrics': metrics, 'class_names': names,
-                       'confusion_matrix': matrix.tolist()}, f, indent=1)
-        with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
-            self.write_predictions(csv.writer(f), names, self.dataset.image_paths(), rows)
-        save_png(confusion_matrix_image(matrix, names), os.path.join(folder, 'confusion_matrix.png'))
-
-
-class SegmentationEvaluator(Evaluator):
-    """Evaluates a segmentation checkpoint: exact mean IoU and per-class IoU over all pixels, pixel
-    accuracy per image, and pictures of image | predicted mask | true mask."""
-
-    def compute_metrics(self, outputs, targets):
-        return segmentation_metrics(outputs, targets, self.args.num_classes)
-
-    def gen_imgs_to_write(self, inputs, outputs, targets):
-        inputs, outputs, targets = inputs[:8], outputs[:8], targets[:8]
-        return {'segmentation': segmentation_grid(denormalize(inputs), outputs.argmax(1), targets, self.args.num_classes)}
-
-    def prediction_rows(self, outputs, targets):
-        """Per-image pixel accuracy."""
-        return (outputs.argmax(dim=1) == targets).flatten(1).double().mean(dim=1, keepdim=True)
-
-    def metrics_from_confusion(self, matrix, names):
-        """The list's mean IoU (over classes present), pixel accuracy and IoU of each class."""
-        iou = iou_from_confusion(matrix)
-        accuracy, _ = accuracy_from_confusion(matrix)
-        return {'miou': iou.nanmean().item(), 'pixel_acc': accuracy.item(),
-                **{f'iou/{name}': value for name, value in zip(names, iou.tolist())}}
-
-    def write_predictions(self, writer, names, paths, rows):
-        writer.writerow(['image', 'pixel_accuracy'])
-        for path, (accuracy,) in zip(paths, rows):
-            writer.writerow([path, f'{accuracy:.4f}'])
-
-
-EVALUATORS = {'classify': Evaluator, 'segment': SegmentationEvaluator}  # --task
-
-
-def evaluate(argv, checkpoint=None):
-    """Evaluate one checkpoint into its own result folder; return (args, metrics)."""
-    args = run_on_main_process(prepare_test_args, argv, checkpoint)
-    with discard_folder_if_setup_fails(args.result_dir) if is_main_process() else contextlib.nullcontext():
-        loaded = load_evaluated_checkpoint(args)
-        evaluator = EVALUATORS[args.task](args, loaded)
-    metrics = evaluator.eval()
+def evaluate_checkpoint(args, path):
+    """Evaluate one checkpoint into its own result folder; return its metrics."""
+    options, checkpoint, task_type = load_for_inference(args, path)
+    folder = result_folder(path, 'eval', evaluated_list_name(options.val_list), options.save_prefix)
+    options = options.replace(result_dir=folder)
+    run_on_main_process(create_run_folder, folder, options, 'choose a new --save_prefix to keep the old results')
+    with discard_folder_if_setup_fails(folder) if is_main_process() else contextlib.nullcontext():
+        device = select_device(options.cpu, options.gpus)
+        dataset = select_dataset(options, 'val')
+        options = options.replace(num_classes=options.num_classes or dataset.num_classes)
+        task = task_type(options, dataset.class_names or checkpoint.get('class_names'))
+        task.check_dataset(dataset, options.data_type)
+        data = Batches(dataset, device, batch_size=options.batch_size, shuffle=False, seed=options.seed,
+                       collate=task.collate, workers=options.num_workers, channels_last=options.channels_last,
+                       image_size=options.img_size)
+        setup = setup_model(options, device, checkpoint, strict=not options.load_not_strict, source=path,
+                            prefix_map=prefix_map(options))
+        every = range(0, len(data), options.viz_freq) if options.save_viz else ()
+        evaluation = evaluate(setup.wrapped, data, task, setup.autocast, class_names=task.class_names, keep_rows=True,
+                              picture_batches=every, progress_bar=options.progress_bar and is_main_process(),
+                              description='eval')
     if is_main_process():
-        print(f'{args.load_model_path}: ' + ' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if '/' not in k))
-        print(f'  results in {args.result_dir}: result.txt, result.json, predictions.csv, '
-              f'confusion_matrix.png{", a picture every --viz_freq batches" if args.save_viz else ""}')
-    return args, metrics
+        write_results(folder, options, task, dataset, evaluation)
+        main_metrics = {k: v for k, v in evaluation.metrics.items() if '/' not in k}
+        print(f'{path}: ' + ' '.join(f'{k} {v:.4f}' for k, v in main_metrics.items()))
+        print(f'  results in {folder}: result.txt, result.json, predictions.csv'
+              f'{", pictures" if options.save_viz else ""}')
+    return evaluation.metrics
+
+
+def write_results(folder, options, task, dataset, evaluation):
+    """result.txt (one `metric: value` per line), result.json, predictions.csv and the pictures."""
+    header = {'checkpoint': options.load_model_path, 'list': getattr(dataset, 'list_path', None),
+              'samples': len(dataset)}
+    with open(os.path.join(folder, 'result.txt'), 'w') as f:
+        f.writelines(f'{key}: {value}\n' for key, value in header.items())
+        f.writelines(f'{key}: {value:.4f}\n' for key, value in evaluation.metrics.items())
+    details = {'class_names': task.class_names}
+    confusion = getattr(evaluation.metric_object, 'confusion', None)
+    if confusion is not None:
+        details['confusion_matrix'] = confusion.tolist()
+    with open(os.path.join(folder, 'result.json'), 'w') as f:
+        json.dump({**header, 'metrics': evaluation.metrics, **details}, f, indent=1)
+    paths = dataset.image_paths()
+    with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
+        writer = csv.writer(f)
+        writer.writerow(task.eval_header)
+        for path, rows in zip(paths, evaluation.rows):
+            writer.writerows([path, *row] for row in rows)
+    if options.save_viz:
+        for batch, pictures in evaluation.pictures.items():
+            for name, picture in pictures.items():
+                save_png(picture, os.path.join(folder, f'{name}_batch{batch:04d}.png'))
+    for name, picture in task.result_pictures(evaluation.metric_object).items():
+        save_png(picture, os.path.join(folder, f'{name}.png'))
 
 
 def prepare_comparison(args, checkpoints):
     """Check that no result folder exists yet, then create the comparison folder; return its path."""
     for checkpoint in checkpoints:
-        if os.path.exists(result_folder(args, checkpoint)):
-            raise KilnError(f'{result_folder(args, checkpoint)} already exists; choose a new --save_prefix '
-                            f'to keep the old results')
-    folder = os.path.join(args.checkpoints_dir, 'comparisons', f'{evaluated_list_name(args)}_{args.save_prefix}')
+        folder = result_folder(checkpoint, 'eval', evaluated_list_name(args.val_list), args.save_prefix)
+        if os.path.exists(folder):
+            raise KilnError(f'{folder} already exists; choose a new --save_prefix to keep the old results')
+    folder = os.path.join(args.checkpoints_dir, 'comparisons', f'{evaluated_list_name(args.val_list)}_{args.save_prefix}')
     create_run_folder(folder, args, 'choose a new --save_prefix to keep the old comparison')
     return folder
 
@@ -222,25 +144,25 @@ def write_comparison(folder, rows):
         f.writelines('  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() + '\n' for row in table)
 
 
-def main(argv=None):
+def main(argv=None, args=None):
     """Join torchrun's processes if any, then evaluate the checkpoint, or each of several and compare them."""
-    parsed = parse_args(parse_test_args, argv)
-    init_distributed(parsed)
+    args = args or parse_args(parse_test_args, argv)
+    init_distributed(args.cpu, args.gpus)
     try:
-        checkpoints = checkpoints_to_evaluate(parsed)
+        checkpoints = checkpoints_to_evaluate(args.load_model_path)
         if len(checkpoints) == 1:
-            evaluate(argv)
-            return
-        folder = run_on_main_process(prepare_comparison, parsed, checkpoints)
-        rows = [(checkpoint, evaluate(argv, checkpoint)[1]) for checkpoint in checkpoints]
+            return evaluate_checkpoint(args, checkpoints[0])
+        folder = run_on_main_process(prepare_comparison, args, checkpoints)
+        rows = [(checkpoint, evaluate_checkpoint(args, checkpoint)) for checkpoint in checkpoints]
         if is_main_process():
             write_comparison(folder, rows)
             with open(os.path.join(folder, 'comparison.txt')) as f:
                 print(f.read().rstrip())
             print(f'comparison of {len(rows)} checkpoints in {folder}: comparison.txt, comparison.csv')
+        return rows
     finally:
         cleanup_distributed()
 
 
 if __name__ == '__main__':
-    run_cli(main)
+    run_cli(lambda argv: main(argv, ARGS))

@@ -1,18 +1,35 @@
-"""Classification metrics computed on the device, returned as tensors (no host sync)."""
+"""Metrics that add up exactly over a whole split: counts kept on the device, reduced once.
+
+A metric object takes `update(outputs, batch)` for every batch (device tensors, no host sync) and
+`compute()` once at the end, which adds up the counts of every torchrun process, so validation,
+eval.py and one or many processes all give the same numbers. Tasks pick theirs in tasks/*.py.
+"""
 import torch
+
+from utils.distributed import all_reduce_sum, collective_device
 
 
 def topk_accuracy(logits, targets, k=1):
     """Fraction of samples whose true class is among the k highest scores."""
-    k = min(k, logits.shape[1])
-    top = logits.topk(k, dim=1).indices
-    return (top == targets.unsqueeze(1)).any(dim=1).double().mean()  # float64: sums over ranks stay exact to ~1e-15
+    return topk_hits(logits, targets, k).double().mean()
+
+
+def topk_hits(logits, targets, k):
+    """Per sample, whether the true class is among the k highest scores (bool tensor)."""
+    top = logits.topk(min(k, logits.shape[1]), dim=1).indices
+    return (top == targets.unsqueeze(1)).any(dim=1)
 
 
 def confusion_matrix(predictions, targets, num_classes):
-    """Counts (num_classes, num_classes): row = true class, column = predicted class."""
-    index = targets * num_classes + predictions
-    return torch.bincount(index, minlength=num_classes * num_classes).view(num_classes, num_classes)
+    """Counts (num_classes, num_classes): row = true class, column = predicted class.
+
+    Built with an accumulating index_put (not bincount, whose output size is data-dependent and
+    so waits for the GPU).
+    """
+    index = (targets.flatten() * num_classes + predictions.flatten()).long()
+    counts = torch.zeros(num_classes * num_classes, dtype=torch.long, device=index.device)
+    counts.index_put_((index,), torch.ones_like(index), accumulate=True)
+    return counts.view(num_classes, num_classes)
 
 
 def accuracy_from_confusion(matrix):
@@ -20,11 +37,6 @@ def accuracy_from_confusion(matrix):
     matrix = matrix.double()
     per_class = matrix.diagonal() / matrix.sum(dim=1).clamp(min=1)
     return matrix.diagonal().sum() / matrix.sum().clamp(min=1), per_class
-
-
-def classification_metrics(logits, targets, k):
-    """The metrics logged for classification: top-1 accuracy `acc` and top-k accuracy `top<k>`."""
-    return {'acc': topk_accuracy(logits, targets, 1), f'top{k}': topk_accuracy(logits, targets, k)}
 
 
 def iou_from_confusion(matrix):
@@ -35,9 +47,93 @@ def iou_from_confusion(matrix):
     return intersection / union  # 0/0 = NaN: absent from both prediction and truth
 
 
-def segmentation_metrics(logits, targets, num_classes):
-    """Per-batch segmentation metrics: pixel accuracy `pixel_acc` and `miou`, the mean IoU over the
-    classes present in the batch (the Evaluator computes the exact mIoU over the whole list)."""
-    predicted = logits.argmax(dim=1)
-    iou = iou_from_confusion(confusion_matrix(predicted.flatten(), targets.flatten(), num_classes))
-    return {'pixel_acc': (predicted == targets).double().mean(), 'miou': iou.nanmean()}
+def reduced(*tensors):
+    """Host copies of `tensors` summed over all torchrun processes (one collective, one sync)."""
+    flat = torch.cat([t.detach().double().flatten().to(collective_device()) for t in tensors])
+    all_reduce_sum(flat)
+    parts, start = [], 0
+    for tensor in tensors:
+        parts.append(flat[start:start + tensor.numel()].view(tensor.shape).cpu())
+        start += tensor.numel()
+    return parts
+
+
+class ConfusionMetrics:
+    """The confusion matrix of argmax predictions against `batch[target]` over a split, summed on
+    the device; subclasses turn it into metrics. After `compute`, `confusion` is the reduced matrix."""
+
+    def __init__(self, num_classes, target):
+        self.num_classes, self.target = num_classes, target
+        self.confusion = None
+        self.reset()
+
+    def reset(self):
+        """Start counting again (a new interval of training batches)."""
+        self.matrix = torch.zeros(self.num_classes, self.num_classes, dtype=torch.long)
+
+    def update(self, logits, batch):
+        """Add one batch of class scores `logits` (N, C, ...) and targets `batch[target]` (N, ...)."""
+        counts = confusion_matrix(logits.argmax(dim=1), batch[self.target], self.num_classes)
+        self.matrix = self.matrix.to(counts.device) + counts
+
+    def reduce(self, *extra):
+        """The matrix and `extra` tensors summed over all processes, as host tensors (one collective)."""
+        self.confusion, *rest = reduced(self.matrix, *extra)
+        self.confusion = self.confusion.long()
+        return rest
+
+    sums = ('matrix',)  # the counters a checkpoint keeps
+
+    def state_dict(self):
+        """The counters of all processes, as host tensors (a collective: every process calls it)."""
+        return dict(zip(self.sums, (t.long() for t in reduced(*(getattr(self, name) for name in self.sums)))))
+
+    def load_state_dict(self, state):
+        """Continue counting from `state_dict` (under torchrun, on rank 0 only: it holds everyone's counts)."""
+        for name in self.sums:
+            setattr(self, name, state[name].clone())
+
+
+class ClassificationMetrics(ConfusionMetrics):
+    """Accuracy `acc`, top-k accuracy `top<k>` and, in detail, the recall of each class."""
+
+    def __init__(self, num_classes, topk=3, target='label'):
+        self.k = topk
+        super().__init__(num_classes, target)
+
+    sums = ('matrix', 'hits')
+
+    def reset(self):
+        super().reset()
+        self.hits = torch.zeros((), dtype=torch.long)
+
+    def update(self, logits, batch):
+        super().update(logits, batch)
+        self.hits = self.hits.to(logits.device) + topk_hits(logits, batch[self.target], self.k).sum()
+
+    def compute(self, class_names=None):
+        """{'acc', 'top<k>'} and, with `class_names`, 'recall/<name>' for each class (a collective)."""
+        hits, = self.reduce(self.hits)
+        accuracy, recall = accuracy_from_confusion(self.confusion)
+        metrics = {'acc': accuracy.item(), f'top{self.k}': hits.item() / max(self.confusion.sum().item(), 1)}
+        if class_names:
+            metrics.update({f'recall/{name}': value for name, value in zip(class_names, recall.tolist())})
+        return metrics
+
+
+class SegmentationMetrics(ConfusionMetrics):
+    """Pixel accuracy `pixel_acc` and mean IoU `miou` (over the classes present) of every pixel;
+    in detail, the IoU of each class."""
+
+    def __init__(self, num_classes, target='mask'):
+        super().__init__(num_classes, target)
+
+    def compute(self, class_names=None):
+        """{'pixel_acc', 'miou'} and, with `class_names`, 'iou/<name>' for each class (a collective)."""
+        self.reduce()
+        iou = iou_from_confusion(self.confusion)
+        accuracy, _ = accuracy_from_confusion(self.confusion)
+        metrics = {'pixel_acc': accuracy.item(), 'miou': iou.nanmean().item()}
+        if class_names:
+            metrics.update({f'iou/{name}': value for name, value in zip(class_names, iou.tolist())})
+        return metrics

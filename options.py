@@ -1,27 +1,31 @@
-"""Command-line options shared by train.py and eval.py, and the folders they write to.
+"""Command-line options of train.py, eval.py and predict.py, parsed once.
 
 Precedence: built-in defaults < `--config FILE` (YAML or JSON) < flags on the command line.
-Every run saves its options twice: `args.txt` for people and `args.yaml`, which can be given
-back with `--config`. This module imports no torch, so `--help` answers at once.
+Task, model and dataset names are checked against their registries here, before torch loads,
+so `--help` and every option mistake answer at once with one line. This module imports no torch.
+Folders, resume and checkpoints are resolved later (utils/run_folder.py).
 """
 import argparse
-import contextlib
-import glob
-import os
+import math
 import sys
 
 import yaml
 
-from utils.errors import KilnError
-
-ARGS_TXT = 'args.txt'
-ARGS_YAML = 'args.yaml'
 NOT_SAVED = ('config', 'debug', 'resume')  # how a run was started, not what it is
 RESUME_LATEST = 'last'  # --resume without a path
-LAST_CHECKPOINT = 'last.pth'
-BEST_CHECKPOINT = 'best.pth'
-EVAL_FOLDER = 'eval'  # evaluation results go to <experiment>/eval/<name>/
-DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: shown in args.txt, not in args.yaml
+# what a resumed run may change: how long it runs and how it reports, not what it computes
+RESUME_CHANGEABLE = ('epochs', 'max_iteration', 'valid_interval', 'save_interval', 'print_freq', 'progress_bar',
+                     'log_images', 'loggers', 'mlflow_uri', 'wandb_project', 'keep_last', 'keep_best',
+                     'early_stop_patience', 'early_stop_min_delta', 'num_workers', 'cpu', 'gpus', 'compile',
+                     'compile_mode', 'channels_last', 'deterministic', 'limit_val_batches', 'profile',
+                     'detect_anomaly', 'checkpoints_dir', 'data_root')
+REGISTRIES = {  # option -> (registry module, dict name, its file)
+    'task': ('tasks.task_entry', 'TASKS', 'tasks/task_entry.py'),
+    'model_type': ('model.model_entry', 'MODELS', 'model/model_entry.py'),
+    'data_type': ('data.data_entry', 'DATASETS', 'data/data_entry.py'),
+}
+AUGMENTATIONS = ('crop', 'hflip', 'vflip')  # the names data/augment.py knows
+LOGGERS = ('tensorboard', 'csv', 'wandb', 'mlflow')
 
 
 class KilnArgumentParser(argparse.ArgumentParser):
@@ -31,36 +35,46 @@ class KilnArgumentParser(argparse.ArgumentParser):
         self.exit(2, f'error: {message} (see --help)\n')
 
 
-def _positive_int(text):
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f'must be a positive integer, got {text}')
-    return value
+def _number(convert, test, requirement):
+    """An argparse type: `convert` the text, then require `test(value)` (finite numbers only)."""
+    def parse(text):
+        value = convert(text)
+        if not (math.isfinite(value) and test(value)):
+            raise argparse.ArgumentTypeError(f'must be {requirement}, got {text}')
+        return value
+    parse.__name__ = requirement  # argparse names the type in its messages
+    return parse
 
 
-def _non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f'must be 0 or more, got {text}')
-    return value
+_positive_int = _number(int, lambda v: v > 0, 'a positive integer')
+_non_negative_int = _number(int, lambda v: v >= 0, '0 or more')
+_positive_float = _number(float, lambda v: v > 0, 'a positive number')
+_non_negative_float = _number(float, lambda v: v >= 0, '0 or more')
+_image_side = _number(int, lambda v: 8 <= v <= 4096, 'an image side from 8 to 4096 pixels')
 
 
-def _positive_float(text):
+def _count_or_fraction(text):
+    """--limit_*_batches: a number of batches (an integer >= 1) or a fraction of them (0 < f <= 1)."""
     value = float(text)
-    if not value > 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f'must be a positive number, got {text}')
-    return value
+    if not (0 < value <= 1 or (value >= 1 and value == int(value))) or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f'must be a count of batches (1, 2, ...) or a fraction (0 < f <= 1), got {text}')
+    return int(value) if '.' not in text and 'e' not in text.lower() else value
 
 
-def _non_negative_float(text):
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f'must be 0 or more, got {text}')
-    return value
+def _augmentations(text):
+    """--augment: 'none', 'default' or names from AUGMENTATIONS joined by commas."""
+    if text in ('none', 'default'):
+        return text
+    names = [name.strip() for name in text.split(',') if name.strip()]
+    unknown = [name for name in names if name not in AUGMENTATIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f'unknown augmentation {", ".join(unknown) or text!r}; use none, default or '
+                                         f'a comma list of {", ".join(AUGMENTATIONS)}')
+    return ','.join(names)
 
 
 def _prefix_rename(text):
-    old, separator, new = text.partition('=')
+    old, separator, _ = text.partition('=')
     if not separator or not old:
         raise argparse.ArgumentTypeError(f'must look like old.=new. (a name prefix in the file, then the one '
                                          f'in the model), got {text!r}')
@@ -78,14 +92,26 @@ def _name_part(text):
     return text
 
 
+def registry_names(option):
+    """The names registered for `option` ('task', 'model_type' or 'data_type'), read without torch."""
+    import importlib
+    module_name, dict_name, path = REGISTRIES[option]
+    try:
+        return list(getattr(importlib.import_module(module_name), dict_name))
+    except Exception as error:  # noqa: BLE001 - a broken registry file is the user's to fix: say which
+        line = f' line {error.lineno}' if isinstance(error, SyntaxError) else ''
+        sys.exit(f'error: {path}{line}: {type(error).__name__}: {error}')
+
+
 def parse_common_args(parser):
-    """Options that training and evaluation share, so the two cannot drift apart."""
+    """Options that training, evaluation and prediction share, so they cannot drift apart."""
     parser.add_argument('--config', metavar='FILE', help='YAML or JSON file of options (e.g. a saved args.yaml); '
                         'flags on the command line override it')
-    parser.add_argument('--task', default='classify', choices=['classify', 'segment'],
-                        help='picks the Trainer/Evaluator pair (TRAINERS in train.py, EVALUATORS in eval.py)')
-    parser.add_argument('--model_type', default='small_cnn', help='model name, see MODELS in model/model_entry.py')
-    parser.add_argument('--data_type', default='shapes', help='dataset name, see DATASETS in data/data_entry.py')
+    parser.add_argument('--task', default='classify',
+                        help='the kind of problem, see TASKS in tasks/task_entry.py (classify, segment, ...)')
+    parser.add_argument('--model_type', help='model name, see MODELS in model/model_entry.py (default: the task\'s own, e.g. small_cnn to classify)')
+    parser.add_argument('--data_type', help='dataset name, see DATASETS in data/data_entry.py '
+                        '(default: the task\'s own, e.g. shapes to classify)')
     parser.add_argument('--save_prefix', type=_name_part, default='default',
                         help='names the experiment folder in training, the result folder in evaluation')
     parser.add_argument('--checkpoints_dir', default='checkpoints', help='where experiment folders are created')
@@ -93,22 +119,25 @@ def parse_common_args(parser):
                         help='load only the tensors whose names and shapes match the model (load_match_dict)')
     parser.add_argument('--load_prefix_map', type=_prefix_rename, nargs='+', metavar='OLD=NEW',
                         help='rename tensors in --load_model_path first, e.g. net.=  or  fc.=head.')
-    parser.add_argument('--val_list', help='list file of "image_path label" lines for validation/evaluation '
-                        '(default: the dataset\'s own val split)')
+    parser.add_argument('--val_list', help='list file for validation/evaluation (default: the dataset\'s own val split)')
     parser.add_argument('--data_root', default='data/generated', help='where generated datasets are written')
     parser.add_argument('--num_classes', type=_positive_int, help='default: what the dataset reports')
-    parser.add_argument('--img_size', type=_positive_int, default=32, help='images are resized to this side')
-    parser.add_argument('--batch_size', type=_positive_int, default=128)
+    parser.add_argument('--img_size', type=_image_side, default=32, help='images are resized to this side')
+    parser.add_argument('--batch_size', type=_positive_int, default=128, help='images per step and process')
     parser.add_argument('--num_workers', type=_non_negative_int,
-                        help='DataLoader worker processes (default: 0 for in-memory datasets, else min(4, CPUs per process))')
+                        help='DataLoader worker processes for datasets read from disk (default: min(4, CPUs per '
+                        'process)); in-memory datasets are batched on the device without workers')
     parser.add_argument('--gpus', type=int, nargs='+', help='GPU ids, e.g. --gpus 0 1 (default: GPU 0 if CUDA exists)')
     parser.add_argument('--cpu', action='store_true', help='run on the CPU even when a GPU exists')
-    parser.add_argument('--seed', type=int, default=0, help='seeds python, numpy, torch and DataLoader workers')
-    parser.add_argument('--topk', type=_positive_int, default=3, help='k of the top-k accuracy')
+    parser.add_argument('--seed', type=int, default=0, help='seeds python, numpy, torch, the data order and augmentation')
+    parser.add_argument('--topk', type=_positive_int, default=3, help='k of the top-k accuracy (classify)')
     parser.add_argument('--amp', default='off', choices=['off', 'bf16', 'fp16'],
                         help='mixed precision: autocast to bfloat16, or float16 with a gradient scaler')
     parser.add_argument('--channels_last', action='store_true', help='channels-last memory format (faster convs on GPU)')
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
+    parser.add_argument('--compile_mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune'],
+                        help='with --compile: reduce-overhead uses CUDA graphs (small models on a GPU), '
+                        'max-autotune searches kernels longer for big ones')
     parser.add_argument('--progress_bar', action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
     return parser
@@ -118,7 +147,11 @@ def parse_train_args(parser):
     """Training options on top of the common ones."""
     parser = parse_common_args(parser)
     parser.add_argument('--train_list', help='list file for training (default: the dataset\'s own train split)')
-    parser.add_argument('--load_model_path', help='weights to start from (a checkpoint, state dict or .safetensors)')
+    parser.add_argument('--augment', type=_augmentations, default='default',
+                        help='training augmentation, done on the device per batch: default (what the dataset '
+                        'declares), none, or a comma list of crop, hflip, vflip')
+    parser.add_argument('--load_model_path', help='weights to start from (a checkpoint, an experiment folder for its '
+                        'best.pth, a state dict or .safetensors)')
     parser.add_argument('--pretrained_path', help='local ImageNet weights for the tv_* models (never downloaded)')
     parser.add_argument('--freeze_to', type=int, metavar='INDEX',
                         help='freeze the layer groups (the model\'s direct children) 0..INDEX at the start; '
@@ -128,12 +161,12 @@ def parse_train_args(parser):
     parser.add_argument('--unfreeze_at_epoch', type=_positive_int, metavar='EPOCH',
                         help='unfreeze everything when epoch EPOCH (counting from 1) begins')
     parser.add_argument('--unfrozen_lr_scale', type=_positive_float, default=1.0,
-                        help='learning rate of unfrozen groups, relative to --backbone_lr (or --lr)')
+                        help='learning rate of the groups frozen at the start, relative to --backbone_lr (or --lr)')
     parser.add_argument('--head_lr', type=_positive_float, help='learning rate of the last layer group (default --lr)')
     parser.add_argument('--backbone_lr', type=_positive_float,
                         help='learning rate of all other layer groups (default --lr)')
     parser.add_argument('--epochs', type=_positive_int, default=12)
-    parser.add_argument('--loss', default='cross_entropy', help='loss name, see LOSSES in loss.py')
+    parser.add_argument('--loss', help='loss name, see LOSSES in loss.py (default: the task\'s own)')
     parser.add_argument('--optimizer', default='adamw', choices=['sgd', 'adam', 'adamw'])
     parser.add_argument('--lr', type=_positive_float, default=3e-3, help='peak learning rate')
     parser.add_argument('--momentum', type=_non_negative_float, default=0.9, help='SGD momentum')
@@ -159,11 +192,15 @@ def parse_train_args(parser):
     parser.add_argument('--clip_grad_norm', type=_positive_float, help='clip the gradient norm to this value')
     parser.add_argument('--clip_grad_value', type=_positive_float, help='clip each gradient to [-value, value]')
     parser.add_argument('--print_freq', type=_positive_int, default=20,
-                        help='print a line (and check for stops) every N optimizer steps')
-    parser.add_argument('--tensorboard', action=argparse.BooleanOptionalAction, default=True,
-                        help='write TensorBoard curves and images')
-    parser.add_argument('--monitor', help='metric that picks the best checkpoint (default val/acc, val/miou to segment)')
-    parser.add_argument('--monitor_mode', default='max', choices=['max', 'min'])
+                        help='print a line (and check for a non-finite loss) every N optimizer steps')
+    parser.add_argument('--loggers', nargs='+', choices=LOGGERS, default=['tensorboard'],
+                        help='experiment trackers: any of tensorboard, csv (metrics.csv), wandb (offline unless '
+                        'logged in), mlflow (a local store unless --mlflow_uri); wandb and mlflow are the '
+                        "'trackers' extra")
+    parser.add_argument('--mlflow_uri', help='MLflow tracking URI (default: a local store in --checkpoints_dir)')
+    parser.add_argument('--wandb_project', default='kiln', help='W&B project name')
+    parser.add_argument('--monitor', help='metric that picks the best checkpoint (default: the task\'s, e.g. val/acc)')
+    parser.add_argument('--monitor_mode', choices=['max', 'min'], help='default: the task\'s (max for val/acc)')
     parser.add_argument('--keep_last', type=_positive_int, default=1, help='keep the newest N checkpoints')
     parser.add_argument('--keep_best', type=_positive_int, default=1, help='keep the best N checkpoints by --monitor')
     parser.add_argument('--early_stop_patience', type=_positive_int,
@@ -171,22 +208,38 @@ def parse_train_args(parser):
     parser.add_argument('--early_stop_min_delta', type=_non_negative_float, default=0.0,
                         help='the least change of --monitor that counts as an improvement')
     parser.add_argument('--resume', nargs='?', const=RESUME_LATEST, metavar='CHECKPOINT',
-                        help='continue this experiment from its last checkpoint (or from CHECKPOINT); '
+                        help='continue this experiment from its newest checkpoint (or from CHECKPOINT); '
                         'starts it when there is nothing to continue')
     parser.add_argument('--deterministic', action='store_true',
-                        help='use deterministic algorithms only (slower on GPU; makes resumed runs bitwise exact)')
+                        help='use deterministic algorithms only (slower on GPU; makes repeated GPU runs bitwise equal)')
     parser.add_argument('--log_images', action=argparse.BooleanOptionalAction, default=True,
-                        help='write image grids to TensorBoard at every validation')
+                        help='log pictures of validation batches at every validation')
+    debug = parser.add_argument_group('debugging')
+    debug.add_argument('--fast_dev_run', action='store_true',
+                       help='2 training and 2 validation batches and one save in a throwaway folder, then evaluate '
+                       'and predict from that checkpoint: checks that everything runs, in seconds')
+    debug.add_argument('--overfit_batches', type=_positive_int, metavar='N',
+                       help='train on the same N batches again and again (no shuffling, no augmentation) and validate '
+                       'on them: a model that can learn drives the train loss to ~0')
+    debug.add_argument('--limit_train_batches', type=_count_or_fraction, metavar='N_OR_FRACTION',
+                       help='train on this many batches per epoch (an integer) or this fraction of them')
+    debug.add_argument('--limit_val_batches', type=_count_or_fraction, metavar='N_OR_FRACTION',
+                       help='validate on this many batches (an integer) or this fraction of them')
+    debug.add_argument('--profile', action='store_true',
+                       help='record a few training steps with torch.profiler: a trace for TensorBoard or Perfetto '
+                       'and a table of the top operators')
+    debug.add_argument('--detect_anomaly', action='store_true',
+                       help='autograd anomaly mode: name the operation that made a NaN gradient (slow)')
     return parser
 
 
 def parse_test_args(parser):
     """Evaluation options on top of the common ones.
 
-    The model, dataset and image size default to what the checkpoint was trained with.
+    The task, model, dataset and image size default to what the checkpoint was trained with.
     """
     parser = parse_common_args(parser)
-    parser.set_defaults(task=None, model_type=None, data_type=None, img_size=None)
+    parser.set_defaults(task=None, model_type=None, img_size=None)
     parser.add_argument('--load_model_path', nargs='+', metavar='CHECKPOINT',
                         help='checkpoint(s) to evaluate: files, experiment folders (their best.pth) or quoted '
                         'globs; with several, a comparison table is written too')
@@ -199,8 +252,9 @@ def parse_predict_args(parser):
     """Prediction options on top of the common ones; like evaluation, the model, task and image
     size default to what the checkpoint was trained with."""
     parser = parse_common_args(parser)
-    parser.set_defaults(task=None, model_type=None, data_type=None, img_size=None)
-    parser.add_argument('--load_model_path', required=True, help='the checkpoint to predict with')
+    parser.set_defaults(task=None, model_type=None, img_size=None)
+    parser.add_argument('--load_model_path', required=True,
+                        help='the checkpoint to predict with (or an experiment folder: its best.pth)')
     parser.add_argument('--input', required=True, help='a folder of images, or a list file (first column: image)')
     return parser
 
@@ -208,7 +262,7 @@ def parse_predict_args(parser):
 def _config_to_argv(parser, path):
     """Turn a YAML/JSON config file into command-line tokens, so it is checked like flags are."""
     try:
-        with open(path) as f:
+        with open(path, encoding='utf-8-sig') as f:
             config = yaml.safe_load(f)  # JSON is a subset of YAML
     except FileNotFoundError:
         parser.error(f'--config {path}: no such file')
@@ -239,10 +293,21 @@ def _config_to_argv(parser, path):
     return argv
 
 
+def _check_names(parser, args):
+    """Stop with one line when --task, --model_type or --data_type names nothing registered."""
+    for option in REGISTRIES:
+        value = getattr(args, option, None)
+        if value is not None:
+            names = registry_names(option)
+            if value not in names:
+                parser.error(f'unknown --{option} {value!r}; choose one of: {", ".join(sorted(names))} '
+                             f'(or register it in {REGISTRIES[option][2]})')
+
+
 def parse_args(add_args, argv=None, base_config=None):
     """Parse `argv` with the options added by `add_args`, applying `--config FILE` first.
 
-    `base_config` (a resumed run's args.yaml) comes before even that.
+    `base_config` (a resumed run's args.yaml) comes before even that. Registered names are checked.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = add_args(KilnArgumentParser(description=add_args.__doc__))
@@ -250,157 +315,29 @@ def parse_args(add_args, argv=None, base_config=None):
     config_parser.add_argument('--config')
     config_path = config_parser.parse_known_args(argv)[0].config
     config_argv = [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)]
-    return parser.parse_args(config_argv + argv)
-
-
-def save_args(args, folder):
-    """Write the options to `folder` as args.txt (for people) and args.yaml (for --config)."""
-    shown = {k: v for k, v in vars(args).items() if k not in NOT_SAVED}
-    with open(os.path.join(folder, ARGS_TXT), 'w') as f:
-        f.write('# ' + ' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n')
-        width = max(map(len, shown))
-        f.writelines(f'{k:<{width}} : {v}\n' for k, v in sorted(shown.items()))
-    with open(os.path.join(folder, ARGS_YAML), 'w') as f:
-        yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, f, sort_keys=True)
-
-
-def create_run_folder(folder, args, what_to_change):
-    """Create a new run folder and save the options in it; an existing one is a KilnError saying `what_to_change`."""
-    if os.path.exists(folder):
-        raise KilnError(f'{folder} already exists; {what_to_change}')
-    try:
-        os.makedirs(folder)
-    except OSError as error:
-        raise KilnError(f'cannot create {folder} ({error.strerror}); check --checkpoints_dir') from None
-    save_args(args, folder)
-
-
-def prepare_train_args(argv=None):
-    """Parse training options, create the experiment folder and save the options in it.
-
-    The folder is `<checkpoints_dir>/<model_type>_<data_type>_<save_prefix>` (args.model_dir);
-    an existing one is never reused or overwritten, except by `--resume`, which continues the
-    run in it: its saved options apply, and flags given now override them. args.resume_from
-    is the checkpoint to continue from (None when there is nothing to continue yet).
-    """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(parse_train_args, argv)
-    args.model_dir = os.path.join(args.checkpoints_dir, f'{args.model_type}_{args.data_type}_{args.save_prefix}')
-    resume_from = _checkpoint_to_resume(args)
-    if resume_from:
-        folder = os.path.dirname(resume_from) or os.curdir
-        saved = os.path.join(folder, ARGS_YAML)
-        if not os.path.isfile(saved):
-            raise KilnError(f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint '
-                            f'inside its experiment folder (to start a new run from its weights, use --load_model_path)')
-        args = parse_args(parse_train_args, argv, base_config=saved)
-        args.model_dir, args.resume_from = folder, resume_from
-        return args
-    args.resume_from = None
-    if args.resume and os.path.isdir(args.model_dir):
-        print(f'{args.model_dir} holds no checkpoint yet; starting the run in it')
-        save_args(args, args.model_dir)
-        return args
-    create_run_folder(args.model_dir, args, 'choose a new --save_prefix, add --resume to continue that run, '
-                       'or move that folder away')
+    args = parser.parse_args(config_argv + argv)
+    _check_names(parser, args)
     return args
 
 
-def _checkpoint_to_resume(args):
-    """The checkpoint --resume points to; None without --resume or when the run has none yet."""
-    if not args.resume:
-        return None
-    if args.resume != RESUME_LATEST:
-        if not os.path.isfile(args.resume):
-            raise KilnError(f'--resume {args.resume}: no such checkpoint file; give an existing .pth file, '
-                            f'or --resume alone for the experiment\'s last checkpoint')
-        return args.resume
-    last = os.path.join(args.model_dir, LAST_CHECKPOINT)
-    if os.path.isfile(last):
-        return last
-    others = sorted(name for name in os.listdir(args.model_dir) if name.endswith('.pth')) \
-        if os.path.isdir(args.model_dir) else []
-    if others:
-        raise KilnError(f'{args.model_dir} has no {LAST_CHECKPOINT}; choose a checkpoint to continue from with '
-                        f'--resume {os.path.join(args.model_dir, others[-1])}')
-    return None
+def saved_options(args):
+    """The options worth keeping with a run (args.txt, args.yaml, checkpoints): all but how it was started."""
+    return {k: v for k, v in vars(args).items() if k not in NOT_SAVED}
 
 
-def checkpoints_to_evaluate(args):
-    """The checkpoint files --load_model_path names, in order: files as they are, experiment folders
-    as their best.pth, globs (e.g. 'checkpoints/*/best.pth') expanded."""
-    if not args.load_model_path:
-        raise KilnError('no checkpoint to evaluate; give --load_model_path PATH (e.g. checkpoints/<experiment>/best.pth)')
-    paths = []
-    for item in args.load_model_path:
-        if glob.has_magic(item):
-            found = sorted(glob.glob(item))
-            if not found:
-                raise KilnError(f'--load_model_path {item} matches no file')
-            paths += [os.path.join(p, BEST_CHECKPOINT) if os.path.isdir(p) else p for p in found]
-        else:
-            paths.append(os.path.join(item, BEST_CHECKPOINT) if os.path.isdir(item) else item)
-    for path in paths:
-        if not os.path.isfile(path):
-            raise KilnError(f'checkpoint {path} does not exist; check --load_model_path')
-    return paths
+class Options(argparse.Namespace):
+    """A run's resolved options: read-only once made, so no part of a run can change what another sees."""
 
+    @classmethod
+    def of(cls, namespace, **changes):
+        """Resolved options from a parsed namespace, with `changes` applied."""
+        options = cls.__new__(cls)
+        options.__dict__.update(vars(namespace), **changes)
+        return options
 
-def evaluated_list_name(args):
-    """What result folders call the evaluated list: the --val_list file name, or `val` for the default split."""
-    return os.path.splitext(os.path.basename(args.val_list))[0] if args.val_list else 'val'
+    def replace(self, **changes):
+        """A copy with `changes` applied."""
+        return Options.of(self, **changes)
 
-
-def result_folder(args, checkpoint):
-    """Where evaluating `checkpoint` writes: `<its folder>/eval/<checkpoint>_<list>_<save_prefix>`
-    (<list>: see evaluated_list_name)."""
-    checkpoint_name = os.path.splitext(os.path.basename(checkpoint))[0]
-    return os.path.join(os.path.dirname(checkpoint), EVAL_FOLDER,
-                        f'{checkpoint_name}_{evaluated_list_name(args)}_{args.save_prefix}')
-
-
-def prepare_test_args(argv=None, checkpoint=None):
-    """Parse evaluation options for one checkpoint (`checkpoint`, or the only one --load_model_path
-    names), create its result folder (args.result_dir, see result_folder) and save the options in it."""
-    args = parse_args(parse_test_args, argv)
-    paths = checkpoints_to_evaluate(args)
-    if checkpoint is None and len(paths) > 1:
-        raise KilnError('several checkpoints given; evaluate them with eval.py, which compares them')
-    args.load_model_path = checkpoint or paths[0]
-    args.result_dir = result_folder(args, args.load_model_path)
-    create_run_folder(args.result_dir, args, 'choose a new --save_prefix to keep the old results')
-    return args
-
-
-def prepare_predict_args(argv=None):
-    """Parse prediction options, create `<checkpoint folder>/predict/<checkpoint>_<input>_<save_prefix>`
-    (args.result_dir) and save the options in it."""
-    args = parse_args(parse_predict_args, argv)
-    if not os.path.isfile(args.load_model_path):
-        raise KilnError(f'checkpoint {args.load_model_path} does not exist; check --load_model_path')
-    checkpoint_name = os.path.splitext(os.path.basename(args.load_model_path))[0]
-    input_name = os.path.splitext(os.path.basename(os.path.normpath(args.input)))[0]
-    args.result_dir = os.path.join(os.path.dirname(args.load_model_path), 'predict',
-                                   f'{checkpoint_name}_{input_name}_{args.save_prefix}')
-    create_run_folder(args.result_dir, args, 'choose a new --save_prefix to keep the old predictions')
-    return args
-
-
-@contextlib.contextmanager
-def discard_folder_if_setup_fails(folder):
-    """Remove a just-created run folder again if setup fails, so the same command can be re-run.
-
-    Only the option files written by this module are removed; a folder holding anything else
-    is left alone.
-    """
-    try:
-        yield
-    except BaseException:
-        for name in (ARGS_TXT, ARGS_YAML):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(folder, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)
-            if os.path.basename(os.path.dirname(folder)) == EVAL_FOLDER:
-                os.rmdir(os.path.dirname(folder))  # only succeeds when no other evaluation is in it
-        raise
+    def __setattr__(self, name, value):
+        raise AttributeError(f'options are read-only once resolved (tried to set {name}); use .replace()')

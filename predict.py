@@ -1,46 +1,46 @@
 """Predict with a checkpoint on images without labels:
 `python predict.py --load_model_path checkpoints/<experiment>/best.pth --input FOLDER_OR_LIST`.
 
-Writes into `<experiment>/predict/<checkpoint>_<input>_<save_prefix>/`: predictions.csv (class,
-name and confidence per image; for segmentation, the path of each predicted mask) and, for
-segmentation, masks/<image>.png holding the class index of every pixel. Images that cannot be
-read are listed in unreadable.txt and make the exit code non-zero; none is skipped silently.
+Writes into `<experiment>/predict/<checkpoint>_<input>_<save_prefix>/` predictions.csv, with the
+rows the checkpoint's task gives (a class per image, a mask file per image, a row per box, ...).
+Images that cannot be read are listed in unreadable.txt and make the exit code non-zero; none is
+skipped silently.
 """
-from options import parse_args, parse_predict_args
+from utils.errors import quiet_interrupts, run_cli
+
+quiet_interrupts()
+from options import parse_args, parse_predict_args  # noqa: E402
 
 if __name__ == '__main__':
-    parse_args(parse_predict_args)  # answer --help and option mistakes before the slow torch import
+    ARGS = run_cli(lambda argv: parse_args(parse_predict_args, argv))  # --help and mistakes answer before torch loads
 
-import csv
-import os
+import csv  # noqa: E402
+import os  # noqa: E402
 
-import numpy as np
-import torch
-from PIL import Image
+import torch  # noqa: E402
 
-from data.augment import eval_transform
-from data.list_dataset import load_image
-from eval import load_evaluated_checkpoint
-from model.model_entry import select_model
-from options import discard_folder_if_setup_fails, prepare_predict_args
-from utils.errors import KilnError, run_cli
-from utils.logger import progress
-from utils.torch_utils import autocast_for, load_weights, place_model, select_device
+from data.augment import BatchTransform  # noqa: E402
+from data.image_io import decode_image  # noqa: E402
+from data.list_file import read_list_file, resolve_path  # noqa: E402
+from eval import load_for_inference  # noqa: E402
+from options import prefix_map  # noqa: E402
+from utils.device import select_device  # noqa: E402
+from utils.errors import KilnError  # noqa: E402
+from utils.model_setup import setup_model  # noqa: E402
+from utils.progress import progress  # noqa: E402
+from utils.run_folder import checkpoint_path, create_run_folder, discard_folder_if_setup_fails, result_folder  # noqa: E402
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.gif', '.tif', '.tiff', '.webp')
 
 
 def images_to_predict(source):
     """Image paths from a folder (its image files, sorted, subfolders included) or a list file
-    (the first column of each line; labels or masks after it are ignored)."""
+    (the first field of each entry; labels, masks or boxes after it are ignored)."""
     if os.path.isdir(source):
         paths = sorted(os.path.join(folder, name) for folder, _, names in os.walk(source) for name in names
                        if name.lower().endswith(IMAGE_EXTENSIONS))
     elif os.path.isfile(source):
-        base = os.path.dirname(os.path.abspath(source))
-        with open(source) as f:
-            lines = [line.split('#', 1)[0].split() for line in f]
-        paths = [os.path.join(base, parts[0]) for parts in lines if parts]
+        paths = [resolve_path(source, fields[0]) for _, fields in read_list_file(source)]
     else:
         raise KilnError(f'--input {source} is neither a folder nor a list file')
     if not paths:
@@ -48,86 +48,67 @@ def images_to_predict(source):
     return paths
 
 
-class Predictor:
-    """Runs a checkpoint over unlabelled images in batches and writes what it predicts."""
-
-    def __init__(self, args, checkpoint):
-        self.args = args
-        self.device = select_device(args)
-        class_names = checkpoint.get('class_names')
-        args.num_classes = args.num_classes or (len(class_names) if class_names else None)
-        if not args.num_classes:
-            raise KilnError(f'{args.load_model_path} does not say how many classes it predicts; give --num_classes')
-        self.class_names = class_names or [str(c) for c in range(args.num_classes)]
-        model = select_model(args)
-        load_weights(model, checkpoint, source=args.load_model_path)
-        self.model = place_model(model, args, self.device).eval()
-        self.autocast = autocast_for(self.device, args.amp)
-        self.transform = eval_transform(args)
-
-    def read_batches(self, paths):
-        """Yield (paths, images) batches of readable images; note unreadable ones in self.unreadable."""
-        self.unreadable = []
-        batch = []
-        for path in paths:
-            try:
-                batch.append((path, self.transform(load_image(path, self.args.img_size))))
-            except KilnError as error:
-                self.unreadable.append((path, str(error)))
-            if len(batch) == self.args.batch_size:
-                yield batch
-                batch = []
-        if batch:
+def read_batches(paths, size, batch_size, unreadable):
+    """Yield (paths, uint8 images) batches of the readable images; add (path, reason) of the others to `unreadable`."""
+    batch = []
+    for path in paths:
+        try:
+            batch.append((path, decode_image(path, size)))
+        except KilnError as error:
+            unreadable.append((path, str(error)))
+        if len(batch) == batch_size:
             yield batch
-
-    @torch.no_grad()
-    def predict(self, paths):
-        """Predict every image in `paths`; write the results; return the number of unreadable images."""
-        folder, segment = self.args.result_dir, self.args.task == 'segment'
-        if segment:
-            os.makedirs(os.path.join(folder, 'masks'))
-        rows = []
-        for batch in progress(list(self.read_batches(paths)), self.args.progress_bar, 'predict'):
-            names, images = zip(*batch)
-            with self.autocast():
-                outputs = self.model(torch.stack(images).to(self.device)).float()
-            if segment:
-                rows += [self.save_mask(len(rows) + i, name, mask)
-                         for i, (name, mask) in enumerate(zip(names, outputs.argmax(1).cpu().numpy()))]
-            else:
-                confidence, predicted = outputs.softmax(1).max(1)
-                rows += [[name, int(p), self.class_names[int(p)], f'{c:.4f}']
-                         for name, p, c in zip(names, predicted.tolist(), confidence.tolist())]
-        with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
-            writer = csv.writer(f)
-            writer.writerow(['image', 'mask'] if segment else ['image', 'prediction', 'prediction_name', 'confidence'])
-            writer.writerows(rows)
-        if self.unreadable:
-            with open(os.path.join(folder, 'unreadable.txt'), 'w') as f:
-                f.writelines(f'{path}\t{reason}\n' for path, reason in self.unreadable)
-        return len(rows)
-
-    def save_mask(self, number, image_path, mask):
-        """Write a predicted mask (class index per pixel, --img_size square) as masks/<number>_<image name>.png
-        (numbered, so images with the same name in different folders keep their own); return its CSV row."""
-        stem = os.path.splitext(os.path.basename(image_path))[0]
-        path = os.path.join(self.args.result_dir, 'masks', f'{number:05d}_{stem}.png')
-        Image.fromarray(mask.astype(np.uint8)).save(path)
-        return [image_path, path]
+            batch = []
+    if batch:
+        yield batch
 
 
-def main(argv=None):
-    """Parse the options, make the result folder and predict."""
-    args = prepare_predict_args(argv)
-    with discard_folder_if_setup_fails(args.result_dir):
-        paths = images_to_predict(args.input)
-        predictor = Predictor(args, load_evaluated_checkpoint(args))
-    count = predictor.predict(paths)
-    print(f'{count} predictions in {args.result_dir}/predictions.csv')
-    if predictor.unreadable:
-        raise KilnError(f'{len(predictor.unreadable)} of {len(paths)} images could not be read (listed with the '
-                        f'reasons in {args.result_dir}/unreadable.txt); the others were predicted')
+@torch.no_grad()
+def predict(options, task, setup, device, paths, folder):
+    """Predict every image of `paths` into `folder`/predictions.csv; return the unreadable (path, reason) pairs."""
+    transform = BatchTransform((), options.img_size, options.channels_last)
+    setup.wrapped.eval()
+    unreadable, rows = [], []
+    batches = read_batches(paths, options.img_size, options.batch_size, unreadable)
+    for batch in progress(batches, options.progress_bar, 'predict', total=-(-len(paths) // options.batch_size)):
+        names, images = zip(*batch)
+        inputs = transform({'image': torch.stack(images).to(device, non_blocking=True)})
+        with setup.autocast():
+            outputs = task.outputs_to_float(task.forward(setup.wrapped, inputs))
+        for name, image_rows in zip(names, task.predict_rows(inputs, outputs, names, folder)):
+            rows += [[name, *row] for row in image_rows]
+    with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
+        writer = csv.writer(f)
+        writer.writerow(task.predict_header)
+        writer.writerows(rows)
+    if unreadable:
+        with open(os.path.join(folder, 'unreadable.txt'), 'w') as f:
+            f.writelines(f'{path}\t{reason}\n' for path, reason in unreadable)
+    return unreadable
+
+
+def main(argv=None, args=None):
+    """Resolve the checkpoint and its options, make the result folder and predict."""
+    args = args or parse_args(parse_predict_args, argv)
+    path = checkpoint_path(args.load_model_path)
+    options, checkpoint, task_type = load_for_inference(args, path)
+    if not options.num_classes:
+        raise KilnError(f'{path} does not say how many classes it predicts; give --num_classes')
+    paths = images_to_predict(options.input)  # before the folder exists: a refused input leaves nothing
+    input_name = os.path.splitext(os.path.basename(os.path.normpath(options.input)))[0]
+    folder = result_folder(path, 'predict', input_name, options.save_prefix)
+    create_run_folder(folder, options, 'choose a new --save_prefix to keep the old predictions')
+    with discard_folder_if_setup_fails(folder):
+        device = select_device(options.cpu, options.gpus)
+        task = task_type(options, checkpoint.get('class_names'))
+        setup = setup_model(options, device, checkpoint, strict=not options.load_not_strict, source=path,
+                            prefix_map=prefix_map(options))
+        unreadable = predict(options, task, setup, device, paths, folder)
+    print(f'{len(paths) - len(unreadable)} images predicted in {folder}/predictions.csv')
+    if unreadable:
+        raise KilnError(f'{len(unreadable)} of {len(paths)} images could not be read (listed with the '
+                        f'reasons in {folder}/unreadable.txt); the others were predicted')
 
 
 if __name__ == '__main__':
-    run_cli(main)
+    run_cli(lambda argv: main(argv, ARGS))

@@ -2,10 +2,11 @@
 
 `ResumableBatchSampler` draws each epoch's order from the seed and the epoch, can start an
 epoch part-way (for resuming a checkpoint written mid-epoch), and splits the batches between
-distributed ranks. Each sample carries its own seed, made from its position in the epoch;
-`SeededDataset` seeds python, numpy and torch with it while the sample is loaded, so its
-augmentation comes out the same whatever the number of DataLoader workers or processes, and
-whether or not the run was interrupted (about 10 microseconds per sample).
+distributed ranks. Every sample is known by its position in the epoch's order: the device-side
+augmentation (data/augment.py) takes its random parameters by position, and `SeededDataset`
+seeds python, numpy and torch with (seed, epoch, position) while a sample is read from disk, so
+a dataset's own per-sample randomness also comes out the same whatever the number of DataLoader
+workers or processes, and whether or not the run was interrupted.
 """
 import random
 
@@ -15,14 +16,14 @@ from torch.utils.data import Dataset, Sampler
 
 
 class SeededBatch(list):
-    """A list of dataset indices with the `seeds` to load each of them with."""
+    """A list of dataset indices with their `positions` in the epoch's order and the `seeds` to load them with."""
 
-    def __init__(self, indices, seeds):
+    def __init__(self, indices, positions, seeds):
         super().__init__(indices)
-        self.seeds = seeds
+        self.positions, self.seeds = positions, seeds
 
 
-def _mix(*numbers):
+def mix(*numbers):
     """A 63-bit seed from a few integers (a SplitMix-style hash), stable across processes."""
     value = 0x9E3779B97F4A7C15
     for number in numbers:
@@ -38,12 +39,14 @@ class ResumableBatchSampler(Sampler):
     batches of `batch_size * world_size` (dropping an incomplete last one, so every rank makes
     the same number of steps) and gives rank r the r-th slice of each. Evaluation
     (`shuffle=False`) keeps the file order and deals samples out round-robin without padding,
-    so no sample is counted twice across ranks.
+    so no sample is counted twice across ranks. `limit` keeps only the first batches of each
+    epoch (--limit_*_batches); `fixed_order` uses epoch 0's order every epoch (--overfit_batches).
     """
 
-    def __init__(self, length, batch_size, shuffle, seed=0, rank=0, world_size=1):
+    def __init__(self, length, batch_size, shuffle, seed=0, rank=0, world_size=1, limit=None, fixed_order=False):
         self.length, self.batch_size, self.shuffle = length, batch_size, shuffle
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.limit, self.fixed_order = limit, fixed_order
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch, start=0):
@@ -52,10 +55,11 @@ class ResumableBatchSampler(Sampler):
 
     def order(self, epoch=None):
         """The sample order (all ranks) of `epoch` (default: the current one) as a list of indices."""
+        epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:
             return list(range(self.length))
         generator = torch.Generator()
-        generator.manual_seed(_mix(self.seed, self.epoch if epoch is None else epoch))
+        generator.manual_seed(mix(self.seed, 0 if self.fixed_order else epoch))
         return torch.randperm(self.length, generator=generator).tolist()
 
     def batches(self, epoch=None):
@@ -64,37 +68,34 @@ class ResumableBatchSampler(Sampler):
         order = list(enumerate(self.order(epoch)))
         if not self.shuffle:
             mine = order[self.rank::self.world_size]
-            return [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
-        step = self.batch_size * self.world_size
-        count = len(order) // step if len(order) >= step else 1  # a tiny dataset still gives one batch
-        first = self.rank * self.batch_size
-        return [order[i * step + first:i * step + first + self.batch_size] for i in range(count)]
+            batches = [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
+        else:
+            step = self.batch_size * self.world_size
+            count = len(order) // step if len(order) >= step else 1  # a tiny dataset still gives one batch
+            first = self.rank * self.batch_size
+            batches = [order[i * step + first:i * step + first + self.batch_size] for i in range(count)]
+        return batches[:self.limit] if self.limit else batches
 
     def __iter__(self):
         epoch, start = self.epoch, self.start  # fixed for this pass, whatever set_epoch does meanwhile
         for batch in self.batches(epoch)[start:]:
-            yield SeededBatch([index for _, index in batch],
-                              [_mix(self.seed, epoch, position) for position, _ in batch])
+            yield SeededBatch([index for _, index in batch], [position for position, _ in batch],
+                              [mix(self.seed, epoch, position) for position, _ in batch])
 
     def __len__(self):
         return max(0, len(self.batches()) - self.start)
 
 
 class SeededDataset(Dataset):
-    """Wraps a dataset so each SeededBatch is loaded under its own seed.
+    """Wraps a dataset so each SeededBatch is read under its samples' own seeds; a batch comes out
+    as (samples, positions) for the collate function.
 
-    The caller's random states are put back afterwards, so loading in the main process
-    (`num_workers=0`) does not disturb the model's random numbers. Other attributes
-    (num_classes, class_names, ...) are those of the wrapped dataset.
+    The caller's random states are put back afterwards, so reading in the main process
+    (`num_workers=0`) does not disturb the model's random numbers.
     """
 
     def __init__(self, dataset):
         self.dataset = dataset
-
-    def __getattr__(self, name):
-        if name == 'dataset':  # not set yet (while unpickling in a worker)
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
 
     def __len__(self):
         return len(self.dataset)
@@ -103,13 +104,10 @@ class SeededDataset(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, batch):
-        seeds = getattr(batch, 'seeds', None)
-        if seeds is None:
-            return [self.dataset[index] for index in batch]
         states = random.getstate(), np.random.get_state(), torch.get_rng_state()
         samples = []
         try:
-            for index, seed in zip(batch, seeds):
+            for index, seed in zip(batch, batch.seeds):
                 random.seed(seed)
                 np.random.seed(seed % 2**32)
                 torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds CUDA: 60x slower
@@ -118,4 +116,4 @@ class SeededDataset(Dataset):
             random.setstate(states[0])
             np.random.set_state(states[1])
             torch.set_rng_state(states[2])
-        return samples
+        return samples, batch.positions

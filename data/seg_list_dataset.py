@@ -4,20 +4,30 @@ A mask is a single-channel PNG of the image's size whose pixel values are class 
 `seg_classes.txt` (or `classes.txt`) beside the list file names the classes, background
 included; without one, give --num_classes.
 """
+import os
+
 import numpy as np
 import torch
 from PIL import Image
-from torchvision import tv_tensors
 
 from data.list_dataset import ListDataset
+from data.list_file import resolve_path
 from utils.errors import KilnError
 
 
 class SegListDataset(ListDataset):
-    """Images with per-pixel class masks; the same random crop and flip apply to both."""
+    """Images with per-pixel class masks; crops and flips move the mask with the image.
+    A sample is {'image': uint8 (3, S, S), 'mask': uint8 (S, S)}."""
 
-    target = 'mask'
+    targets = ('mask',)
+    augment = ('crop',)
     class_files = ('seg_classes.txt', 'classes.txt')
+
+    def parse_target(self, field, number):
+        path = resolve_path(self.list_path, field)
+        if not os.path.isfile(path):
+            raise KilnError(f'{self.list_path}:{number}: mask {path} does not exist')
+        return path
 
     def count_classes(self):
         if not self.class_names:
@@ -26,26 +36,25 @@ class SegListDataset(ListDataset):
 
     def check_targets(self):
         """Masks are checked as they are read (see read_mask): reading all of them here would be slow."""
+        if self.num_classes > 256:
+            raise KilnError(f'{self.list_path}: masks hold at most 256 classes (one byte per pixel), '
+                            f'not {self.num_classes}')
 
     def read_mask(self, index):
-        """The int64 mask (H, W) of sample `index`, checked against the number of classes."""
+        """The uint8 mask (S, S) of sample `index`, checked against the number of classes."""
         _, path, number = self.samples[index]
         try:
             with Image.open(path) as mask:
-                mask = mask.convert('L') if mask.mode not in ('L', 'P', 'I') else mask
+                mask = mask.convert('L') if mask.mode not in ('L', 'P', 'I', 'I;16') else mask
                 if mask.size != (self.size, self.size):
                     mask = mask.resize((self.size, self.size), Image.NEAREST)
-                values = torch.from_numpy(np.asarray(mask).astype(np.int64))
-        except (OSError, ValueError) as error:
+                values = np.asarray(mask).astype(np.int64)
+        except (OSError, ValueError, SyntaxError) as error:
             raise KilnError(f'cannot read mask {path} ({self.list_path}:{number}): {error}') from None
         if values.max() >= self.num_classes:
             raise KilnError(f'{self.list_path}:{number}: mask {path} holds class {int(values.max())}, outside '
                             f'0..{self.num_classes - 1}; fix the mask, the classes file or --num_classes')
-        return values
+        return torch.from_numpy(values.astype(np.uint8))
 
     def __getitem__(self, index):
-        image = tv_tensors.Image(self.read(index))
-        mask = tv_tensors.Mask(self.read_mask(index))
-        image, mask = self.transform(image, mask)
-        return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
-
+        return {'image': self.read(index), 'mask': self.read_mask(index)}

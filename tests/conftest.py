@@ -9,10 +9,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def run_script(*args, cwd=REPO, env=None, timeout=300):
+# Timeouts only stop hangs: generous, and scaled by one setting on slow machines (KILN_TEST_TIMEOUT_SCALE=3)
+TIMEOUT_SCALE = float(os.environ.get('KILN_TEST_TIMEOUT_SCALE', 1))
+
+
+def timeout(seconds=600):
+    """A subprocess timeout for tests: `seconds` times KILN_TEST_TIMEOUT_SCALE."""
+    return seconds * TIMEOUT_SCALE
+
+
+def run_script(*args, cwd=REPO, env=None, timeout_seconds=600):
     """Run a repo script (e.g. 'train.py', '--epochs', '1') in a subprocess; return the CompletedProcess."""
     command = [sys.executable, *args] if args[0].endswith('.py') else list(args)
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout(timeout_seconds),
                           env={**os.environ, **(env or {})})
 
 
@@ -24,10 +33,11 @@ def tiny_shapes(tmp_path_factory):
 
 
 def tiny_run_args(shapes_dir, checkpoints_dir):
-    """Command-line options for a fast 2-epoch training run on a tiny dataset."""
+    """Command-line options for a fast 2-epoch training run on a tiny dataset, on the CPU (so runs compare
+    bit for bit on any machine; tests/test_gpu.py covers the GPU)."""
     return ['--data_type', 'list', '--train_list', os.path.join(shapes_dir, 'train.txt'),
             '--val_list', os.path.join(shapes_dir, 'val.txt'), '--checkpoints_dir', str(checkpoints_dir),
-            '--epochs', '2', '--batch_size', '16', '--no-progress_bar', '--num_workers', '0']
+            '--epochs', '2', '--batch_size', '16', '--no-progress_bar', '--num_workers', '0', '--cpu']
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, run_script, tiny_run_args
-from utils.checkpoint import CheckpointKeeper
+from conftest import REPO, run_script, timeout, tiny_run_args
+from utils.checkpoint_keeper import CheckpointKeeper
 from utils.errors import KilnError
 from utils.run_history import InMemoryRunHistory
 
@@ -33,7 +33,11 @@ def _folder(args):
 
 
 def _load(path):
-    return torch.load(path, weights_only=True)
+    return torch.load(path, weights_only=True, map_location='cpu')
+
+
+def _step(checkpoint):
+    return checkpoint['position']['step']
 
 
 def _scalars(folder, tag):
@@ -49,7 +53,7 @@ def _saved_step(folder):
             last = json.load(f)['last']
     except (OSError, ValueError):
         return -1
-    return int(last[-1].split('step')[1].split('.')[0]) if last else -1
+    return int(last.split('step')[1].split('.')[0]) if last else -1
 
 
 def _start(args, *extra):
@@ -57,8 +61,8 @@ def _start(args, *extra):
                             stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_save(process, folder, step, timeout=120):
-    deadline = time.time() + timeout
+def _wait_for_save(process, folder, step, seconds=600):
+    deadline = time.time() + timeout(seconds)
     while _saved_step(folder) < step:
         assert process.poll() is None, process.communicate()
         assert time.time() < deadline, 'no checkpoint in time'
@@ -88,13 +92,13 @@ def test_run_killed_at_a_random_step_resumes_bitwise_exact(tiny_shapes, tmp_path
     process.wait()
     stopped_at = _load(os.path.join(_folder(killed), 'last.pth'))
     total = 40 if config == 'iterations' else 48
-    assert stopped_at['global_step'] < total, 'the run finished before it was killed'
+    assert _step(stopped_at) < total, 'the run finished before it was killed'
     result = _train(killed, *extra, '--resume')
-    assert f'step {stopped_at["global_step"]}' in result.stdout
+    assert f'step {_step(stopped_at)}' in result.stdout
 
     final_whole = _load(os.path.join(_folder(whole), 'last.pth'))
     final_resumed = _load(os.path.join(_folder(killed), 'last.pth'))
-    assert (final_resumed['global_step'], final_whole['global_step']) == (total, total)
+    assert (_step(final_resumed), _step(final_whole)) == (total, total)
     for name, tensor in final_whole['model'].items():
         assert torch.equal(tensor, final_resumed['model'][name]), f'{name} differs (killed after {kill_after})'
     assert final_resumed['history'] == final_whole['history']
@@ -113,15 +117,15 @@ def test_stop_signal_saves_the_state_and_exits_cleanly(tiny_shapes, tmp_path, si
     process = _start(args, *extra)
     _wait_for_save(process, _folder(args), 4)
     process.send_signal(getattr(signal, signame))
-    stdout, stderr = process.communicate(timeout=60)
+    stdout, stderr = process.communicate(timeout=timeout(120))
     assert process.returncode == 128 + getattr(signal, signame), stderr
     assert 'Traceback' not in stderr
     assert f'stopped by {signame}' in stdout
     last = _load(os.path.join(_folder(args), 'last.pth'))
-    assert 4 <= last['global_step'] < 200 * 6
+    assert 4 <= _step(last) < 200 * 6
     # the saved step is the one the signal interrupted: not a step lost, none repeated on resume
-    assert f'at step {last["global_step"]}' in stdout
-    assert 'resuming' in _train(args, '--epochs', str(last['epoch'] + 1), '--resume').stdout
+    assert f'at step {_step(last)}' in stdout
+    assert 'resuming' in _train(args, '--epochs', str(last['position']['epoch'] + 1), '--resume').stdout
 
 
 def test_second_ctrl_c_stops_at_once(tiny_shapes, tmp_path):
@@ -130,7 +134,7 @@ def test_second_ctrl_c_stops_at_once(tiny_shapes, tmp_path):
     _wait_for_save(process, _folder(args), 2)
     process.send_signal(signal.SIGINT)
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    _, stderr = process.communicate(timeout=timeout(120))
     assert process.returncode == 130
     assert 'Traceback' not in stderr
     _load(os.path.join(_folder(args), 'last.pth'))  # whatever happened, last.pth is whole
@@ -141,7 +145,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
         folder = tmp_path / str(error)
         folder.mkdir()
         keeper = CheckpointKeeper(str(folder), keep_last=1, keep_best=1)
-        keeper.save({'w': torch.ones(3)}, 'epoch001_step0000001.pth', metric=0.5)
+        keeper.save({'w': torch.ones(3)}, 1, 1, metric=0.5, is_best=True)
         before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
 
         def failing_fsync(fd, error=error):
@@ -149,7 +153,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(os, 'fsync', failing_fsync)
             with pytest.raises(KilnError, match='could not write checkpoint .*previous checkpoints are intact'):
-                keeper.save({'w': torch.zeros(3)}, 'epoch002_step0000002.pth', metric=0.9)
+                keeper.save({'w': torch.zeros(3)}, 2, 2, metric=0.9, is_best=True)
         assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before  # no temp files
         assert torch.equal(_load(folder / 'last.pth')['w'], torch.ones(3))
         assert torch.equal(_load(folder / 'best.pth')['w'], torch.ones(3))
@@ -157,16 +161,23 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
 
 def test_keeper_keeps_newest_and_best_across_restarts(tmp_path):
     keeper = CheckpointKeeper(str(tmp_path), keep_last=2, keep_best=2, mode='max')
+    best = None
     for step, metric in enumerate([0.3, 0.9, 0.1, 0.2, 0.4], start=1):
-        keeper.save({'step': step}, f'step{step}.pth', metric=metric)
+        keeper.save({'step': step}, 0, step, metric=metric, is_best=best is None or metric > best)
+        best = max(best or 0, metric)
+    name = lambda step: f'epoch000_step{step:07d}.pth'  # noqa: E731
     files = sorted(name for name in os.listdir(tmp_path) if name.endswith('.pth'))
-    assert files == ['best.pth', 'last.pth', 'step2.pth', 'step4.pth', 'step5.pth']  # best 0.9, 0.4; newest 4, 5
+    assert files == ['best.pth', name(2), name(4), name(5), 'last.pth']  # best 0.9, 0.4; newest 4, 5
     assert _load(tmp_path / 'best.pth')['step'] == 2 and _load(tmp_path / 'last.pth')['step'] == 5
+    with open(tmp_path / 'checkpoints.json') as f:
+        record = json.load(f)
+    assert record['last'] == name(5) and record['best'] == name(2) and sorted(record['files']) == [name(2), name(4),
+                                                                                                 name(5)]
 
     restarted = CheckpointKeeper(str(tmp_path), keep_last=2, keep_best=2, mode='max')
-    restarted.save({'step': 6}, 'step6.pth', metric=0.95)
+    restarted.save({'step': 6}, 0, 6, metric=0.95, is_best=True)
     files = sorted(name for name in os.listdir(tmp_path) if name.endswith('.pth'))
-    assert files == ['best.pth', 'last.pth', 'step2.pth', 'step5.pth', 'step6.pth']
+    assert files == ['best.pth', name(2), name(5), name(6), 'last.pth']
     assert _load(tmp_path / 'best.pth')['step'] == 6
 
 
@@ -179,26 +190,28 @@ def test_nonfinite_loss_stops_with_the_step_and_saves_nothing_after_it(tiny_shap
     for name in os.listdir(_folder(args)):
         if name.endswith('.pth'):
             checkpoint = _load(os.path.join(_folder(args), name))
-            assert checkpoint['global_step'] < bad_step
+            assert _step(checkpoint) < bad_step
             assert all(torch.isfinite(t).all() for t in checkpoint['model'].values() if t.is_floating_point())
 
 
-def test_nonfinite_loss_is_named_exactly_without_syncing_each_step(tiny_shapes, tmp_path):
-    from options import prepare_train_args
-    from train import Trainer
+def test_nonfinite_loss_is_named_exactly_without_syncing_each_step(tiny_shapes, tmp_path, monkeypatch):
+    import train
+    from tasks.classify import ClassifyTask
+    from utils.stopping import StopReason
+    calls = []
 
-    class NanAtStepFive(Trainer):
-        def compute_loss(self, outputs, targets):
-            loss = super().compute_loss(outputs, targets)
-            return loss * float('nan') if self.global_step == 4 else loss  # the 5th step
-
-    args = prepare_train_args(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4', '--epochs', '3'])
-    trainer = NanAtStepFive(args)
-    assert trainer.train() == 'non-finite loss at step 5'
+    def nan_at_step_five(self, outputs, batch):
+        calls.append(1)
+        loss = self.criterion(outputs, batch['label'])
+        return loss * float('nan') if len(calls) == 5 else loss  # the 5th step (one batch per step)
+    monkeypatch.setattr(ClassifyTask, 'loss', nan_at_step_five)
+    run = train.start(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4', '--epochs', '3'])
+    stop = train.train(run)
+    assert stop.reason == StopReason.NONFINITE and stop.message == 'non-finite loss at step 5'
     # noticed at the next check point (the end-of-epoch save at step 6, before print step 8),
     # which then saves nothing: the first save would have been that one
-    assert trainer.global_step == 6
-    assert not os.path.exists(os.path.join(args.model_dir, 'last.pth'))
+    assert run.position.step == 6
+    assert not os.path.exists(os.path.join(run.options.model_dir, 'last.pth'))
 
 
 def test_early_stopping(tiny_shapes, tmp_path):
@@ -208,7 +221,7 @@ def test_early_stopping(tiny_shapes, tmp_path):
     with open(os.path.join(_folder(args), 'history.json')) as f:
         history = json.load(f)
     assert history['current_epoch'] == 3 and len(history['metrics']['val/acc']) == 3
-    assert _load(os.path.join(_folder(args), 'last.pth'))['early_stop']['waited'] == 2
+    assert _load(os.path.join(_folder(args), 'last.pth'))['monitor']['waited'] == 2
 
 
 def test_iteration_mode_validates_and_saves_on_its_intervals(tiny_shapes, tmp_path):
@@ -218,7 +231,7 @@ def test_iteration_mode_validates_and_saves_on_its_intervals(tiny_shapes, tmp_pa
     assert [step for step, _ in _scalars(folder, 'val/acc')] == [4, 8, 10]
     saved = sorted(name for name in os.listdir(folder) if name.startswith('epoch'))
     assert [int(name.split('step')[1][:7]) for name in saved] == [3, 4, 6, 8, 9, 10]
-    assert _load(os.path.join(folder, 'last.pth'))['global_step'] == 10
+    assert _step(_load(os.path.join(folder, 'last.pth'))) == 10
     with open(os.path.join(folder, 'run_config.json')) as f:
         config = json.load(f)
     assert config['max_num_train_steps'] == 10 and config['num_update_steps_per_epoch'] == 6
@@ -234,7 +247,7 @@ def test_resume_options(tiny_shapes, tmp_path):
     done = _train(args, '--resume')  # already finished: nothing more to do, nothing changed
     assert 'resuming' in done.stdout and 'at step 12' in done.stdout
     more = _train(args, '--resume', '--epochs', '3')  # a longer schedule continues
-    assert _load(os.path.join(_folder(args), 'last.pth'))['global_step'] == 18 and 'epoch 3/3' in more.stdout
+    assert _step(_load(os.path.join(_folder(args), 'last.pth'))) == 18 and 'epoch 3/3' in more.stdout
 
     missing = run_script('train.py', *args, '--resume', str(tmp_path / 'nope.pth'))
     assert missing.returncode == 2 and 'no such checkpoint' in missing.stderr
@@ -288,7 +301,7 @@ def test_schedulers_by_name():
     assert lrs[9] == pytest.approx(0.5) and optimizer.param_groups[0]['lr'] == pytest.approx(0.0)
 
     optimizer = torch.optim.SGD(model.parameters(), 1.0)
-    args = parse_args(parse_train_args, ['--lr_patience', '0', '--lr_gamma', '0.5'])
+    args = parse_args(parse_train_args, ['--lr_patience', '0', '--lr_gamma', '0.5', '--monitor_mode', 'max'])
     plateau = SCHEDULERS['plateau'](optimizer, args, 10, 5)
     for value in (0.5, 0.6, 0.6):  # --monitor_mode max: the second 0.6 is no improvement
         plateau.step(value)

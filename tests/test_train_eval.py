@@ -41,11 +41,11 @@ def test_training_writes_args_checkpoints_and_tensorboard(trained):
         text = f.read()
     assert text.startswith('# train.py') and 'batch_size' in text and ': 16' in text
 
-    best = torch.load(os.path.join(folder, 'best.pth'), weights_only=True)
-    last = torch.load(os.path.join(folder, 'last.pth'), weights_only=True)
-    assert last['epoch'] == 2 and last['global_step'] == 12
-    assert set(last) >= {'model', 'optimizer', 'scheduler', 'best_metric', 'args', 'class_names'}
-    assert best['best_metric'] == last['best_metric']
+    best = torch.load(os.path.join(folder, 'best.pth'), weights_only=True, map_location='cpu')
+    last = torch.load(os.path.join(folder, 'last.pth'), weights_only=True, map_location='cpu')
+    assert last['position'] == {'epoch': 2, 'batch': 0, 'step': 12}
+    assert set(last) >= {'model', 'optimizer', 'scheduler', 'monitor', 'args', 'class_names', 'rng', 'data_order'}
+    assert best['monitor']['best'] == last['monitor']['best'] == best['monitor_value']
     assert best['args']['num_classes'] == 6 and best['class_names'][0] == 'circle'
 
     events = EventAccumulator(folder, size_guidance={'images': 0, 'scalars': 0})
@@ -53,7 +53,7 @@ def test_training_writes_args_checkpoints_and_tensorboard(trained):
     scalars = set(events.Tags()['scalars'])
     assert {'train/loss', 'train/acc', 'train/top3', 'train/lr', 'val/loss', 'val/acc', 'val/top3'} <= scalars
     assert [e.step for e in events.Scalars('val/acc')] == [6, 12]
-    assert max(e.value for e in events.Scalars('val/acc')) == pytest.approx(best['best_metric'])
+    assert max(e.value for e in events.Scalars('val/acc')) == pytest.approx(best['monitor']['best'])
     assert 'val/predictions' in events.Tags()['images']
 
 
@@ -80,8 +80,11 @@ def test_eval_writes_results_that_match_the_predictions(trained):
     matrix = summary['confusion_matrix']
     assert sum(map(sum, matrix)) == 48 and sum(matrix[i][i] for i in range(6)) == correct
     # the validation accuracy of the best epoch is what eval measures on the same list
-    best = torch.load(checkpoint, weights_only=True)
-    assert best['best_metric'] == pytest.approx(correct / 48, abs=1e-6)
+    best = torch.load(checkpoint, weights_only=True, map_location='cpu')
+    assert best['monitor']['best'] == pytest.approx(correct / 48, abs=1e-6)
+    # so is the validation loss: result.txt has it
+    assert float(lines['loss']) == pytest.approx(best['history']['metrics']['val/loss'][best['position']['epoch'] - 1],
+                                                 abs=1e-4)
     # 48 images / 16 = 3 batches, a picture for batches 0 and 2
     assert sorted(f for f in os.listdir(out) if f.startswith('predictions_batch')) == [
         'predictions_batch0000.png', 'predictions_batch0002.png']
@@ -106,8 +109,9 @@ def test_saved_args_given_back_with_config_reproduce_the_run(trained, tmp_path):
     result = run_script('train.py', '--config', os.path.join(folder, 'args.yaml'), '--save_prefix', 'replay',
                         '--checkpoints_dir', ck)
     assert result.returncode == 0, result.stderr
-    first = torch.load(os.path.join(folder, 'last.pth'), weights_only=True)['model']
-    second = torch.load(os.path.join(ck, 'small_cnn_list_replay', 'last.pth'), weights_only=True)['model']
+    first = torch.load(os.path.join(folder, 'last.pth'), weights_only=True, map_location='cpu')['model']
+    second = torch.load(os.path.join(ck, 'small_cnn_list_replay', 'last.pth'), weights_only=True,
+                        map_location='cpu')['model']
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 

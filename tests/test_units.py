@@ -1,4 +1,4 @@
-"""Unit tests of the pieces: options, data, models, metrics, logger, loading and checkpoint files."""
+"""Unit tests of the pieces: options, data, models, metrics, recorder, loading and checkpoint files."""
 import argparse
 import hashlib
 import os
@@ -18,8 +18,8 @@ from model.submodules import ConvBNReLU, UpBlock
 from options import parse_args, parse_test_args, parse_train_args
 from utils.checkpoint import load_checkpoint, save_checkpoint
 from utils.errors import KilnError
-from utils.logger import Recorder
-from utils.torch_utils import load_match_dict, load_weights, unwrap_model
+from utils.checkpoint import load_match_dict, load_weights, unwrap_model
+from utils.recorder import Recorder
 
 
 @pytest.mark.parametrize('script', ['train.py', 'eval.py'])
@@ -39,7 +39,7 @@ def test_train_and_test_share_the_common_options():
     shared = set(vars(train)) & set(vars(test))
     assert {'model_type', 'data_type', 'save_prefix', 'load_model_path', 'load_not_strict', 'val_list', 'gpus',
             'batch_size', 'num_classes'} <= shared
-    assert test.model_type is None and train.model_type == 'small_cnn'  # eval takes it from the checkpoint
+    assert test.model_type is None and train.model_type is None  # eval: from the checkpoint; train: the task's
 
 
 def test_config_values_are_checked_like_flags(tmp_path):
@@ -66,8 +66,8 @@ def test_list_file_relative_paths_comments_and_blank_lines(tiny_shapes, tmp_path
     assert [label for _, label, _ in dataset.samples] == [1, 4]
     assert dataset.num_classes == 5  # no classes.txt here: the largest label + 1
     assert dataset.class_names is None
-    image, label = dataset[0]
-    assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and label == 1
+    sample = dataset[0]  # uint8: conversion and augmentation happen per batch on the device
+    assert sample['image'].shape == (3, 32, 32) and sample['image'].dtype == torch.uint8 and sample['label'] == 1
 
 
 def test_mem_list_dataset_matches_list_dataset(tiny_shapes):
@@ -76,8 +76,9 @@ def test_mem_list_dataset_matches_list_dataset(tiny_shapes):
     assert len(on_disk) == len(in_memory) == 48 and in_memory.num_classes == 6
     assert in_memory.class_names[:2] == ['circle', 'square']
     for index in (0, 17, 47):
-        assert torch.equal(on_disk[index][0], in_memory[index][0]) and on_disk[index][1] == in_memory[index][1]
-        assert on_disk[index][0].shape == (3, 24, 24)  # resized to --img_size
+        assert torch.equal(on_disk[index]['image'], in_memory[index]['image'])
+        assert on_disk[index]['label'] == in_memory[index]['label']
+        assert on_disk[index]['image'].shape == (3, 24, 24)  # resized to --img_size
 
 
 def _tree_digest(root):

@@ -1,15 +1,16 @@
-"""Checkpoint files: crash-safe writing and safe loading.
+"""Checkpoint files: crash-safe writing, safe loading and loading model weights from them.
 
-A checkpoint is a dict of tensors and plain Python values, written by serializing once and
-then replacing each target file atomically; it is always read with `weights_only=True`, so a
-file cannot run code when loaded.
+A checkpoint is a dict of tensors and plain Python values, written to a temporary file that is
+fsynced and renamed; it is always read with `weights_only=True` onto the CPU (`map_location`), so
+a file cannot run code when loaded and a checkpoint written on a GPU loads on any machine.
 """
-import contextlib
+import hashlib
 import io
 import json
 import os
 import pickle
 import re
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,10 +48,11 @@ def atomic_write_json(data, path):
 
 
 def save_checkpoint(state, path):
-    """Serialize `state` with torch.save and write it to `path` atomically."""
+    """Serialize `state` with torch.save and write it to `path` atomically; return the SHA-256 of its bytes."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     atomic_write_bytes(buffer.getvalue(), path)
+    return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
 
 def load_checkpoint(path, map_location='cpu'):
@@ -85,88 +87,137 @@ def load_checkpoint(path, map_location='cpu'):
                         f'check that the file is complete and was written by torch.save') from None
 
 
-def _link_or_copy(source, target):
-    """Make `target` a hard link to `source` (a copy where links are not supported), atomically."""
-    temporary = os.path.join(os.path.dirname(target), f'.{os.path.basename(target)}.tmp{os.getpid()}')
-    try:
-        try:
-            os.link(source, temporary)
-        except OSError:  # e.g. a file system without hard links
-            with open(source, 'rb') as f:
-                atomic_write_bytes(f.read(), temporary)
-        os.replace(temporary, target)
-    except BaseException:
-        if os.path.lexists(temporary):
-            os.remove(temporary)
-        raise
+def checksum(path):
+    """The SHA-256 of a file's bytes, as hex (checkpoints.json keeps one per checkpoint)."""
+    with open(path, 'rb') as f:
+        return hashlib.file_digest(f, 'sha256').hexdigest()
 
 
-class CheckpointKeeper:
-    """Writes the checkpoints of one experiment folder and decides which ones to keep.
+WRAPPER_PREFIXES = ('module.', '_orig_mod.')  # added by DataParallel/DDP and by torch.compile
 
-    Each save writes a new file `epoch<E>_step<S>.pth` completely (atomic, fsynced), and only
-    then points `last.pth` (and `best.pth` when the monitored metric improved) at it as hard
-    links, records the kept files in `checkpoints.json`, and deletes files that fell out of
-    the newest `keep_last` and best `keep_best`. A failed write leaves every earlier file intact.
-    A keeper made for a folder with a checkpoints.json continues from it (resume).
+
+def unwrap_model(model):
+    """The plain model inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def state_dict_of(checkpoint, prefix_map=None):
+    """The model weights inside a Kiln checkpoint, a `{'state_dict': ...}` file or a plain state dict
+    (torchvision's .pth files, .safetensors files), with wrapper prefixes (`module.`, `_orig_mod.`)
+    stripped from the names, then names starting with a key of `prefix_map` renamed to start with
+    its value instead (--load_prefix_map old.=new.)."""
+    if not isinstance(checkpoint, dict):
+        raise KilnError(f'expected a dict of tensors in the checkpoint, got {type(checkpoint).__name__}')
+    for key in ('model', 'state_dict'):
+        if isinstance(checkpoint.get(key), dict):
+            checkpoint = checkpoint[key]
+            break
+    weights = {}
+    for name, value in checkpoint.items():
+        if not torch.is_tensor(value):
+            continue
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix in WRAPPER_PREFIXES:
+                if name.startswith(prefix):
+                    name, stripped = name[len(prefix):], True
+        for old, new in (prefix_map or {}).items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        weights[name] = value
+    return weights
+
+
+@dataclass
+class LoadReport:
+    """What loading did: names loaded, skipped for shape, missing from, unexpected in the file."""
+    loaded: list = field(default_factory=list)
+    shape_mismatched: list = field(default_factory=list)  # (name, shape in file, shape in model)
+    missing: list = field(default_factory=list)
+    unexpected: list = field(default_factory=list)
+
+    def to_dict(self):
+        """The report as plain data, for JSON."""
+        return {'loaded': self.loaded, 'missing': self.missing, 'unexpected': self.unexpected,
+                'shape_mismatched': [{'name': n, 'in_file': list(a), 'in_model': list(b)}
+                                     for n, a, b in self.shape_mismatched]}
+
+    def fits(self):
+        """Whether every tensor of the model was in the file with its shape, and nothing else was."""
+        return not (self.shape_mismatched or self.missing or self.unexpected)
+
+    def first_problems(self, count=3):
+        """The first few mismatches, for a one-line message."""
+        problems = [f'{n} is {tuple(a)} in the file but {tuple(b)} in the model'
+                    for n, a, b in self.shape_mismatched[:count]]
+        problems += [f'{n} is missing from the file' for n in self.missing[:count]]
+        problems += [f'{n} is not in the model' for n in self.unexpected[:count]]
+        more = len(self.shape_mismatched) + len(self.missing) + len(self.unexpected) - len(problems[:count])
+        return '; '.join(problems[:count]) + (f'; and {more} more' if more > 0 else '')
+
+    def __str__(self):
+        lines = [f'loaded {len(self.loaded)} tensors, skipped {len(self.shape_mismatched)} for shape, '
+                 f'{len(self.missing)} missing from the checkpoint, {len(self.unexpected)} unexpected']
+        lines += [f'  shape mismatch: {n} {tuple(a)} in file vs {tuple(b)} in model' for n, a, b in self.shape_mismatched]
+        lines += [f'  missing: {n}' for n in self.missing]
+        lines += [f'  unexpected: {n}' for n in self.unexpected]
+        return '\n'.join(lines)
+
+
+def match_weights(model, weights):
+    """Compare `weights` (a state dict) with `model`'s tensors: (LoadReport, the tensors that fit)."""
+    own = unwrap_model(model).state_dict()
+    report, matched = LoadReport(), {}
+    for name, value in weights.items():
+        if name not in own:
+            report.unexpected.append(name)
+        elif own[name].shape != value.shape:
+            report.shape_mismatched.append((name, value.shape, own[name].shape))
+        else:
+            matched[name] = value
+            report.loaded.append(name)
+    report.missing = [name for name in own if name not in weights]
+    return report, matched
+
+
+def load_match_dict(model, checkpoint, prefix_map=None):
+    """Load into `model` only the tensors whose names and shapes match; return a LoadReport.
+
+    `checkpoint` is a path (.pth or .safetensors) or an already loaded dict: a Kiln checkpoint, a
+    plain state dict or a torchvision weights file. Use it to start from weights of a model that
+    differs in places (another head, an extra block); everything else keeps its init.
+    `prefix_map` renames names first (see state_dict_of).
     """
+    if isinstance(checkpoint, str):
+        checkpoint = load_checkpoint(checkpoint)
+    report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
+    unwrap_model(model).load_state_dict(matched, strict=False)
+    return report
 
-    RECORD = 'checkpoints.json'
 
-    def __init__(self, folder, keep_last=1, keep_best=1, mode='max'):
-        self.folder, self.keep_last, self.keep_best, self.mode = folder, keep_last, keep_best, mode
-        self.last = []  # file names, oldest first
-        self.best = []  # [metric value, file name], best first
-        record = os.path.join(folder, self.RECORD)
-        if os.path.exists(record):
-            with open(record) as f:
-                self.load_state_dict(json.load(f))
+def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None):
+    """Load model weights from `checkpoint` (a path or a loaded dict): all of them when `strict`,
+    else the matching ones via load_match_dict, whose report is printed. Returns a LoadReport.
 
-    def is_better(self, value, than):
-        """Whether monitored value `value` beats `than` under the keeper's mode."""
-        return value > than if self.mode == 'max' else value < than
-
-    def save(self, state, name, metric=None):
-        """Write `state` as `name`, update last/best, prune; return whether it became the best.
-
-        `metric` is the monitored value for this state, or None (a save between validations),
-        which makes it a candidate for `last` only.
-        """
-        path = os.path.join(self.folder, name)
-        try:
-            save_checkpoint(state, path)
-            _link_or_copy(path, os.path.join(self.folder, 'last.pth'))
-            self.last = [n for n in self.last if n != name] + [name]
-            is_best = metric is not None and (not self.best or self.is_better(metric, self.best[0][0]))
-            if is_best:
-                _link_or_copy(path, os.path.join(self.folder, 'best.pth'))
-            if metric is not None:
-                self.best = sorted([b for b in self.best if b[1] != name] + [[metric, name]],
-                                   key=lambda b: b[0], reverse=self.mode == 'max')
-            dropped = self._forget_extra()
-            atomic_write_json(self.state_dict(), os.path.join(self.folder, self.RECORD))
-        except OSError as error:
-            raise KilnError(f'could not write checkpoint {path} ({error.strerror or error}); the previous '
-                            f'checkpoints are intact: free space or fix permissions, then continue with --resume') \
-                from None
-        for name in dropped:  # only now that the record no longer lists them
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.folder, name))
-        return is_best
-
-    def _forget_extra(self):
-        """Drop names beyond the newest keep_last and best keep_best from the lists; return the dropped ones."""
-        kept = set(self.last[-self.keep_last:]) | {name for _, name in self.best[:self.keep_best]}
-        dropped = (set(self.last) | {name for _, name in self.best}) - kept
-        self.last = [n for n in self.last if n in kept]
-        self.best = [b for b in self.best if b[1] in kept]
-        return dropped
-
-    def state_dict(self):
-        """Which files are kept, as plain data (saved as checkpoints.json)."""
-        return {'last': list(self.last), 'best': [list(b) for b in self.best]}
-
-    def load_state_dict(self, state):
-        """Continue from a saved `state_dict`."""
-        self.last = list(state['last'])
-        self.best = [list(b) for b in state['best']]
+    A strict load that does not fit raises a KilnError naming the first mismatched tensors and
+    suggesting --load_not_strict; `source` names an already loaded checkpoint in messages.
+    """
+    source = checkpoint if isinstance(checkpoint, str) else source or 'the checkpoint'
+    if isinstance(checkpoint, str):
+        checkpoint = load_checkpoint(checkpoint)
+    if not strict:
+        report = load_match_dict(model, checkpoint, prefix_map)
+        print(f'load_match_dict from {source}: {report}')
+        return report
+    report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
+    if not report.fits():
+        raise KilnError(f'{source} does not fit this model ({report.first_problems()}); check --model_type/'
+                        f'--num_classes or pass --load_not_strict to load only the tensors that match')
+    unwrap_model(model).load_state_dict(matched)
+    return report

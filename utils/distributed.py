@@ -3,8 +3,10 @@
 Without torchrun (no WORLD_SIZE in the environment, or WORLD_SIZE=1) every function here is a
 cheap no-op, so single-process code calls them unconditionally.
 """
+import ctypes
 import datetime
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -21,20 +23,58 @@ def local_rank():
     return int(os.environ.get('LOCAL_RANK', 0))
 
 
-def init_distributed(args):
+def init_distributed(cpu=False, gpus=None):
     """Join the process group torchrun set up (gloo on CPU, nccl on GPUs), once per process.
-    Returns whether this is a multi-process run."""
+    Returns whether this is a multi-process run. Checked first, on every process alike: no --gpus,
+    and no more processes on this machine than GPUs (unless --cpu)."""
     if int(os.environ.get('WORLD_SIZE', 1)) == 1:
         return False
-    if args.gpus:
-        raise KilnError('--gpus selects GPUs in one process; under torchrun each process takes the GPU of its '
-                        'LOCAL_RANK: drop --gpus (use CUDA_VISIBLE_DEVICES to choose GPUs)')
-    use_cuda = torch.cuda.is_available() and not args.cpu
+    if gpus:
+        raise SharedKilnError('--gpus selects GPUs in one process; under torchrun each process takes the GPU of its '
+                              'LOCAL_RANK: drop --gpus (use CUDA_VISIBLE_DEVICES to choose GPUs)')
+    use_cuda = torch.cuda.is_available() and not cpu
+    processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+    if use_cuda and processes > torch.cuda.device_count():
+        raise SharedKilnError(f'torchrun started {processes} processes on this machine but it has '
+                              f'{torch.cuda.device_count()} GPU(s); pass --cpu to train on the CPU, or use '
+                              f'--nproc-per-node {torch.cuda.device_count()} (at most the GPU count)')
+    _stop_with_launcher()
     if use_cuda:
         torch.cuda.set_device(local_rank())
     if not dist.is_initialized():
         dist.init_process_group('nccl' if use_cuda else 'gloo', timeout=datetime.timedelta(minutes=10))
     return True
+
+
+def _stop_with_launcher():
+    """Ask Linux to send this process SIGTERM when its parent (torchrun) dies, so a worker whose
+    launcher was SIGKILLed saves and stops instead of training on alone."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def host_group():
+    """A gloo process group for small host-side agreements (the stop flag), so they never wait for a GPU."""
+    global _HOST_GROUP
+    if _HOST_GROUP is None:
+        _HOST_GROUP = dist.group.WORLD if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
+    return _HOST_GROUP
+
+
+_HOST_GROUP = None
+
+
+def wrap_model(model, gpus=None, cpu=False):
+    """Wrap the (placed) model for several devices: DistributedDataParallel under torchrun, else
+    DataParallel when several --gpus are given (the single-process legacy path), else as it is."""
+    if is_distributed():
+        on_gpu = next(model.parameters()).is_cuda
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank()] if on_gpu else None)
+    if gpus and len(gpus) > 1 and not cpu:
+        return torch.nn.DataParallel(model, device_ids=gpus)
+    return model
 
 
 def is_distributed():
@@ -111,5 +151,7 @@ def run_on_main_process(function, *args):
 
 def cleanup_distributed():
     """Leave the process group (at the end of a run)."""
+    global _HOST_GROUP
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _HOST_GROUP = None

@@ -1,4 +1,4 @@
-"""User-facing errors: one clear line and a non-zero exit instead of a traceback."""
+"""User-facing errors: one clear line and a non-zero exit instead of a traceback (imports no torch)."""
 import os
 import sys
 
@@ -17,21 +17,55 @@ def _one_line(error):
     return text.split('KilnError: ', 1)[-1]
 
 
-def run_cli(main, argv=None):
-    """Run an entry point's `main(argv)`, turning KilnError into one line and exit code 2.
+def _is_out_of_memory(error):
+    return isinstance(error, MemoryError) or type(error).__name__ == 'OutOfMemoryError' or (
+        isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or 'out of memory' in str(error)))
 
-    With `--debug` on the command line the full traceback is shown instead.
+
+def _interrupted():
+    print('interrupted', file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+def quiet_interrupts():
+    """Make a Ctrl-C before `run_cli` takes over (while torch loads, say) print one line and exit 130.
+
+    By the time the hook runs the stack has unwound, so every `finally` (e.g. removing a half-generated
+    dataset) has already run.
     """
+    default = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if issubclass(kind, KeyboardInterrupt):
+            _interrupted()
+        default(kind, value, traceback)
+    sys.excepthook = hook
+
+
+def run_cli(main, argv=None):
+    """Run an entry point's `main(argv)`, turning mistakes into one `error: ...` line and exit code 2:
+    KilnError, an OSError from the file system (disk full, read-only, no permission) and running out
+    of memory. With `--debug` on the command line the full traceback is shown instead."""
     argv = sys.argv[1:] if argv is None else argv
     if '--debug' in argv:
         return main(argv)
     try:
         return main(argv)
+    except KeyboardInterrupt:
+        _interrupted()
     except KilnError as error:
         # under torchrun every rank fails alike on a shared error; one copy of the line is enough
         if os.environ.get('RANK', '0') == '0' or type(error).__name__ != 'SharedKilnError':
             print(f'error: {_one_line(error)}', file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print('interrupted', file=sys.stderr)
-        sys.exit(130)
+    except OSError as error:
+        where = f' {error.filename}' if error.filename else ''
+        print(f'error: cannot use{where}: {error.strerror or error}; free disk space or fix the permissions '
+              f'(--debug shows where)', file=sys.stderr)
+        sys.exit(2)
+    except (MemoryError, RuntimeError) as error:
+        if not _is_out_of_memory(error):
+            raise
+        print('error: out of memory; lower --batch_size or --img_size (--debug shows where)', file=sys.stderr)
+        sys.exit(2)

@@ -6,8 +6,8 @@ import os
 import torchvision
 from torch import nn
 
+from utils.checkpoint import load_weights
 from utils.errors import KilnError
-from utils.torch_utils import load_weights
 
 # name -> (torchvision builder, dotted path of the final nn.Linear)
 TORCHVISION_NETS = {
@@ -20,7 +20,8 @@ TORCHVISION_NETS = {
 }
 
 
-def _build(name, args):
+def torchvision_net(name, args):
+    """torchvision net `name` (a TORCHVISION_NETS key) with --pretrained_path weights and a --num_classes head."""
     builder, head_path = TORCHVISION_NETS[name]
     model = builder(weights=None)  # ImageNet shape (1000 classes), so a torchvision weights file fits it whole
     path = getattr(args, 'pretrained_path', None)
@@ -34,7 +35,7 @@ def _build(name, args):
         print(f'{name}: ImageNet weights loaded from {path}')
     parent_path, _, attribute = head_path.rpartition('.')
     parent = model.get_submodule(parent_path) if parent_path else model
-    head = getattr(parent, attribute) if not attribute.isdigit() else parent[int(attribute)]
+    head = parent[int(attribute)] if attribute.isdigit() else getattr(parent, attribute)
     if head.out_features != args.num_classes:
         new_head = nn.Linear(head.in_features, args.num_classes)
         if attribute.isdigit():
@@ -44,6 +45,6 @@ def _build(name, args):
     return model
 
 
-def torchvision_net(name):
-    """The MODELS entry for torchvision net `name`: a function of args that builds it."""
-    return functools.partial(_build, name)
+# the MODELS entries (model/model_entry.py): one builder of args per net
+tv_resnet18, tv_resnet34, tv_resnet50, tv_mobilenet_v3_small, tv_mobilenet_v3_large, tv_efficientnet_b0 = (
+    functools.partial(torchvision_net, name) for name in TORCHVISION_NETS)

@@ -1,7 +1,8 @@
-"""Freezing and unfreezing parts of a model for fine-tuning in stages."""
+"""Fine-tuning in stages: freezing layer groups, their learning rates, and unfreezing them later."""
 from torch import nn
 
-from utils.torch_utils import unwrap_model
+from utils.checkpoint import unwrap_model
+from utils.errors import KilnError
 
 BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 
@@ -81,3 +82,56 @@ class ModelFreezer:
         """Put the modules freeze() set to eval back in eval mode (after a `model.train()`)."""
         for module in self.eval_modules:
             module.training = False
+
+
+class FineTuning:
+    """--freeze_to, --unfreeze_at_epoch and the per-group learning rates of one training run.
+
+    The optimizer holds every parameter from the start, frozen ones included (they have no
+    gradient, so optimizers skip them), each layer set in its own param group at its own learning
+    rate. Unfreezing then only switches `requires_grad` back on: the optimizer, its schedule and a
+    checkpoint's optimizer state keep the same shape, with no private scheduler fields to edit.
+    """
+
+    def __init__(self, model, freeze_to=None, freeze_batch_norms=False, unfreeze_at_epoch=None):
+        self.freezer = ModelFreezer(model, freeze_batch_norms)
+        self.unfreeze_at_epoch = unfreeze_at_epoch
+        self.frozen = set()
+        if freeze_to is not None:
+            before = {id(p) for p in self.freezer.get_trainable_parameters()}
+            try:
+                self.freezer.freeze(0, freeze_to, set_modules_as_eval=freeze_batch_norms)
+            except IndexError as error:
+                raise KilnError(f'--freeze_to {freeze_to}: {error}') from None
+            self.frozen = before - {id(p) for p in self.freezer.get_trainable_parameters()}
+
+    def param_groups(self, lr, head_lr=None, backbone_lr=None, unfrozen_lr_scale=1.0):
+        """Optimizer param groups: the last layer group (the head) at `head_lr`, the other trainable
+        parameters at `backbone_lr`, the frozen ones at `unfrozen_lr_scale` x `backbone_lr` (used once
+        they are unfrozen); both rates default to `lr`. Empty groups are left out."""
+        head = {id(p) for p in self.freezer.get_layer_groups()[-1].parameters()}
+        backbone_lr, head_lr = backbone_lr or lr, head_lr or lr
+        parameters = list(self.freezer.model.parameters())
+        groups = [([p for p in parameters if id(p) not in head and id(p) not in self.frozen], backbone_lr),
+                  ([p for p in parameters if id(p) not in head and id(p) in self.frozen], backbone_lr * unfrozen_lr_scale),
+                  ([p for p in parameters if id(p) in head], head_lr)]
+        return [{'params': params, 'lr': group_lr} for params, group_lr in groups if params]
+
+    def unfreezes_at(self, epoch, batch_in_epoch):
+        """Whether (epoch, batch_in_epoch) is where --unfreeze_at_epoch takes effect: the start of epoch
+        `unfreeze_at_epoch` (counting from 1)."""
+        return self.unfreeze_at_epoch == epoch + 1 and batch_in_epoch == 0
+
+    def is_unfrozen(self, epoch, batch_in_epoch):
+        """Whether --unfreeze_at_epoch has taken effect at this position (e.g. of a resumed checkpoint)."""
+        when = self.unfreeze_at_epoch
+        return when is not None and (epoch + 1 > when or (epoch + 1 == when and batch_in_epoch > 0))
+
+    def unfreeze(self):
+        """Train every layer group from now on."""
+        self.freezer.unfreeze(-1, 0)
+
+    def train_mode(self, model):
+        """Training mode, except for modules frozen in eval mode (--freeze_batch_norms)."""
+        model.train()
+        self.freezer.keep_eval_modes()

@@ -1,0 +1,127 @@
+"""The one parser for the text list files that train, eval and predict read.
+
+A line holds an image path and what goes with it: `images/001.png 3`, `img.png mask.png`, or
+for detection `img.png 2,3,20,21,0 5,5,10,12,3`. Fields are separated by tabs when the line has
+one, else by whitespace; "double" or 'single' quotes keep spaces in a field; `#` at the start of
+a line or after whitespace (outside quotes) starts a comment; blank lines are skipped. Files
+ending in .csv are read as CSV instead (see read_list_file).
+"""
+import codecs
+import csv
+import os
+import re
+
+from utils.errors import KilnError
+
+# checked in this order: the UTF-32 LE mark starts with the UTF-16 LE one
+BOMS = ((codecs.BOM_UTF32_LE, 'utf-32-le'), (codecs.BOM_UTF32_BE, 'utf-32-be'), (codecs.BOM_UTF8, 'utf-8'),
+        (codecs.BOM_UTF16_LE, 'utf-16-le'), (codecs.BOM_UTF16_BE, 'utf-16-be'))
+HEADER_WORDS = {'image', 'image_path', 'path', 'file', 'filename'}
+
+
+def _decode(path, data):
+    """The text of a list file: a byte-order mark picks the encoding, else UTF-8 with undecodable
+    bytes kept as surrogates, so non-UTF-8 file names map back to the same bytes (os.fsencode)."""
+    for bom, encoding in BOMS:
+        if data.startswith(bom):
+            try:
+                return data[len(bom):].decode(encoding, 'surrogateescape' if encoding == 'utf-8' else 'strict')
+            except UnicodeDecodeError as error:
+                raise KilnError(f'list file {path} is not valid {encoding.upper()} ({error.reason} at byte '
+                                f'{error.start + len(bom)}); save it as UTF-8') from None
+    if b'\0' in data:
+        raise KilnError(f'list file {path} looks like UTF-16 or UTF-32 text without a byte-order mark; '
+                        'save it as UTF-8')
+    return data.decode('utf-8', 'surrogateescape')
+
+
+def _split(line, tabs):
+    """(fields, spans, quoted) of one line, its comment cut off; `spans` are the fields' (start, end)
+    in the line. Fields end at tabs when `tabs`, else at any whitespace. ValueError on a bad quote."""
+    fields, spans, quoted, i, n = [], [], False, 0, len(line)
+    while True:
+        while i < n and line[i].isspace():
+            i += 1
+        if i == n or line[i] == '#':  # at a line's start or after whitespace: a comment
+            return fields, spans, quoted
+        if line[i] in '"\'':
+            end = line.find(line[i], i + 1)
+            if end < 0:
+                raise ValueError(f'the quote at column {i + 1} is never closed')
+            if end + 1 < n and not line[end + 1].isspace():
+                raise ValueError(f'text follows the closing quote at column {end + 1}')
+            fields.append(line[i + 1:end])
+            spans.append((i, end + 1))
+            quoted, i = True, end + 1
+            continue
+        end = i
+        while end < n and not (line[end] == '\t' if tabs else line[end].isspace()):
+            if line[end] == '#' and line[end - 1].isspace():
+                break
+            end += 1
+        field = line[i:end].rstrip()
+        fields.append(field)
+        spans.append((i, i + len(field)))
+        i = end
+
+
+def _csv_rows(lines):
+    """(line_number, fields) of a CSV list file: comma or semicolon delimiter (sniffed from the
+    first lines), fields stripped, trailing empty fields dropped, blank and `#` lines skipped,
+    and a first row that starts with a header word (image, path, filename, ...) skipped."""
+    content = [(number, line) for number, line in enumerate(lines, start=1)
+               if line.strip() and not line.lstrip().startswith('#')]
+    try:  # only the delimiter is taken from the sniffer: its guessed quote character can be wrong
+        delimiter = csv.Sniffer().sniff('\n'.join(line for _, line in content[:20]), delimiters=',;').delimiter
+    except csv.Error:  # a single column, or nothing to go on
+        delimiter = ','
+    rows = []
+    for index, (number, line) in enumerate(content):
+        fields = [field.strip() for field in next(csv.reader([line], delimiter=delimiter))]
+        while fields and not fields[-1]:
+            fields.pop()
+        if fields and not (index == 0 and fields[0].lower() in HEADER_WORDS):
+            rows.append((number, fields))
+    return rows
+
+
+def read_list_file(path, columns=None):
+    """The entries of a list file as (line_number, fields) pairs, `fields` a list of strings.
+
+    With `columns`, each line must have that many fields, except that an unquoted,
+    whitespace-separated line with more fields keeps the extra leading ones in its first field
+    (`my image.png 3` -> ['my image.png', '3']: a path with spaces). .csv files are read with the
+    csv module (see _csv_rows). Missing, empty and malformed files raise a KilnError.
+    """
+    if not os.path.isfile(path):
+        raise KilnError(f'list file {path} does not exist; check --train_list / --val_list / --input')
+    with open(path, 'rb') as f:
+        lines = re.split(r'\r\n|\r|\n', _decode(path, f.read()))
+    if path.lower().endswith('.csv'):
+        entries = _csv_rows(lines)
+    else:
+        entries = []
+        for number, line in enumerate(lines, start=1):
+            tabs = '\t' in line
+            try:
+                fields, spans, quoted = _split(line, tabs)
+            except ValueError as error:
+                raise KilnError(f'{path}:{number}: {error}: {line.strip()!r}') from None
+            if columns and not quoted and not tabs and len(fields) > columns:
+                extra = len(fields) - columns
+                fields = [line[spans[0][0]:spans[extra][1]]] + fields[extra + 1:]
+            if fields:
+                entries.append((number, fields))
+    if columns:
+        for number, fields in entries:
+            if len(fields) != columns:
+                raise KilnError(f'{path}:{number}: expected {columns} fields, got {len(fields)}: '
+                                f'{lines[number - 1].strip()!r}')
+    if not entries:
+        raise KilnError(f'list file {path} lists no images')
+    return entries
+
+
+def resolve_path(list_path, field):
+    """The absolute path of a list file's `field`: `~` expanded, relative paths taken from the list file's folder."""
+    return os.path.join(os.path.dirname(os.path.abspath(list_path)), os.path.expanduser(field))

@@ -1,0 +1,142 @@
+"""One split's batches, delivered on the training device as dicts of tensors.
+
+Two paths, chosen by the dataset:
+- in memory (the dataset has `tensors()`, e.g. `shapes`, `mem_list`): the decoded uint8 images
+  and targets sit on the training device (in pinned host memory when they would take more than a
+  quarter of the free GPU memory) and a batch is one `index_select`: no workers, no per-sample Python;
+- from disk (any other dataset): DataLoader workers read and decode samples, the task's collate
+  stacks them as uint8, and the batch is copied from pinned memory without waiting.
+Either way `BatchTransform` (data/augment.py) then normalizes and, for training, augments the
+whole batch on the device.
+"""
+import ctypes
+import functools
+import os
+import signal
+
+import torch
+from torch.utils.data import DataLoader
+
+from data.augment import BatchTransform
+from data.sampler import ResumableBatchSampler, SeededDataset, mix
+from utils.distributed import rank, world_size
+from utils.seeding import seed_worker
+
+AUGMENT_STREAM = 0xA06  # keeps the augmentation's random numbers apart from the data order's
+
+
+def pad_collate(samples):
+    """Stack a list of sample dicts into a batch dict; tensors whose first dimension varies (boxes)
+    are padded to the longest with -1 (integers) or 0 (floats)."""
+    batch = {}
+    for key in samples[0]:
+        values = [torch.as_tensor(sample[key]) for sample in samples]
+        longest = max(len(v) if v.dim() else 0 for v in values)
+        if all(v.shape == values[0].shape for v in values):
+            batch[key] = torch.stack(values)
+        else:
+            fill = 0 if values[0].is_floating_point() else -1
+            padded = values[0].new_full((len(values), longest, *values[0].shape[1:]), fill)
+            for i, value in enumerate(values):
+                padded[i, :len(value)] = value
+            batch[key] = padded
+    return batch
+
+
+def _collate_with_positions(collate, item):
+    samples, positions = item  # what SeededDataset.__getitems__ gives
+    return collate(samples), torch.tensor(positions)
+
+
+def _die_with_parent(parent):
+    """Make this process (a DataLoader worker) exit at once when `parent` dies (Linux), not 5 s later."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _init_worker(parent, worker_id):
+    _die_with_parent(parent)
+    seed_worker(worker_id)
+
+
+def default_workers(requested):
+    """--num_workers, or min(4, CPUs per process) when not given (torchrun's processes share the CPUs)."""
+    if requested is not None:
+        return requested
+    cpus_per_process = (os.cpu_count() or 1) // int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+    return max(1, min(4, cpus_per_process))
+
+
+def place_in_memory(tensors, device):
+    """The in-memory dataset's tensors on `device` when they take at most a quarter of its free memory,
+    else in (pinned, when a GPU will read them) host memory."""
+    if device.type == 'cuda':
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        free, _ = torch.cuda.mem_get_info(device)
+        if size <= free // 4:
+            return {key: t.to(device) for key, t in tensors.items()}
+        return {key: t.pin_memory() for key, t in tensors.items()}
+    return {key: t.to(device) for key, t in tensors.items()}
+
+
+class Batches:
+    """The batches of one split for this process, epoch by epoch, as dicts of device tensors with
+    the images normalized (and, with `augment`, augmented: see data/augment.py)."""
+
+    def __init__(self, dataset, device, *, batch_size, shuffle, seed, augment=(), collate=pad_collate, workers=None,
+                 limit=None, fixed_order=False, channels_last=False, image_size=32):
+        self.dataset, self.device, self.seed = dataset, device, seed
+        self.sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle, seed, rank(), world_size(), limit,
+                                             fixed_order)
+        self.transform = BatchTransform(augment, image_size, channels_last)
+        tensors = getattr(dataset, 'tensors', None)
+        self.memory = place_in_memory(tensors(), device) if tensors else None
+        self.loader = None
+        if self.memory is None:
+            workers = default_workers(workers)
+            self.loader = DataLoader(SeededDataset(dataset), batch_sampler=self.sampler, num_workers=workers,
+                                     collate_fn=functools.partial(_collate_with_positions, collate),
+                                     pin_memory=device.type == 'cuda', persistent_workers=workers > 0,
+                                     worker_init_fn=functools.partial(_init_worker, os.getpid()))
+
+    def __len__(self):
+        """Batches in a whole epoch."""
+        return len(self.sampler.batches())
+
+    def order(self, epoch):
+        """The sample order of `epoch` (a checkpoint keeps it, to check that a resumed run reads the same data)."""
+        return self.sampler.order(epoch)
+
+    def epoch(self, epoch, start=0):
+        """Yield the batches of `epoch`, from batch number `start` on."""
+        self.sampler.set_epoch(epoch, start)
+        params = None
+        if self.transform.augmentations:  # every sample position's parameters, drawn once per epoch
+            generator = torch.Generator().manual_seed(mix(self.seed, epoch, AUGMENT_STREAM))
+            params = {k: v.to(self.device) for k, v in self.transform.draw(len(self.dataset), generator).items()}
+        source = self._from_memory(epoch, start) if self.memory is not None else self._from_loader()
+        for batch, positions in source:
+            yield self.transform(batch, params and {key: value[positions] for key, value in params.items()})
+
+    def _from_memory(self, epoch, start):
+        batches = self.sampler.batches(epoch)[start:]
+        if not batches:
+            return
+        where = next(iter(self.memory.values())).device
+        pairs = torch.tensor([pair for batch in batches for pair in batch]).to(where)  # one copy per epoch
+        for chunk in pairs.split([len(batch) for batch in batches]):
+            positions, indices = chunk[:, 0], chunk[:, 1]
+            batch = {key: tensor.index_select(0, indices) for key, tensor in self.memory.items()}
+            if where != self.device:  # pinned host memory: copy without waiting
+                batch = {key: t.pin_memory().to(self.device, non_blocking=True) for key, t in batch.items()}
+                positions = positions.to(self.device, non_blocking=True)
+            yield batch, positions
+
+    def _from_loader(self):
+        for batch, positions in self.loader:
+            yield ({key: t.to(self.device, non_blocking=True) for key, t in batch.items()},
+                   positions.to(self.device, non_blocking=True))

@@ -1,0 +1,44 @@
+"""Image classification: one label per image; accuracy, top-k accuracy, per-class recall."""
+from metrics import ClassificationMetrics
+from tasks.task import Task
+from utils.viz import confusion_matrix_image, labeled_grid
+
+
+class ClassifyTask(Task):
+    """Classifies images: the model gives class scores (N, C); targets are `label` (N,)."""
+
+    default_model = 'small_cnn'
+    default_data = ('shapes', 'list')
+    monitor = 'val/acc'
+    targets = ('label',)
+
+    @classmethod
+    def metric_names(cls, options):
+        return ['loss', 'acc', f'top{options.topk}']
+
+    def metrics(self):
+        return ClassificationMetrics(self.num_classes, self.options.topk)
+
+    def pictures(self, batch, outputs):
+        count = min(32, self.count(batch))
+        predicted, true = self.to_host(outputs[:count].argmax(1), batch['label'][:count])
+        return {'predictions': labeled_grid(self.display_images(batch, count), predicted.tolist(), true.tolist(),
+                                            self.class_names)}
+
+    def result_pictures(self, metrics):
+        return {'confusion_matrix': confusion_matrix_image(metrics.confusion, self.class_names)}
+
+    eval_header = ('image', 'label', 'prediction', 'confidence', 'label_name', 'prediction_name')
+
+    def eval_rows(self, batch, outputs):
+        confidence, predicted = outputs.softmax(dim=1).max(dim=1)
+        labels, predicted, confidence = self.to_host(batch['label'], predicted, confidence)
+        names = self.class_names
+        return [[[label, p, f'{c:.4f}', names[label], names[p]]]
+                for label, p, c in zip(labels.tolist(), predicted.tolist(), confidence.tolist())]
+
+    predict_header = ('image', 'prediction', 'prediction_name', 'confidence')
+
+    def predict_rows(self, batch, outputs, paths, folder):
+        confidence, predicted = self.to_host(*outputs.softmax(dim=1).max(dim=1))
+        return [[[p, self.class_names[p], f'{c:.4f}']] for p, c in zip(predicted.tolist(), confidence.tolist())]

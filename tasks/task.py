@@ -1,0 +1,112 @@
+"""The Task: everything a kind of problem needs beyond the loop, in one object used by train.py,
+eval.py and predict.py alike.
+
+A task file (tasks/classify.py, tasks/segment.py, ...) subclasses Task and fills in:
+- its defaults: model, datasets, loss, monitored metric;
+- the batch contract: what a batch holds (`targets`), how samples are collated, how they are
+  counted (batches are dicts of device tensors, e.g. {'image', 'label'}; see data/loader.py);
+- `forward` and `loss`;
+- `metrics()`: an object that adds up a whole split exactly (see metrics.py), the same in
+  validation and in eval.py, under one process or many;
+- `pictures` for TensorBoard and eval, `eval_rows` for eval's predictions.csv, and `predict_rows`
+  for predict.py.
+Register it with one line in tasks/task_entry.py; no loop, option or entry script changes.
+"""
+import torch
+
+from data.augment import denormalize
+from data.loader import pad_collate
+from utils.errors import KilnError
+
+
+class Task:
+    """Base of all tasks: single-tensor image models whose batch holds 'image' and `targets`."""
+
+    default_model = 'small_cnn'  # --model_type when none is given
+    default_data = ('shapes', 'list')  # --data_type when none is given: without / with list files
+    default_loss = 'cross_entropy'  # --loss, a LOSSES name (loss.py)
+    monitor = 'val/acc'  # default --monitor, and its --monitor_mode
+    monitor_mode = 'max'
+    targets = ('label',)  # the batch keys a dataset must provide besides 'image'
+
+    def __init__(self, options, class_names=None):
+        """`options` are the run's resolved options (num_classes is set); `class_names` may be None."""
+        from loss import select_loss
+        self.options, self.num_classes = options, options.num_classes
+        self.class_names = list(class_names or [str(c) for c in range(self.num_classes)])
+        self.criterion = select_loss(options.loss or self.default_loss)
+
+    @classmethod
+    def metric_names(cls, options):
+        """The names `metrics().compute()` returns, plus 'loss': checked against --monitor before training."""
+        return ['loss']
+
+    def check_dataset(self, dataset, data_type):
+        """Refuse, with one line, a dataset that does not provide this task's targets."""
+        provided = tuple(getattr(dataset, 'targets', ('label',)))
+        if not set(self.targets) <= set(provided):
+            task = type(self).__name__
+            raise KilnError(f'{task} needs a dataset with {", ".join(self.targets)}, but --data_type {data_type} '
+                            f'gives {", ".join(provided)}; use one of this task\'s datasets '
+                            f'(e.g. --data_type {self.default_data[0]}, or {self.default_data[1]} with list files)')
+
+    # the batch contract -------------------------------------------------------------------------
+    def collate(self, samples):
+        """Turn a list of sample dicts (from a dataset read from disk) into one batch dict."""
+        return pad_collate(samples)
+
+    def count(self, batch):
+        """The number of samples in a batch (weights the means)."""
+        return len(batch['image'])
+
+    # model ----------------------------------------------------------------------------------------
+    def forward(self, model, batch):
+        """The model's outputs for a batch."""
+        return model(batch['image'])
+
+    def loss(self, outputs, batch):
+        """The loss of one batch (a scalar tensor)."""
+        return self.criterion(outputs, batch[self.targets[0]])
+
+    def outputs_to_float(self, outputs):
+        """Outputs in float32 (mixed precision gives half-precision ones), for metrics and pictures."""
+        return outputs.float()
+
+    # metrics, pictures, rows --------------------------------------------------------------------------
+    def metrics(self):
+        """A fresh metric object for one split or interval: `update(outputs, batch)`, `compute(class_names=None)`."""
+        raise NotImplementedError
+
+    def train_metrics(self):
+        """The metric object for training curves (defaults to `metrics()`; None for none)."""
+        return self.metrics()
+
+    def display_images(self, batch, count):
+        """The first `count` images of a batch as float (N, 3, H, W) in [0, 1] for pictures."""
+        return denormalize(batch['image'][:count])
+
+    def pictures(self, batch, outputs):
+        """Pictures of one batch as {name: HxWx3 uint8 array} (TensorBoard 'val/<name>', eval '<name>_batchN.png')."""
+        return {}
+
+    def result_pictures(self, metrics_object):
+        """Pictures of a whole evaluated split (e.g. the confusion matrix) as {file stem: array}."""
+        return {}
+
+    eval_header = ('image',)
+
+    def eval_rows(self, batch, outputs):
+        """Per sample of a batch with targets, a list of predictions.csv rows (after the image path column)."""
+        return [[] for _ in range(self.count(batch))]
+
+    predict_header = ('image',)
+
+    def predict_rows(self, batch, outputs, paths, folder):
+        """Per image of an unlabelled batch, the predictions.csv rows of predict.py (without the path column);
+        may write files into `folder` (e.g. masks)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def to_host(*tensors):
+        """Host copies of tensors, for rows and pictures (one sync per call)."""
+        return [t.detach().cpu() if torch.is_tensor(t) else t for t in tensors]

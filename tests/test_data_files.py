@@ -1,0 +1,432 @@
+"""Unit tests for data/image_io.py (decoding every image mode, checking files) and data/list_file.py."""
+import codecs
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data.image_io import check_image, check_images, decode_image, to_rgb
+from data.list_file import read_list_file, resolve_path
+from utils.errors import KilnError
+
+RED, GREEN, BLUE, WHITE, BLACK = (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255), (0, 0, 0)
+
+
+def save(image, path, expect_mode=None, **options):
+    """Save `image`, check the file reopens in `expect_mode` (default: the image's), return the path."""
+    image.save(path, **options)
+    with Image.open(path) as reopened:
+        assert reopened.mode == (expect_mode or image.mode)
+    return str(path)
+
+
+def decoded(path, size=None):
+    """decode_image at the file's own size (no resize), as an (H, W, 3) uint8 array."""
+    with Image.open(path) as image:
+        size = size or image.width
+    tensor = decode_image(path, size)
+    assert tensor.dtype == torch.uint8 and tensor.shape == (3, size, size)
+    return tensor.permute(1, 2, 0).numpy()
+
+
+def rgb_of(image):
+    """to_rgb of an in-memory image as an (H, W, 3) array (for modes no file format keeps)."""
+    out = to_rgb(image)
+    assert out.mode == 'RGB'
+    return np.asarray(out)
+
+
+def assert_close(pixel, expected, tolerance=0):
+    assert np.abs(np.asarray(pixel, dtype=int) - np.asarray(expected)).max() <= tolerance, (pixel, expected)
+
+
+def gradient16(width=256):
+    return np.tile(np.linspace(0, 65535, width).round().astype(np.uint16), (width, 1))
+
+
+# ---- image modes ---------------------------------------------------------------------------------
+
+def test_mode_1(tmp_path):
+    bits = np.indices((8, 8)).sum(0) % 2 == 0
+    out = decoded(save(Image.fromarray(bits), tmp_path / 'a.png'))
+    assert (out[bits] == 255).all() and (out[~bits] == 0).all()
+
+
+def test_mode_l(tmp_path):
+    gray = np.tile(np.arange(0, 256, 4, dtype=np.uint8), (64, 1))
+    out = decoded(save(Image.fromarray(gray), tmp_path / 'a.png'))
+    assert (out == gray[..., None]).all()
+
+
+def test_mode_la_over_white(tmp_path):
+    image = Image.new('LA', (4, 4), (0, 255))
+    image.putpixel((0, 0), (0, 0))      # transparent black: white
+    image.putpixel((1, 0), (0, 128))    # half-transparent black: mid gray
+    out = decoded(save(image, tmp_path / 'a.png'))
+    assert_close(out[0, 0], WHITE)
+    assert_close(out[0, 1], (127, 127, 127), 1)
+    assert_close(out[1, 1], BLACK)
+
+
+def palette_image(mode='P'):
+    image = Image.new(mode, (4, 4))
+    image.putpalette([*RED, *GREEN, *BLUE] + [0] * 3 * 253)
+    for x in range(4):
+        for y in range(4):
+            image.putpixel((x, y), x % 3 if mode == 'P' else (x % 3, 255))
+    return image
+
+
+def test_mode_p(tmp_path):
+    out = decoded(save(palette_image(), tmp_path / 'a.png'))
+    assert_close(out[0, 0], RED) and assert_close(out[0, 1], GREEN) and assert_close(out[0, 2], BLUE)
+
+
+def test_mode_p_transparent_index_is_white(tmp_path):
+    out = decoded(save(palette_image(), tmp_path / 'a.png', transparency=1))
+    assert_close(out[2, 0], RED)
+    assert_close(out[2, 1], WHITE)  # index 1 (green) is transparent
+    assert_close(out[2, 2], BLUE)
+
+
+def test_mode_pa(tmp_path):
+    image = palette_image('PA')
+    image.putpixel((1, 1), (0, 0))  # transparent
+    out = decoded(save(image, tmp_path / 'a.tif'))
+    assert_close(out[0, 0], RED) and assert_close(out[0, 2], BLUE)
+    assert_close(out[1, 1], WHITE)
+
+
+def test_mode_rgb(tmp_path):
+    pixels = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    assert (decoded(save(Image.fromarray(pixels), tmp_path / 'a.png')) == pixels).all()
+
+
+def test_mode_rgba_over_white(tmp_path):
+    pixels = np.zeros((4, 4, 4), np.uint8)
+    pixels[..., 0], pixels[..., 3] = 255, 255      # opaque red
+    pixels[0, 0] = (255, 0, 0, 0)                  # transparent red: white
+    pixels[0, 1] = (0, 0, 0, 128)                  # half-transparent black: gray
+    out = decoded(save(Image.fromarray(pixels), tmp_path / 'a.png'))
+    assert_close(out[0, 0], WHITE)
+    assert_close(out[0, 1], (127, 127, 127), 1)
+    assert_close(out[2, 2], RED)
+
+
+def test_mode_rgba_premultiplied():
+    image = Image.new('RGBa', (2, 2), (0, 0, 0, 0))
+    image.putpixel((0, 0), (128, 0, 0, 128))  # premultiplied: half-transparent full red
+    out = rgb_of(image)
+    assert_close(out[0, 0], (255, 127, 127), 2)
+    assert_close(out[1, 1], WHITE)
+
+
+@pytest.mark.parametrize('fmt', ['TIFF', 'JPEG'])
+def test_mode_cmyk(tmp_path, fmt):
+    image = Image.new('CMYK', (8, 8), (0, 255, 255, 0))  # red
+    image.paste((0, 0, 0, 255), (0, 0, 8, 4))         # top half black
+    out = decoded(save(image, tmp_path / f'a.{fmt.lower()}', quality=95))
+    assert_close(out[6, 4], RED, 8)
+    assert_close(out[1, 4], BLACK, 8)
+
+
+def test_mode_ycbcr(tmp_path):
+    image = Image.new('RGB', (8, 8), RED)
+    image.paste(BLUE, (0, 0, 8, 4))
+    out = decoded(save(image.convert('YCbCr'), tmp_path / 'a.tif'))
+    assert_close(out[1, 4], BLUE, 3)
+    assert_close(out[6, 4], RED, 3)
+
+
+def test_mode_lab(tmp_path):
+    image = Image.new('LAB', (8, 8), (255, 128, 128))   # L=100, a=b=0: white
+    image.paste((0, 128, 128), (0, 0, 4, 8))           # L=0: black
+    image.paste((138, 209, 198), (0, 0, 8, 2))         # sRGB red in CIELAB
+    out = decoded(save(image, tmp_path / 'a.tif'))
+    assert_close(out[4, 6], WHITE, 3)
+    assert_close(out[4, 1], BLACK, 3)
+    assert_close(out[0, 4], RED, 12)
+
+
+def test_mode_hsv():
+    image = Image.new('HSV', (2, 1), (0, 255, 255))   # red
+    image.putpixel((1, 0), (85, 255, 255))          # hue 120 degrees: green
+    out = rgb_of(image)
+    assert_close(out[0, 0], RED, 1)
+    assert_close(out[0, 1], GREEN, 3)
+
+
+def test_16bit_png_stays_a_gradient(tmp_path):
+    values = gradient16()
+    out = decoded(save(Image.fromarray(values), tmp_path / 'a.png', 'I;16'))
+    expected = np.rint(values / 257).astype(np.uint8)
+    assert (out == expected[..., None]).all()
+    assert out[0, 0, 0] == 0 and out[0, -1, 0] == 255 and 120 <= out[0, 128, 0] <= 135
+    assert len(np.unique(out)) == 256  # not clipped to white
+
+
+def test_16bit_big_endian_tiff(tmp_path):
+    values = gradient16(64)
+    image = Image.frombytes('I;16B', (64, 64), values.astype('>u2').tobytes())
+    out = decoded(save(image, tmp_path / 'a.tif'))
+    assert (out == np.rint(values / 257).astype(np.uint8)[..., None]).all()
+
+
+@pytest.mark.parametrize('mode', ['I;16', 'I;16L', 'I;16N', 'I;16B'])
+def test_16bit_modes_in_memory(mode):
+    values = np.array([[0, 257, 32768, 65535]])
+    dtype = '>u2' if mode == 'I;16B' else '<u2'  # I;16N is native order, little-endian on x86 and ARM
+    out = rgb_of(Image.frombytes(mode, (4, 1), values.astype(dtype).tobytes()))
+    assert out[0, :, 0].tolist() == [0, 1, 128, 255]
+
+
+def test_mode_i_16bit_range(tmp_path):
+    values = gradient16(32).astype(np.int32)
+    out = decoded(save(Image.fromarray(values), tmp_path / 'a.tif'))
+    assert (out == np.rint(values / 257).astype(np.uint8)[..., None]).all()
+
+
+@pytest.mark.parametrize('bad', [-1, 70000])
+def test_mode_i_outside_16_bits_is_refused(tmp_path, bad):
+    values = np.zeros((4, 4), np.int32)
+    values[0, 0] = bad
+    path = save(Image.fromarray(values), tmp_path / 'a.tif')
+    with pytest.raises(KilnError, match='do not fit 16 bits'):
+        decode_image(path, 4)
+
+
+@pytest.mark.parametrize('scale', [1.0, 255.0])
+def test_mode_f(tmp_path, scale):
+    values = np.tile(np.linspace(0, scale, 16, dtype=np.float32), (16, 1))
+    out = decoded(save(Image.fromarray(values), tmp_path / 'a.tif'))
+    assert (out == np.rint(values * (255 / scale)).astype(np.uint8)[..., None]).all()
+
+
+@pytest.mark.parametrize('bad', [1000.0, -0.5, float('nan')])
+def test_mode_f_out_of_range_is_refused(tmp_path, bad):
+    values = np.zeros((4, 4), np.float32)
+    values[1, 1] = bad
+    path = save(Image.fromarray(values), tmp_path / 'a.tif')
+    with pytest.raises(KilnError, match=r'^cannot read image .*floating-point pixels'):
+        decode_image(path, 4)
+
+
+def test_exif_rotated_jpeg_comes_out_upright(tmp_path):
+    stored = Image.new('RGB', (40, 20), BLUE)
+    stored.paste(RED, (0, 0, 20, 20))           # stored: left half red
+    exif = Image.Exif()
+    exif[0x0112] = 6                            # orientation 6: turn 90 degrees clockwise to view
+    out = decoded(save(stored, tmp_path / 'a.jpg', exif=exif, quality=95), size=40)
+    assert_close(out[5, 20], RED, 10)           # viewed: top half red
+    assert_close(out[35, 20], BLUE, 10)         # and bottom half blue
+
+
+@pytest.mark.parametrize('fmt', ['GIF', 'TIFF'])
+def test_multi_frame_uses_first_frame(tmp_path, fmt):
+    frames = [Image.new('RGB', (8, 8), color) for color in (RED, BLUE, GREEN)]
+    path = tmp_path / f'a.{fmt.lower()}'
+    frames[0].save(path, save_all=True, append_images=frames[1:])
+    with Image.open(path) as image:
+        assert image.n_frames == 3
+    assert_close(decoded(str(path))[4, 4], RED, 2)
+
+
+def test_resize(tmp_path):
+    image = Image.new('RGB', (64, 32), RED)
+    image.paste(BLUE, (32, 0, 64, 32))
+    out = decoded(save(image, tmp_path / 'a.png'), size=16)
+    assert_close(out[8, 2], RED) and assert_close(out[8, 13], BLUE)
+    out16 = decoded(save(Image.fromarray(gradient16()), tmp_path / 'b.png', 'I;16'), size=32)
+    assert out16[0, 0, 0] < 10 and out16[0, -1, 0] > 245 and 100 < out16[0, 16, 0] < 155
+
+
+# ---- unreadable files ----------------------------------------------------------------------------
+
+ONE_LINE = r'^cannot read image {} \(list\.txt:12\): [^\n]+; fix or remove it from the list$'
+
+
+def truncated(tmp_path, name, **options):
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    path = tmp_path / name
+    Image.fromarray(pixels).save(path, **options)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    return str(path)
+
+
+def written(tmp_path, name, data):
+    (tmp_path / name).write_bytes(data)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize('make', [
+    lambda tmp: truncated(tmp, 'cut.png'),
+    lambda tmp: truncated(tmp, 'cut.jpg', quality=95),
+    lambda tmp: written(tmp, 'text.png', b'not an image\n'),
+    lambda tmp: written(tmp, 'zero.jpg', b''),
+    lambda tmp: written(tmp, 'sig.png', b'\x89PNG\r\n\x1a\n' + bytes(range(64))),
+    lambda tmp: str(tmp / 'missing.png'),
+], ids=['truncated-png', 'truncated-jpeg', 'text', 'empty', 'garbage-after-signature', 'missing'])
+def test_bad_files_give_one_line_error(tmp_path, make):
+    path = make(tmp_path)
+    with pytest.raises(KilnError) as caught:
+        decode_image(path, 32, ' (list.txt:12)')
+    assert re.match(ONE_LINE.format(re.escape(path)), str(caught.value)), str(caught.value)
+
+
+def test_check_image(tmp_path):
+    good = save(Image.new('RGB', (8, 8)), tmp_path / 'good.png')
+    assert check_image(good) is None
+    assert check_image(save(Image.new('L', (8, 8)), tmp_path / 'good.jpg')) is None
+    cut = truncated(tmp_path, 'cut.png')
+    text = tmp_path / 'text.png'
+    text.write_text('hello')
+    for bad in (cut, str(text), str(tmp_path / 'missing.png')):
+        reason = check_image(bad)
+        assert isinstance(reason, str) and reason and '\n' not in reason
+
+
+def test_check_images(tmp_path):
+    good = save(Image.new('RGB', (8, 8)), tmp_path / 'good.png')
+    cut = truncated(tmp_path, 'cut.png')
+    text = tmp_path / 'text.png'
+    text.write_text('hello')
+    bad = check_images([good, cut, good, str(text), good])
+    assert [(index, path) for index, path, _ in bad] == [(1, cut), (3, str(text))]
+    assert all(reason for _, _, reason in bad)
+    assert check_images([]) == []
+
+
+# ---- list files ----------------------------------------------------------------------------------
+
+def list_file(tmp_path, content, name='list.txt'):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(path)
+
+
+def test_plain_lines(tmp_path):
+    path = list_file(tmp_path, 'images/001.png 3\nimg.png mask.png\nimg.png 2,3,20,21,0 5,5,10,12,3\n')
+    assert read_list_file(path) == [(1, ['images/001.png', '3']), (2, ['img.png', 'mask.png']),
+                                    (3, ['img.png', '2,3,20,21,0', '5,5,10,12,3'])]
+
+
+@pytest.mark.parametrize('bom,encoding', [
+    (codecs.BOM_UTF8, 'utf-8'), (codecs.BOM_UTF16_LE, 'utf-16-le'), (codecs.BOM_UTF16_BE, 'utf-16-be'),
+    (codecs.BOM_UTF32_LE, 'utf-32-le'), (codecs.BOM_UTF32_BE, 'utf-32-be')])
+def test_byte_order_marks(tmp_path, bom, encoding):
+    path = list_file(tmp_path, bom + 'café.png 3\r\nb.png 4\r\n'.encode(encoding))
+    assert read_list_file(path, columns=2) == [(1, ['café.png', '3']), (2, ['b.png', '4'])]
+
+
+def test_utf16_without_bom_is_refused(tmp_path):
+    path = list_file(tmp_path, 'a.png 3\n'.encode('utf-16-le'))
+    with pytest.raises(KilnError, match='save it as UTF-8'):
+        read_list_file(path)
+
+
+@pytest.mark.parametrize('name', ['café.png'.encode('latin-1'), '图像.png'.encode('gbk')], ids=['latin1', 'gbk'])
+def test_non_utf8_file_name_maps_back_to_disk(tmp_path, name):
+    on_disk = os.path.join(os.fsencode(tmp_path), name)
+    Image.new('RGB', (4, 4), RED).save(on_disk, 'PNG')
+    path = list_file(tmp_path, name + b' 3\n')
+    [(number, [field, label])] = read_list_file(path, columns=2)
+    assert (number, label) == (1, '3') and os.fsencode(field) == name
+    image_path = resolve_path(path, field)
+    assert os.path.isfile(image_path) and os.fsencode(image_path) == on_disk
+    assert_close(decode_image(image_path, 4)[:, 0, 0].tolist(), RED)
+
+
+@pytest.mark.parametrize('ending', ['\n', '\r\n', '\r'], ids=['lf', 'crlf', 'cr'])
+def test_line_endings_and_blank_lines(tmp_path, ending):
+    path = list_file(tmp_path, ending.join(['a.png 1', '', '  ', 'b.png 2', '']))
+    assert read_list_file(path) == [(1, ['a.png', '1']), (4, ['b.png', '2'])]
+
+
+def test_comments(tmp_path):
+    path = list_file(tmp_path, '# a header comment\na.png 1  # why\nimg#1.png 3\n   # indented\n'
+                               'b.png 2 #tight\n"c #2.png" 4\n')
+    assert read_list_file(path) == [(2, ['a.png', '1']), (3, ['img#1.png', '3']),
+                                    (5, ['b.png', '2']), (6, ['c #2.png', '4'])]
+
+
+def test_tabs(tmp_path):
+    path = list_file(tmp_path, 'my image.png\t3\na b.png\t\t4  # note\n  c.png \t 5 \n')
+    assert read_list_file(path, columns=2) == [(1, ['my image.png', '3']), (2, ['a b.png', '4']),
+                                               (3, ['c.png', '5'])]
+
+
+def test_quotes(tmp_path):
+    path = list_file(tmp_path, '"my image.png" 3\n\'my image.png\' 3\n"it\'s.png" 1\nit\'s.png 2\n')
+    expected = [(1, ['my image.png', '3']), (2, ['my image.png', '3']), (3, ["it's.png", '1']), (4, ["it's.png", '2'])]
+    assert read_list_file(path) == expected
+    assert read_list_file(path, columns=2) == expected
+
+
+@pytest.mark.parametrize('line', ['"a.png 3', '"a.png"x 3'])
+def test_bad_quotes(tmp_path, line):
+    path = list_file(tmp_path, 'ok.png 1\n' + line + '\n')
+    with pytest.raises(KilnError, match=f'^{re.escape(path)}:2: .*quote'):
+        read_list_file(path)
+
+
+def test_unquoted_spaces_with_columns(tmp_path):
+    path = list_file(tmp_path, 'my image.png 3\nmy  big image.png 4\nplain.png 5\n')
+    assert read_list_file(path, columns=2) == [(1, ['my image.png', '3']), (2, ['my  big image.png', '4']),
+                                               (3, ['plain.png', '5'])]
+    assert read_list_file(path)[0] == (1, ['my', 'image.png', '3'])  # no columns: no joining
+
+
+def test_too_few_fields(tmp_path):
+    path = list_file(tmp_path, 'a.png 1\nb.png\n')
+    with pytest.raises(KilnError) as caught:
+        read_list_file(path, columns=2)
+    assert str(caught.value) == f"{path}:2: expected 2 fields, got 1: 'b.png'"
+
+
+def test_too_many_quoted_fields(tmp_path):
+    path = list_file(tmp_path, '"a.png" 1 2\n')
+    with pytest.raises(KilnError, match=r':1: expected 2 fields, got 3'):
+        read_list_file(path, columns=2)
+
+
+@pytest.mark.parametrize('content', ['image,label\na.png,1\n"b, c.png",2\n',
+                                     'Image_Path;label\r\na.png;1\r\nb, c.png;2\r\n',
+                                     '# exported\nFILENAME , label\na.png, 1,,\n\n"b, c.png" ,2\n'],
+                         ids=['comma', 'semicolon-crlf', 'spaces-comment-trailing'])
+def test_csv_with_header(tmp_path, content):
+    rows = read_list_file(list_file(tmp_path, content, 'list.csv'), columns=2)
+    assert [fields for _, fields in rows] == [['a.png', '1'], ['b, c.png', '2']]
+    assert rows[0][0] == content.count('\n', 0, content.index('a.png')) + 1  # real line numbers
+
+
+def test_csv_without_header_and_with_bom(tmp_path):
+    path = list_file(tmp_path, codecs.BOM_UTF8 + b'a.png,"2,3,20,21,0"\nmy image.png,"1,1,4,4,0"\n', 'boxes.CSV')
+    assert read_list_file(path) == [(1, ['a.png', '2,3,20,21,0']), (2, ['my image.png', '1,1,4,4,0'])]
+    single = list_file(tmp_path, 'path\nimg #1.png\n', 'single.csv')
+    assert read_list_file(single) == [(2, ['img #1.png'])]
+
+
+def test_missing_and_empty_lists(tmp_path):
+    missing = str(tmp_path / 'nope.txt')
+    with pytest.raises(KilnError) as caught:
+        read_list_file(missing)
+    assert str(caught.value) == f'list file {missing} does not exist; check --train_list / --val_list / --input'
+    for name, content in [('empty.txt', ''), ('comments.txt', '# nothing\n\n  \n'), ('header.csv', 'image,label\n')]:
+        path = list_file(tmp_path, content, name)
+        with pytest.raises(KilnError) as caught:
+            read_list_file(path)
+        assert str(caught.value) == f'list file {path} lists no images'
+
+
+def test_resolve_path(tmp_path, monkeypatch):
+    path = list_file(tmp_path, 'a.png 1\n')
+    assert resolve_path(path, 'images/a.png') == os.path.join(str(tmp_path), 'images/a.png')
+    assert resolve_path(path, '/data/a.png') == '/data/a.png'
+    monkeypatch.setenv('HOME', '/home/someone')
+    assert resolve_path(path, '~/a.png') == '/home/someone/a.png'
+    monkeypatch.chdir(tmp_path)
+    assert resolve_path('list.txt', 'a.png') == os.path.join(str(tmp_path), 'a.png')

@@ -1,0 +1,364 @@
+"""Experiment trackers (utils/trackers): a run killed and resumed from its last checkpoint ends with
+exactly the points of a run never interrupted, read back through each library's own reader.
+
+Everything runs in this process and offline: W&B writes offline runs, MLflow a local SQLite store.
+"""
+import csv
+import json
+import re
+import struct
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from utils.errors import KilnError
+from utils.trackers import Trackers, build_trackers
+from utils.trackers.wandb_tracker import logged_in, wandb_mode
+
+# MLflow 3.17's SQLite store uses an SQLAlchemy loader option that SQLAlchemy 2.1 deprecates
+pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning:mlflow')
+
+HPARAMS = {'task': 'classification', 'lr': 0.01, 'batch_size': 16, 'amp': True, 'load_model_path': None}
+METRIC_NAMES = ('final/train/loss', 'final/val/acc', 'final/val/miou', 'best/val/acc')
+IMAGE_STEPS = [3, 7, 10]
+RESUME_STEP, LAST_STEP = 5, 10
+
+
+def loss(step):
+    return step / 8  # exact in float32 too (TensorBoard's precision)
+
+
+def acc(step):
+    return 1 - step / 16
+
+
+FINAL = {'final/train/loss': loss(LAST_STEP), 'final/val/acc': acc(LAST_STEP), 'best/val/acc': acc(LAST_STEP)}
+# what a run never interrupted logs: train/loss from step 1, val/acc (a column added later) from step 3
+EXPECTED = {'train/loss': {step: loss(step) for step in range(1, LAST_STEP + 1)},
+            'val/acc': {step: acc(step) for step in range(3, LAST_STEP + 1)}}
+
+
+def log_step(trackers, step):
+    """The points of one step, as the loop logs them: train and val metrics in separate calls."""
+    epoch = (step - 1) // 4
+    trackers.log_metrics({'train/loss': loss(step)}, step, epoch)
+    if step >= 3:
+        trackers.log_metrics({'val/acc': acc(step)}, step, epoch)
+    if step in IMAGE_STEPS:
+        trackers.log_images({'val/predictions': np.full((8, 8, 3), step * 10, np.uint8)}, step)
+
+
+def kill_and_resume(names, folder, options, kill='after_commit', on_kill=lambda: None):
+    """Run A logs steps 1..5 and assembles the checkpoint of step 5; with kill='after_commit' it is
+    committed, A goes on to step 7 and is killed while the checkpoint of step 7 is being written;
+    with kill='before_commit' A is killed right after writing the checkpoint of step 5. Either way
+    A is abandoned without finish or close (`on_kill` stands for the end of its process), and run B
+    resumes from step 5 with the saved states, logs 6..10 and finishes.
+    Returns (A, the states saved at step 5, the states B saved at its last checkpoint)."""
+    first = build_trackers(names, folder, folder.name, METRIC_NAMES, options=options)
+    first.log_hparams(HPARAMS)
+    first.log_text('args', '    lr: 0.01', 0)
+    for step in range(1, RESUME_STEP + 1):
+        log_step(first, step)
+    saved = first.state_dict()
+    if kill == 'after_commit':
+        first.commit(RESUME_STEP)
+        for step in (6, 7):
+            log_step(first, step)
+        first.state_dict()  # the checkpoint of step 7 is never written
+    on_kill()
+    second = build_trackers(names, folder, folder.name, METRIC_NAMES, resume_step=RESUME_STEP, states=saved,
+                            options=options)
+    second.log_hparams(HPARAMS)
+    second.log_text('args', '    lr: 0.01', RESUME_STEP)
+    for step in range(RESUME_STEP + 1, LAST_STEP + 1):
+        log_step(second, step)
+    last = second.state_dict()
+    second.commit(LAST_STEP)
+    second.finish(FINAL)
+    second.close()
+    return first, saved, last
+
+
+@pytest.fixture(autouse=True)
+def offline(tmp_path, monkeypatch):
+    """No tracker may reach a server or read this machine's settings."""
+    for name in ('WANDB_API_KEY', 'WANDB_BASE_URL', 'MLFLOW_TRACKING_URI'):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / 'home'
+    monkeypatch.setenv('NETRC', str(home / '.netrc'))  # no W&B login
+    for name in ('WANDB_DIR', 'WANDB_CACHE_DIR', 'WANDB_CONFIG_DIR', 'WANDB_DATA_DIR', 'WANDB_ARTIFACT_DIR'):
+        monkeypatch.setenv(name, str(home / name.lower()))
+    monkeypatch.setenv('WANDB_MODE', 'offline')
+    monkeypatch.setenv('WANDB_SILENT', 'true')
+    monkeypatch.setenv('WANDB_ERROR_REPORTING', 'false')
+    monkeypatch.setenv('MLFLOW_DISABLE_TELEMETRY', 'true')
+    monkeypatch.setenv('DO_NOT_TRACK', 'true')
+
+
+def options(checkpoints_dir):
+    return SimpleNamespace(mlflow_uri=None, wandb_project='kiln', checkpoints_dir=str(checkpoints_dir))
+
+
+def steps_and_values(points):
+    """{step: value} from (step, value) pairs, failing on a step seen twice."""
+    points = list(points)
+    steps = [step for step, _ in points]
+    assert len(steps) == len(set(steps)), f'duplicate steps in {sorted(steps)}'
+    return dict(points)
+
+
+# --- TensorBoard -------------------------------------------------------------------------------
+
+def read_events(folder):
+    """Everything TensorBoard shows of `folder`, through its own EventAccumulator."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder), size_guidance={'scalars': 0, 'images': 0, 'tensors': 0})
+    events.Reload()
+    return events
+
+
+@pytest.mark.parametrize('kill', ['after_commit', 'before_commit'])
+def test_tensorboard_resume_has_every_point_once(tmp_path, kill):
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+    folder = tmp_path / 'run'
+    left = []  # what the killed run left on disk: with 'after_commit', steps 6 and 7 that the resume must hide
+    kill_and_resume(['tensorboard'], folder, options(tmp_path), kill,
+                    on_kill=lambda: left.append(read_events(folder).Scalars('train/loss')[-1].step))
+    assert left == [7 if kill == 'after_commit' else RESUME_STEP]
+    events = read_events(folder)
+    for name, expected in EXPECTED.items():
+        assert steps_and_values((e.step, e.value) for e in events.Scalars(name)) == expected
+    assert [e.step for e in events.Images('val/predictions')] == IMAGE_STEPS
+    assert [(e.step, e.value) for e in events.Scalars('final/val/acc')] == [(LAST_STEP, acc(LAST_STEP))]
+    # the HParams row: every task's metrics declared, this run's options in the session
+    content = events.PluginTagToContent('hparams')
+    experiment = HParamsPluginData.FromString(content['_hparams_/experiment']).experiment
+    assert {metric.name.tag for metric in experiment.metric_infos} == set(METRIC_NAMES)
+    session = HParamsPluginData.FromString(content['_hparams_/session_start_info']).session_start_info
+    assert session.hparams['lr'].number_value == 0.01 and session.hparams['task'].string_value == 'classification'
+    assert 'args/text_summary' in events.Tags()['tensors']
+
+
+def test_tensorboard_is_imported_only_when_something_is_written(tmp_path, monkeypatch):
+    # None in sys.modules makes any import of it fail: building, keeping the options and
+    # checkpointing must not import it; the first point does, and fails with the install line
+    monkeypatch.setitem(sys.modules, 'torch.utils.tensorboard', None)
+    trackers = build_trackers(['tensorboard'], tmp_path / 'run', 'run', METRIC_NAMES)
+    trackers.log_hparams(HPARAMS)
+    trackers.state_dict()
+    trackers.commit(0)
+    assert not list((tmp_path / 'run').iterdir())
+    with pytest.raises(KilnError, match=r'^--loggers tensorboard needs the tensorboard package: .*pip install'):
+        trackers.log_metrics({'train/loss': 1.0}, 1, 0)
+    trackers.close()
+
+
+# --- CSV ---------------------------------------------------------------------------------------
+
+def read_metrics_csv(path):
+    """{column: {step: value}} read with pandas when it is installed, else with the csv module."""
+    try:
+        import pandas
+    except ImportError:
+        with open(path, newline='') as f:
+            rows = list(csv.DictReader(f))
+        columns = list(rows[0])
+        table = {c: {int(r['step']): float(r[c]) for r in rows if r[c] != ''} for c in columns}
+        steps = [int(r['step']) for r in rows]
+    else:
+        frame = pandas.read_csv(path)
+        columns = list(frame.columns)
+        table = {c: {int(s): float(v) for s, v in zip(frame['step'], frame[c]) if not pandas.isna(v)}
+                 for c in columns}
+        steps = frame['step'].tolist()
+    assert len(steps) == len(set(steps)), f'duplicate rows in {steps}'
+    return columns, table
+
+
+@pytest.mark.parametrize('kill', ['after_commit', 'before_commit'])
+def test_csv_resume_has_every_row_once(tmp_path, kill):
+    folder = tmp_path / 'run'
+    left = []  # what the killed run left: with 'after_commit', rows 6 and 7 that the resume must drop
+    kill_and_resume(['csv'], folder, options(tmp_path), kill,
+                    on_kill=lambda: left.append(max(read_metrics_csv(folder / 'metrics.csv')[1]['train/loss'])))
+    assert left == [7 if kill == 'after_commit' else RESUME_STEP]
+    columns, table = read_metrics_csv(folder / 'metrics.csv')
+    assert columns == ['step', 'epoch', 'train/loss', 'val/acc']
+    for name, expected in EXPECTED.items():
+        assert table[name] == expected
+    assert table['epoch'] == {step: (step - 1) // 4 for step in range(1, LAST_STEP + 1)}
+    assert [p.name for p in folder.iterdir()] == ['metrics.csv']  # no temporary file left
+
+
+# --- MLflow ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def mlflow_checkpoints(tmp_path_factory):
+    """One checkpoints folder, so one local MLflow store, for this module (creating it takes seconds)."""
+    for module in ('mlflow', 'sqlalchemy', 'alembic'):
+        pytest.importorskip(module, reason=f'{module} is not installed (python3 -m pip install -e \'.[trackers]\')')
+    return tmp_path_factory.mktemp('checkpoints')
+
+
+@pytest.mark.parametrize('kill', ['after_commit', 'before_commit'])
+def test_mlflow_resume_has_every_point_once_in_one_run(tmp_path, mlflow_checkpoints, kill):
+    from mlflow.tracking import MlflowClient
+
+    from utils.trackers.mlflow_tracker import EXPERIMENT, local_store
+    folder = tmp_path / f'run_{kill}'
+    _, saved, last = kill_and_resume(['mlflow'], folder, options(mlflow_checkpoints), kill)
+    run_id = saved['mlflow']['run_id']
+    assert last['mlflow']['run_id'] == run_id
+    client = MlflowClient(tracking_uri=local_store(mlflow_checkpoints)[0])
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    runs = client.search_runs([experiment.experiment_id], f"attributes.run_name = '{folder.name}'")
+    assert [run.info.run_id for run in runs] == [run_id]
+    run = runs[0]
+    assert run.info.status == 'FINISHED'
+    assert run.data.params['lr'] == '0.01' and run.data.params['load_model_path'] == 'None'
+    for name, expected in EXPECTED.items():
+        assert steps_and_values((m.step, m.value) for m in client.get_metric_history(run_id, name)) == expected
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, 'final/val/acc')] == [(10, acc(10))]
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert 'args.md' in artifacts
+    # images/<key>+step+<step>+timestamp+<uuid>.png (MLflow 3.17), each beside a compressed .webp
+    images = [a.path for a in client.list_artifacts(run_id, 'images') if a.path.endswith('.png')]
+    # pictures are not kept in the checkpoint's state: a kill before the commit loses step 3's
+    expected = IMAGE_STEPS if kill == 'after_commit' else IMAGE_STEPS[1:]
+    assert sorted(int(re.search(r'\Wstep\W(\d+)\W', path).group(1)) for path in images) == expected
+
+
+def test_mlflow_resume_needs_the_store_of_its_run(tmp_path, mlflow_checkpoints):
+    with pytest.raises(KilnError, match=f'the MLflow run {"0" * 32} of this checkpoint is not in sqlite:///'):
+        build_trackers(['mlflow'], tmp_path / 'run', 'run', resume_step=5, states={'mlflow': {'run_id': '0' * 32}},
+                       options=options(mlflow_checkpoints))
+
+
+def test_mlflow_needs_sqlalchemy_for_its_local_store(tmp_path, monkeypatch):
+    pytest.importorskip('mlflow', reason='mlflow-skinny is not installed')
+    monkeypatch.setitem(sys.modules, 'sqlalchemy', None)
+    with pytest.raises(KilnError, match=r'^--loggers mlflow needs the sqlalchemy package: .*pip install'):
+        build_trackers(['mlflow'], tmp_path / 'run', 'run', options=options(tmp_path))
+
+
+# --- W&B ---------------------------------------------------------------------------------------
+
+def wandb_records(path):
+    """The records of a .wandb transaction log: a 7-byte header (':W&B', magic, version), then
+    LevelDB-log chunks (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) in 32 KiB blocks,
+    each record a wandb_internal_pb2.Record."""
+    from wandb.proto.wandb_internal_pb2 import Record
+    data, position, record = path.read_bytes(), 7, b''
+    assert data[:4] == b':W&B'
+    while position + 7 <= len(data):
+        left = 32768 - position % 32768
+        _, length, kind = struct.unpack('<IHB', data[position:position + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # the zero padding at a block's end
+            position += left
+            continue
+        record += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            yield Record.FromString(record)
+            record = b''
+
+
+@pytest.fixture
+def wandb_module():
+    wandb = pytest.importorskip('wandb', reason='wandb is not installed')
+    yield wandb
+    wandb.teardown()  # stop this test's W&B service, started with this test's environment
+
+
+def read_offline_runs(folder, run_id):
+    """The history ({key: [(step, value)]}), config and summary in the offline runs of `run_id`."""
+    # A's and B's: offline-run-<start time>-<id>, with a -1 added when both started in the same second
+    runs = sorted((folder / 'wandb').glob('offline-run-*'))
+    assert len(runs) == 2 and all(re.fullmatch(rf'offline-run-\d+_\d+-{run_id}(-\d+)?', run.name) for run in runs)
+    history, config, summary = {}, {}, {}
+    for record in (record for run in runs for record in wandb_records(run / f'run-{run_id}.wandb')):
+        kind = record.WhichOneof('record_type')
+        if kind == 'history':
+            row = {}
+            for item in record.history.item:  # an image is several items: nested_key [tag, field]
+                key, *field = [item.key] if item.key else item.nested_key
+                value = json.loads(item.value_json)
+                row[key] = {**row.get(key, {}), field[0]: value} if field else value
+            for key, value in row.items():
+                history.setdefault(key, []).append((row['_step'], value))
+        elif kind in ('run', 'config'):
+            updates = record.run.config.update if kind == 'run' else record.config.update
+            config.update({item.key: json.loads(item.value_json) for item in updates})
+        elif kind == 'summary':
+            summary.update({item.key or '/'.join(item.nested_key): json.loads(item.value_json)
+                            for item in record.summary.update})
+    return history, config, summary
+
+
+def test_wandb_offline_resume_has_every_point_once_in_one_run(tmp_path, wandb_module):
+    # only a kill after the commit: W&B cannot be asked offline what a killed run wrote, so the
+    # moment between a checkpoint and its commit is not covered (see WandbTracker)
+    folder = tmp_path / 'run'
+    # the end of A's process: W&B's service goes, A's run is never finished
+    _, saved, last = kill_and_resume(['wandb'], folder, options(tmp_path), on_kill=wandb_module.teardown)
+    run_id = saved['wandb']['run_id']
+    assert last['wandb']['run_id'] == run_id
+    history, config, summary = read_offline_runs(folder, run_id)
+    for name, expected in EXPECTED.items():
+        assert steps_and_values(history[name]) == expected
+    assert sorted(step for step, _ in history['val/predictions']) == IMAGE_STEPS
+    assert history['val/predictions'][0][1]['_type'] == 'image-file'
+    assert steps_and_values(history['epoch']) == {step: (step - 1) // 4 for step in range(1, LAST_STEP + 1)}
+    assert {key: config.get(key) for key in HPARAMS} == HPARAMS
+    assert summary['final/val/acc'] == acc(LAST_STEP) and summary['args'] == '    lr: 0.01'
+
+
+def test_wandb_goes_offline_without_a_login(tmp_path, monkeypatch):
+    assert wandb_mode() is None  # WANDB_MODE is set (by the offline fixture): W&B decides
+    monkeypatch.delenv('WANDB_MODE')
+    assert not logged_in() and wandb_mode() == 'offline'
+    netrc = tmp_path / 'home' / '.netrc'
+    netrc.parent.mkdir(exist_ok=True)
+    netrc.write_text('machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n')
+    assert logged_in() and wandb_mode() == 'online'
+    netrc.unlink()
+    monkeypatch.setenv('WANDB_API_KEY', '0123456789abcdef')
+    assert wandb_mode() == 'online'
+
+
+# --- all trackers ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('name, module, package', [('wandb', 'wandb', 'wandb'), ('mlflow', 'mlflow', 'mlflow-skinny')])
+def test_a_missing_package_names_the_install_command(tmp_path, monkeypatch, name, module, package):
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(KilnError) as error:
+        build_trackers(['csv', name], tmp_path / 'run', 'run', options=options(tmp_path))
+    assert str(error.value) == f"--loggers {name} needs the {package} package: python3 -m pip install -e '.[trackers]'"
+
+
+def test_build_trackers_checks_names_and_keeps_states_by_name(tmp_path):
+    with pytest.raises(KilnError, match='unknown --loggers neptune'):
+        build_trackers(['csv', 'neptune'], tmp_path / 'run', 'run')
+    trackers = build_trackers(['csv', 'tensorboard', 'csv'], tmp_path / 'run', 'run')
+    assert [t.name for t in trackers] == ['csv', 'tensorboard']
+    assert trackers.state_dict() == {'csv': {}, 'tensorboard': {}}
+    trackers.close()
+
+
+def test_close_closes_every_tracker_even_when_one_fails():
+    closed = []
+
+    class Failing:
+        def close(self):
+            raise OSError('disk full')
+
+    class Fine:
+        def close(self):
+            closed.append(True)
+
+    with pytest.raises(OSError, match='disk full'):
+        Trackers([Failing(), Fine()]).close()
+    assert closed == [True]

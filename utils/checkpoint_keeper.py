@@ -1,0 +1,186 @@
+"""Which checkpoint files an experiment folder keeps, and which of them can be trusted.
+
+Each save writes `epoch<E>_step<S>.pth` whole (atomic, fsynced), then points `last.pth` (and
+`best.pth` when the monitored metric improved) at it as hard links, records the file with its
+SHA-256 in `checkpoints.json`, and only then deletes files that fell out of the newest `keep_last`
+and best `keep_best`. The record is a convenience: a missing or corrupt one is rebuilt from the
+files, and a resume takes the newest checkpoint whose bytes check out, whatever `last.pth` says.
+"""
+import contextlib
+import json
+import math
+import os
+import re
+
+from utils.checkpoint import atomic_write_json, checksum, load_checkpoint, save_checkpoint
+from utils.errors import KilnError
+
+RECORD = 'checkpoints.json'
+LAST, BEST = 'last.pth', 'best.pth'
+NAME = re.compile(r'^epoch(\d+)_step(\d+)\.pth$')
+
+
+def checkpoint_name(epoch, step):
+    """The file name of the checkpoint after `epoch` epochs and `step` optimizer steps."""
+    return f'epoch{epoch:03d}_step{step:07d}.pth'
+
+
+def step_of(name):
+    """The optimizer step in a checkpoint file name, or None for other names."""
+    match = NAME.match(name)
+    return int(match.group(2)) if match else None
+
+
+def _link_or_copy(source, target):
+    """Make `target` a hard link to `source` (a copy where links are not supported), atomically."""
+    temporary = os.path.join(os.path.dirname(target), f'.{os.path.basename(target)}.tmp{os.getpid()}')
+    try:
+        try:
+            os.link(source, temporary)
+        except OSError:  # e.g. a file system without hard links
+            with open(source, 'rb') as f:
+                data = f.read()
+            with open(temporary, 'wb') as f:
+                f.write(data)
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.lexists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def remove_stale_temporaries(folder):
+    """Delete the temporary files of saves that a kill interrupted (call it while holding the folder's lock)."""
+    for name in os.listdir(folder):
+        if name.startswith('.') and '.tmp' in name:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
+
+
+def read_record(folder):
+    """checkpoints.json of `folder` as {'files': {name: {...}}, 'last': name, 'best': name}, or None if
+    it is missing or unreadable."""
+    try:
+        with open(os.path.join(folder, RECORD)) as f:
+            record = json.load(f)
+        return record if isinstance(record, dict) and isinstance(record.get('files'), dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _linked_name(folder, link, files):
+    """The checkpoint file that `link` (last.pth / best.pth) is a hard link to, or None."""
+    path = os.path.join(folder, link)
+    for name in files:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(path, os.path.join(folder, name)):
+                return name
+    return None
+
+
+def verify(path):
+    """Raise a KilnError when `path`'s bytes differ from the checksum its folder's record holds for it
+    (a checkpoint not in a record cannot be checked and passes)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    record = read_record(folder)
+    if not record:
+        return
+    files = record['files']
+    name = name if name in files else _linked_name(folder, name, files)
+    expected = files.get(name, {}).get('sha256') if name else None
+    if expected and checksum(path) != expected:
+        raise KilnError(f'{path} is corrupt: its bytes do not match the checksum in {os.path.join(folder, RECORD)}')
+
+
+class CheckpointKeeper:
+    """Writes the checkpoints of one experiment folder and decides which ones to keep (see the module)."""
+
+    def __init__(self, folder, keep_last=1, keep_best=1, mode='max'):
+        self.folder, self.keep_last, self.keep_best, self.mode = folder, keep_last, keep_best, mode
+        record = read_record(folder) or self.rebuild_record()
+        self.best = record.get('best')
+        self.files = {name: entry for name, entry in record['files'].items()
+                      if os.path.isfile(os.path.join(folder, name))}
+        # files a kill left unrecorded (saved, then killed before the record): kept and pruned like the others
+        self.unrecorded = {name for name in os.listdir(folder) if step_of(name) is not None} - set(self.files)
+        for name in self.unrecorded:
+            self.files[name] = {'step': step_of(name), 'sha256': checksum(os.path.join(folder, name)), 'metric': None}
+
+    def rebuild_record(self):
+        """A record made from the checkpoint files themselves (when checkpoints.json is missing or corrupt)."""
+        files = {}
+        for name in os.listdir(self.folder):
+            if step_of(name) is not None:
+                path = os.path.join(self.folder, name)
+                try:
+                    metric = load_checkpoint(path).get('monitor_value')
+                except KilnError:  # unreadable: left out, so it is pruned like any other
+                    metric = None
+                files[name] = {'step': step_of(name), 'sha256': checksum(path), 'metric': metric}
+        return {'files': files, 'best': _linked_name(self.folder, BEST, files)}
+
+    def save(self, state, epoch, step, metric=None, is_best=False):
+        """Write `state` as the checkpoint of (`epoch`, `step`), update last/best and prune; return its path.
+
+        `metric` is the monitored value of this state (None between validations); `is_best` says it
+        improved on every earlier one (the run's Monitor decides that).
+        """
+        name = checkpoint_name(epoch, step)
+        path = os.path.join(self.folder, name)
+        try:
+            digest = save_checkpoint(state, path)
+            _link_or_copy(path, os.path.join(self.folder, LAST))
+            if is_best:
+                _link_or_copy(path, os.path.join(self.folder, BEST))
+                self.best = name
+            self.files[name] = {'step': step, 'sha256': digest, 'metric': metric}
+            dropped = self._forget_extra()
+            self.write_record()
+        except OSError as error:
+            raise KilnError(f'could not write checkpoint {path} ({error.strerror or error}); the previous '
+                            f'checkpoints are intact: free space or fix permissions, then continue with --resume') \
+                from None
+        for old in dropped:  # only now that the record no longer lists them
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.folder, old))
+        return path
+
+    def _forget_extra(self):
+        """Drop files beyond the newest keep_last and best keep_best (and the current best) from the record."""
+        newest = sorted(self.files, key=lambda n: self.files[n]['step'])[-self.keep_last:]
+        scored = [n for n in self.files if _finite(self.files[n]['metric'])]
+        scored.sort(key=lambda n: self.files[n]['metric'], reverse=self.mode == 'max')
+        kept = set(newest) | set(scored[:self.keep_best]) | ({self.best} if self.best else set())
+        dropped = [n for n in self.files if n not in kept]
+        for name in dropped:
+            del self.files[name]
+        return dropped
+
+    def write_record(self):
+        """Write checkpoints.json: every kept file with its step, checksum and monitored value, and
+        which files last.pth and best.pth are."""
+        last = max(self.files, key=lambda n: self.files[n]['step']) if self.files else None
+        atomic_write_json({'last': last, 'best': self.best, 'files': self.files},
+                          os.path.join(self.folder, RECORD))
+
+    def newest_trusted(self):
+        """(path of the newest checkpoint whose bytes match its checksum and that loads, or None;
+        the names skipped on the way, with the reason)."""
+        skipped = []
+        for name in sorted(self.files, key=lambda n: self.files[n]['step'], reverse=True):
+            path = os.path.join(self.folder, name)
+            if name not in self.unrecorded and checksum(path) != self.files[name]['sha256']:
+                skipped.append(f'{name} (its bytes do not match its checksum)')
+                continue
+            if name in self.unrecorded:  # no checksum to compare with: it must at least load
+                try:
+                    load_checkpoint(path)
+                except KilnError:
+                    skipped.append(f'{name} (unreadable)')
+                    continue
+            return path, skipped
+        return None, skipped
+
+
+def _finite(value):
+    return isinstance(value, (int, float)) and math.isfinite(value)

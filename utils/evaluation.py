@@ -1,0 +1,56 @@
+"""The one evaluation loop: validation during training and eval.py both run it.
+
+It adds up the task's metrics and the loss over the whole split (exactly, over every torchrun
+process), and can keep per-sample rows (in the split's order, gathered from every process) and
+pictures of chosen batches.
+"""
+import dataclasses
+
+import torch
+
+from metrics import reduced
+from utils.distributed import all_gather_objects, is_main_process
+from utils.progress import progress
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """What `evaluate` found: `metrics` ({'loss': ..., ...}), the task's metric object after `compute`
+    (e.g. its confusion matrix), `rows`: per sample in split order, its list of rows (`task.eval_rows`),
+    and `pictures` {batch number: {name: array}} (rank 0)."""
+    metrics: dict
+    metric_object: object
+    rows: list
+    pictures: dict
+
+
+@torch.no_grad()
+def evaluate(model, batches, task, autocast, *, class_names=None, keep_rows=False, picture_batches=(),
+             progress_bar=False, description='val'):
+    """Run `model` over every batch of `batches` (a data.loader.Batches) in eval mode.
+
+    `class_names` adds per-class metrics; `keep_rows` collects `task.eval_rows`; `picture_batches`
+    are the batch numbers whose `task.pictures` are kept (on rank 0).
+    """
+    model.eval()
+    metrics = task.metrics()
+    loss_sum, count = torch.zeros((), dtype=torch.float64), 0
+    rows, pictures = [], {}
+    for i, batch in enumerate(progress(batches.epoch(0), progress_bar, description, total=len(batches))):
+        with autocast():
+            outputs = task.forward(model, batch)
+            loss = task.loss(outputs, batch)
+        outputs = task.outputs_to_float(outputs)
+        n = task.count(batch)
+        loss_sum, count = loss_sum.to(loss.device) + loss.detach().double() * n, count + n
+        metrics.update(outputs, batch)
+        if keep_rows:
+            rows += task.eval_rows(batch, outputs)
+        if i in picture_batches and is_main_process():
+            pictures[i] = task.pictures(batch, outputs)
+    total_loss, total = reduced(loss_sum, torch.tensor(float(count)))
+    results = {'loss': (total_loss / total.clamp(min=1)).item(), **metrics.compute(class_names)}
+    if keep_rows:  # every process has every world_size-th sample: put them back in order
+        per_rank = all_gather_objects(rows)
+        rows = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
+    return Evaluation(results, metrics, rows, pictures)

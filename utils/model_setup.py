@@ -1,0 +1,41 @@
+"""Setting up a model, the same way for train.py, eval.py and predict.py."""
+import dataclasses
+
+import torch
+
+from model.model_entry import select_model
+from utils.checkpoint import load_weights
+from utils.device import autocast_for
+from utils.distributed import wrap_model
+
+
+@dataclasses.dataclass
+class ModelSetup:
+    """A model ready to run: `model` is the plain module (its state_dict has clean names), `compiled`
+    the one torch.compile made (or the same), `wrapped` what the loop calls (DDP / DataParallel or
+    the same), `autocast()` the --amp context and `load_report` what loading weights did (or None)."""
+    model: torch.nn.Module
+    compiled: torch.nn.Module
+    wrapped: torch.nn.Module
+    autocast: object
+    load_report: object = None
+
+    def rewrap(self, options):
+        """Wrap again (DDP keeps only the parameters that were trainable when it wrapped: call after unfreezing)."""
+        self.wrapped = wrap_model(self.compiled, options.gpus, options.cpu)
+
+
+def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, source=None, prepare=None):
+    """Build --model_type, load `weights` (a path or a loaded checkpoint; all of them when `strict`),
+    call `prepare(model)` (e.g. to freeze layers), place it on `device` (channels-last with
+    --channels_last), compile it with --compile/--compile_mode, and wrap it for several devices."""
+    model = select_model(options)
+    report = None
+    if weights is not None:
+        report = load_weights(model, weights, strict=strict, source=source, prefix_map=prefix_map)
+    if prepare is not None:
+        prepare(model)
+    model = model.to(device, memory_format=torch.channels_last if options.channels_last else torch.preserve_format)
+    compiled = torch.compile(model, mode=options.compile_mode) if options.compile else model
+    return ModelSetup(model, compiled, wrap_model(compiled, options.gpus, options.cpu), autocast_for(device, options.amp),
+                      report)

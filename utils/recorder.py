@@ -1,0 +1,60 @@
+"""Recording values step by step on the device, and their means over an interval."""
+import torch
+
+from utils.distributed import all_reduce_sum, collective_device
+
+
+class Recorder:
+    """Accumulates named values step by step; `summary()` returns their batch-size-weighted means.
+
+    Tensor values are kept detached on their device and summed there (in float64), so recording
+    never waits for the GPU; only `summary()` / `means()` copy the totals to the host, in one go.
+    With `all_ranks=True` the sums and counts of every torchrun process are added first, so the
+    means are those of all samples, exactly as one process would compute them.
+    """
+
+    def __init__(self):
+        self.sums = {}
+        self.counts = {}
+
+    def record(self, name, value, n=1):
+        """Add `value` (a tensor or number, the mean over `n` samples) under `name`."""
+        value = value.detach().to(torch.float64) * n if torch.is_tensor(value) else float(value) * n
+        self.sums[name] = self.sums[name] + value if name in self.sums else value
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def totals(self, all_ranks=False):
+        """{name: (sum, count)} as host numbers (one sync; a collective when `all_ranks`)."""
+        names = list(self.sums)
+        if not names:
+            return {}
+        device = next((v.device for v in self.sums.values() if torch.is_tensor(v)), None)
+        device = collective_device() if all_ranks else device or torch.device('cpu')
+        values = torch.stack([torch.as_tensor(self.sums[name], dtype=torch.float64, device=device).reshape(())
+                              for name in names] + [torch.tensor(float(self.counts[name]), dtype=torch.float64,
+                                                                 device=device) for name in names])
+        if all_ranks:
+            all_reduce_sum(values)
+        host = values.tolist()
+        return {name: (host[i], host[len(names) + i]) for i, name in enumerate(names)}
+
+    def means(self, all_ranks=False):
+        """The weighted mean of every recorded name, without resetting."""
+        return {name: total / count for name, (total, count) in self.totals(all_ranks).items()}
+
+    def state_dict(self):
+        """The running sums and counts of all ranks as plain numbers, for checkpoints (a collective
+        under torchrun: every rank calls it)."""
+        return {name: [total, count] for name, (total, count) in self.totals(all_ranks=True).items()}
+
+    def load_state_dict(self, state):
+        """Continue from sums saved by `state_dict` (under torchrun, load them on rank 0 only)."""
+        self.sums = {name: total for name, (total, _) in state.items()}
+        self.counts = {name: count for name, (_, count) in state.items()}
+
+    def summary(self, all_ranks=False):
+        """The weighted means (see `means`), then a reset for the next interval."""
+        means = self.means(all_ranks)
+        self.sums.clear()
+        self.counts.clear()
+        return means

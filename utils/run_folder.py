@@ -1,0 +1,289 @@
+"""Run folders and their records: experiment folders (made, locked, reopened by --resume), the
+result folders of eval.py and predict.py, and what each run writes about itself.
+
+Nothing a user has is overwritten: a new run never reuses a folder, a resumed run refuses options
+that would change what it computes before it touches any file, and a folder is locked while a run
+uses it.
+"""
+import contextlib
+import dataclasses
+import datetime
+import fcntl
+import glob
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+
+import yaml
+
+from options import NOT_SAVED, RESUME_CHANGEABLE, parse_args, parse_train_args, saved_options
+from utils.checkpoint import atomic_write_json
+from utils.checkpoint_keeper import BEST, CheckpointKeeper, remove_stale_temporaries, step_of
+from utils.errors import KilnError
+
+ARGS_TXT, ARGS_YAML, LOCK = 'args.txt', 'args.yaml', '.lock'
+EVAL_FOLDER, PREDICT_FOLDER = 'eval', 'predict'
+DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: in args.txt, not args.yaml
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what a run writes into its folder by itself: removed again when a new run fails before its first checkpoint
+RUN_FILES = (ARGS_TXT, ARGS_YAML, LOCK, 'run_config.json', 'reproduce.json', 'history.json', 'checkpoints.json',
+             'load_report.json', 'metrics.csv')
+
+
+def save_args(args, folder):
+    """Write the options to `folder` as args.txt (for people) and args.yaml (for --config)."""
+    shown = saved_options(args)
+    lines = ['# ' + ' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n']
+    width = max(map(len, shown))
+    lines += [f'{k:<{width}} : {v}\n' for k, v in sorted(shown.items())]
+    atomic_write_bytes_text(''.join(lines), os.path.join(folder, ARGS_TXT))
+    atomic_write_bytes_text(yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, sort_keys=True),
+                            os.path.join(folder, ARGS_YAML))
+
+
+def atomic_write_bytes_text(text, path):
+    """Write `text` to `path` through a temporary file and a rename (a full disk leaves no half file)."""
+    temporary = f'{path}.tmp{os.getpid()}'
+    try:
+        with open(temporary, 'w') as f:
+            f.write(text)
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+
+
+def create_run_folder(folder, args, what_to_change):
+    """Create a new run folder and save the options in it; an existing one is a KilnError saying
+    `what_to_change`. A folder whose options could not be written (a full disk) is removed again."""
+    try:
+        os.makedirs(os.path.dirname(folder) or '.', exist_ok=True)
+        os.mkdir(folder)  # fails if it exists: two runs never share a folder
+    except FileExistsError:
+        raise KilnError(f'{folder} already exists; {what_to_change}') from None
+    except OSError as error:
+        raise KilnError(f'cannot create {folder} ({error.strerror}); check --checkpoints_dir') from None
+    with discard_folder_if_setup_fails(folder):
+        save_args(args, folder)
+
+
+@contextlib.contextmanager
+def discard_folder_if_setup_fails(folder):
+    """Remove a just-created run folder again if what follows fails, so the same command can be re-run.
+
+    Only what runs write by themselves (RUN_FILES, TensorBoard event files) is removed, and only
+    while the folder holds no checkpoint; a folder holding anything else is left alone.
+    """
+    try:
+        yield
+    except BaseException:
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        if not any(step_of(name) is not None for name in names):
+            for name in names:
+                if name in RUN_FILES or name.startswith(('events.out.tfevents.', '.')):
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(folder, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+                parent = os.path.dirname(folder)
+                if os.path.basename(parent) in (EVAL_FOLDER, PREDICT_FOLDER):
+                    os.rmdir(parent)  # only succeeds when no other result is in it
+        raise
+
+
+class FolderLock:
+    """An advisory lock on a run folder, held while a run uses it and released when its process ends
+    (however it ends): a second run of the same folder is refused with the PID holding it."""
+
+    def __init__(self, folder):
+        self.path = os.path.join(folder, LOCK)
+        self.file = open(self.path, 'a+')
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or 'another process'
+            self.file.close()
+            raise KilnError(f'{folder} is in use by {holder}; wait for that run to end or stop it') from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f'process {os.getpid()} on {socket.gethostname()}')
+        self.file.flush()
+
+    def release(self):
+        """Give the folder back (also happens when the process ends)."""
+        self.file.close()
+
+
+def experiment_folder(args):
+    """The experiment folder of a training run: `<checkpoints_dir>/<model_type>_<data_type>_<save_prefix>`."""
+    return os.path.join(args.checkpoints_dir, f'{args.model_type}_{args.data_type}_{args.save_prefix}')
+
+
+def open_experiment(argv, args):
+    """Make the experiment folder of a new run, or reopen it with --resume; lock it. Returns
+    (args with model_dir and resume_from set, the FolderLock).
+
+    With --resume the run continues from its newest trustworthy checkpoint (or the one named): the
+    folder's args.yaml applies first, then the flags given now, and a flag that would change what the
+    run computes (anything but RESUME_CHANGEABLE) is refused before any file is touched. With nothing
+    to continue yet, --resume starts the run in that folder.
+    """
+    folder = experiment_folder(args)
+    if args.resume and args.resume != 'last':
+        if not os.path.isfile(args.resume):
+            raise KilnError(f'--resume {args.resume}: no such checkpoint file; give an existing .pth file, '
+                            f'or --resume alone for the experiment\'s newest checkpoint')
+        folder = os.path.dirname(os.path.abspath(args.resume))
+    if not args.resume or not os.path.isdir(folder):
+        create_run_folder(folder, args, 'choose a new --save_prefix, add --resume to continue that run, '
+                                        'or move that folder away')
+        args.model_dir, args.resume_from = folder, None
+        return args, FolderLock(folder)
+    lock = FolderLock(folder)
+    try:
+        resume_from = _checkpoint_to_resume(args, folder)
+        saved = os.path.join(folder, ARGS_YAML)
+        if resume_from and not os.path.isfile(saved):
+            raise KilnError(f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint inside its '
+                            f'experiment folder (to start a new run from its weights, use --load_model_path)')
+        if resume_from:
+            merged = parse_args(parse_train_args, argv, base_config=saved)
+            _refuse_changes(parse_args(parse_train_args, [], base_config=saved), merged, folder)
+            merged.model_type, merged.data_type = args.model_type, args.data_type  # as resolved when it started
+            args = merged
+        else:
+            print(f'{folder} holds no checkpoint yet; starting the run in it')
+        remove_stale_temporaries(folder)
+        save_args(args, folder)
+    except BaseException:
+        lock.release()
+        raise
+    args.model_dir, args.resume_from = folder, resume_from
+    return args, lock
+
+
+def _checkpoint_to_resume(args, folder):
+    """The checkpoint --resume continues from: the one named, else the folder's newest whose bytes check out."""
+    if args.resume != 'last':
+        return args.resume
+    path, skipped = CheckpointKeeper(folder).newest_trusted()
+    for reason in skipped:
+        print(f'skipping {os.path.join(folder, reason)}')
+    return path
+
+
+def _refuse_changes(saved, merged, folder):
+    """A KilnError naming the options whose new values differ from the resumed run's."""
+    changed = [name for name, value in vars(merged).items()
+               if name not in RESUME_CHANGEABLE + NOT_SAVED + DERIVED and getattr(saved, name, value) != value]
+    if changed:
+        shown = ', '.join(f'--{name} {getattr(merged, name)} (the run has {getattr(saved, name)})' for name in changed)
+        raise KilnError(f'{shown}: a resumed run keeps the options that decide what it computes; drop '
+                        f'{"it" if len(changed) == 1 else "them"}, or start a new run with --save_prefix. A resume may '
+                        f'change only: {", ".join("--" + name for name in RESUME_CHANGEABLE)} (folder {folder})')
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerRunConfig:
+    """The shape of a training run, fixed when it starts (written as run_config.json)."""
+    num_epochs: int
+    per_device_batch_size: int
+    total_batch_size: int
+    gradient_accumulation_steps: int
+    gradient_clip_value: float | None
+    num_update_steps_per_epoch: int
+    max_num_train_steps: int
+    world_size: int
+    is_local_process_zero: bool
+    is_world_process_zero: bool
+    is_distributed: bool
+    mixed_precision: str
+
+    def save(self, folder):
+        """Write the config as run_config.json in `folder`."""
+        atomic_write_json(dataclasses.asdict(self), os.path.join(folder, 'run_config.json'))
+
+
+def _git(*command):
+    try:
+        result = subprocess.run(['git', *command], cwd=REPO, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def _version(package):
+    """The version of `package`: the module's own when it is imported, else its metadata (torchvision
+    is not imported just for this: that takes seconds)."""
+    if package in sys.modules:
+        return getattr(sys.modules[package], '__version__', None)
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def append_reproducibility_record(folder, args):
+    """Add this start of the run (the first, or a resume) to `folder`/reproduce.json.
+
+    Each entry holds the command line, the resolved options, the git commit and the diff of
+    uncommitted changes, library versions, the host and the start time.
+    """
+    path = os.path.join(folder, 'reproduce.json')
+    entries = []
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            entries = json.load(f)
+    commit = _git('rev-parse', 'HEAD')
+    entries.append({
+        'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
+        'command': [sys.executable] + sys.argv,
+        'cwd': os.getcwd(),
+        'args': {k: v for k, v in sorted(vars(args).items())},
+        'git_commit': commit.strip() if commit else None,
+        'git_diff': _git('diff', 'HEAD'),
+        'python': platform.python_version(),
+        **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
+        'host': socket.gethostname(),
+        'platform': platform.platform(),
+    })
+    atomic_write_json(entries, path)
+
+
+def checkpoint_path(path):
+    """A checkpoint given on the command line: a file as it is, an experiment folder as its best.pth."""
+    resolved = os.path.join(path, BEST) if os.path.isdir(path) else path
+    if not os.path.isfile(resolved):
+        raise KilnError(f'checkpoint {resolved} does not exist; check --load_model_path')
+    return resolved
+
+
+def checkpoints_to_evaluate(paths):
+    """The checkpoint files named by eval.py's --load_model_path, in order: files as they are,
+    experiment folders as their best.pth, globs (e.g. 'checkpoints/*/best.pth') expanded."""
+    if not paths:
+        raise KilnError('no checkpoint to evaluate; give --load_model_path PATH (e.g. checkpoints/<experiment>/best.pth)')
+    found = []
+    for item in paths:
+        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        if not matches:
+            raise KilnError(f'--load_model_path {item} matches no file')
+        found += [checkpoint_path(match) for match in matches]
+    return found
+
+
+def evaluated_list_name(val_list):
+    """What result folders call the evaluated list: the --val_list file name, or `val` for the default split."""
+    return os.path.splitext(os.path.basename(val_list))[0] if val_list else 'val'
+
+
+def result_folder(checkpoint, kind, source_name, save_prefix):
+    """Where evaluating (kind 'eval') or predicting with (kind 'predict') `checkpoint` writes:
+    `<its folder>/<kind>/<checkpoint>_<source_name>_<save_prefix>`."""
+    checkpoint_name = os.path.splitext(os.path.basename(checkpoint))[0]
+    return os.path.join(os.path.dirname(checkpoint), kind, f'{checkpoint_name}_{source_name}_{save_prefix}')

@@ -1,0 +1,50 @@
+"""Seeding and the random states a checkpoint keeps, so a resumed run draws the same numbers."""
+import os
+import random
+
+import numpy as np
+import torch
+
+
+def set_seed(seed):
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def set_deterministic(enabled):
+    """Use only deterministic algorithms (--deterministic), so the same run gives the same bits on a GPU too."""
+    if enabled:
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # required by deterministic cuBLAS
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def rng_states():
+    """The states of python's, numpy's and torch's (CPU and CUDA) random generators, checkpointable
+    with weights_only loading (no numpy arrays)."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        'python': random.getstate(),
+        'numpy': (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached),
+        'torch': torch.get_rng_state(),
+        'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_states(states):
+    """Restore generator states saved by `rng_states` (CUDA states only where the GPUs are the same)."""
+    random.setstate(states['python'])
+    kind, keys, position, has_gauss, cached = states['numpy']
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(states['torch'])
+    if states['cuda'] and torch.cuda.is_available() and len(states['cuda']) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states['cuda'])
+
+
+def seed_worker(worker_id):
+    """DataLoader worker_init_fn: seed python and numpy from the worker's own torch seed."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)

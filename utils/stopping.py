@@ -1,0 +1,139 @@
+"""When a run stops before its planned end: a stop signal, a non-finite loss or model, or early stopping.
+
+The loop asks `Stopper` after every optimizer step; the answer is one `Stop` value (a reason from
+`StopReason` and a message), never a string to parse. Nothing here waits for the GPU on an ordinary
+step: signals are host flags, agreed between torchrun processes by a non-blocking all-reduce on a
+host (gloo) group that is read one step later; the loss is watched on the device and read only at
+check points (print intervals and saves).
+"""
+import dataclasses
+import enum
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from utils.distributed import all_reduce_max, collective_device, host_group, is_distributed
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ('SIGINT', 'SIGTERM', 'SIGUSR1') if hasattr(signal, name))
+
+
+class StopReason(enum.Enum):
+    SIGNAL = 'signal'  # Ctrl-C, kill, a cluster's pre-emption warning, or torchrun gone
+    NONFINITE = 'non-finite'  # a loss or model tensor became inf/NaN
+    EARLY_STOP = 'early stop'  # --monitor stopped improving
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Why a run stopped early: its reason, a message for people, and the signal for SIGNAL stops."""
+    reason: StopReason
+    message: str
+    signum: int | None = None
+
+
+class StopSignals:
+    """A context manager that turns the first stop signal into a request: `received` is its number.
+
+    A second signal raises KeyboardInterrupt at once. Handlers are installed only in the main
+    thread and put back on exit.
+    """
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received:
+            raise KeyboardInterrupt(f'second {signal.Signals(signum).name}')
+        self.received = signum
+        print(f'\n{signal.Signals(signum).name} received: finishing the current step and saving; '
+              f'send it again to stop at once', file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        try:
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        except ValueError:  # not the main thread: leave signals to whoever owns them
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        return False
+
+
+class Stopper:
+    """Collects the reasons to stop early; `stop` is None until one holds (then a Stop)."""
+
+    def __init__(self, device):
+        self.signals = StopSignals()
+        self.stop = None
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # optimizer steps, counted on the device
+        self.nonfinite_step = torch.full((), -1, dtype=torch.long, device=device)  # first bad step, -1 if none
+        self._pending = None  # (all-reduce handle, flag) of the signal flags sent at the last step
+
+    def __enter__(self):
+        self.signals.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._pending is not None:  # a collective must not be left in flight
+            self._pending[0].wait()
+            self._pending = None
+        return self.signals.__exit__(*exc)
+
+    def resume_at(self, step):
+        """Continue counting from optimizer step `step` (a resumed run)."""
+        self.step.fill_(step)
+
+    def watch_loss(self, loss):
+        """Note, on the device and without waiting for it, the first step whose loss is not finite."""
+        bad = ~torch.isfinite(loss.detach())
+        self.nonfinite_step = torch.where(bad & (self.nonfinite_step < 0), self.step + 1, self.nonfinite_step)
+
+    def after_step(self):
+        """Count an optimizer step and take up a stop signal; every process decides alike at the same
+        step (under torchrun, one step after the signal, with no wait for the GPU)."""
+        self.step += 1
+        if not is_distributed():
+            if self.signals.received and self.stop is None:
+                self._stop_by_signal(self.signals.received)
+            return
+        if self._pending is not None:
+            handle, flag = self._pending
+            handle.wait()
+            if flag.item() and self.stop is None:  # a host tensor: no GPU sync
+                self._stop_by_signal(int(flag.item()))
+        flag = torch.tensor([self.signals.received or 0])
+        self._pending = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group(), async_op=True), flag
+
+    def _stop_by_signal(self, signum):
+        self.stop = Stop(StopReason.SIGNAL, f'stopped by {signal.Signals(signum).name}', signum)
+
+    def check_finite(self, model=None):
+        """Read the loss watch (a host sync; all processes agree) and, given `model`, check its weights
+        and statistics (BatchNorm running_var, ...): a non-finite one stops the run. Returns whether
+        everything is finite, i.e. whether the state may be saved."""
+        bad_step = int(all_reduce_max(self.nonfinite_step.reshape(1).to(collective_device())).item())
+        if bad_step >= 0:
+            self.stop = Stop(StopReason.NONFINITE, f'non-finite loss at step {bad_step}')
+            return False
+        if model is not None:
+            tensors = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
+            finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).to(collective_device())
+            finite = all_reduce_max((~finite).to(torch.uint8))
+            if finite.any():
+                name = tensors[int(finite.nonzero()[0])][0]
+                self.stop = Stop(StopReason.NONFINITE, f'non-finite values in {name} at step {int(self.step)}')
+                return False
+        return True
+
+    def check_early_stop(self, monitor):
+        """Stop when the Monitor's patience has run out."""
+        if monitor.exhausted() and self.stop is None:
+            self.stop = Stop(StopReason.EARLY_STOP, f'early stop: {monitor.name} did not improve for '
+                                                    f'{monitor.patience} validations')

@@ -1,0 +1,91 @@
+"""Weights & Biases: one W&B run per Kiln run, kept across resumes (its id is in the checkpoint).
+
+Without a W&B login the run is written offline under `<folder>/wandb/` (upload it later with
+`wandb sync <folder>/wandb/offline-run-*`); set WANDB_MODE to choose yourself.
+"""
+import netrc
+import os
+from urllib.parse import urlsplit
+
+from utils.trackers import Tracker, require
+
+
+def logged_in():
+    """Whether W&B has an API key: WANDB_API_KEY, or a .netrc entry for the W&B server."""
+    if os.environ.get('WANDB_API_KEY'):
+        return True
+    host = urlsplit(os.environ.get('WANDB_BASE_URL') or 'https://api.wandb.ai').netloc
+    path = os.path.expanduser(os.environ.get('NETRC') or '~/.netrc')
+    try:
+        return bool(netrc.netrc(path).authenticators(host))
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_mode():
+    """'online' or 'offline' by login, or None to let WANDB_MODE decide."""
+    if os.environ.get('WANDB_MODE'):
+        return None
+    return 'online' if logged_in() else 'offline'
+
+
+class WandbTracker(Tracker):
+    """Logs to a W&B run; points wait in memory until the checkpoint that covers them is saved.
+
+    W&B keeps only increasing steps, so nothing a resumed run will log again may reach it:
+    `commit(step)` and `finish` write the waiting points, one history row per step. A kill in the
+    moment between a checkpoint's write and its commit loses that checkpoint's points (W&B cannot
+    be asked offline what it already has).
+    """
+    name = 'wandb'
+
+    def __init__(self, folder, run_name, resume_step=None, state=None, options=None, metric_names=()):
+        self.wandb = require('wandb', self.name)
+        # create_new: this tracker owns its run, and never finishes or reuses another in the process
+        self.run = self.wandb.init(project=options.wandb_project, name=run_name, dir=folder, resume='allow',
+                                   id=(state or {}).get('run_id'), mode=wandb_mode(), reinit='create_new')
+        self.pending = {}  # step -> {key: value} not yet written
+        self.finished = False
+
+    def log_hparams(self, hparams):
+        # a resumed run may have changed options (more epochs, say): keep the latest
+        self.run.config.update(dict(hparams), allow_val_change=True)
+
+    def log_metrics(self, metrics, step, epoch):
+        row = self.pending.setdefault(step, {})
+        row.update({name: float(value) for name, value in metrics.items()})
+        row['epoch'] = epoch
+
+    def log_images(self, images, step):
+        self.pending.setdefault(step, {}).update({tag: self.wandb.Image(image) for tag, image in images.items()})
+
+    def log_text(self, tag, text, step):
+        # in the summary, not the history: a resumed run logs its options at an older step
+        self.run.summary[tag] = text
+
+    def _write(self, up_to=None):
+        for step in sorted(self.pending):
+            if up_to is not None and step > up_to:
+                break
+            # commit=True: the row is written now, not when a later step comes
+            self.run.log(self.pending.pop(step), step=step, commit=True)
+
+    def state_dict(self):
+        return {'run_id': self.run.id}
+
+    def commit(self, step):
+        self._write(up_to=step)
+
+    def finish(self, final_metrics):
+        self._write()
+        self.run.summary.update(dict(final_metrics))
+        self.run.finish()
+        self.finished = True
+
+    def close(self):
+        """Without finish: end the run as failed; the points after the last checkpoint are dropped
+        (a resume logs them again)."""
+        if not self.finished:
+            self.pending.clear()
+            self.run.finish(exit_code=1)
+            self.finished = True
