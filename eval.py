@@ -64,7 +64,7 @@ def load_for_inference(args, path):
 def evaluate_checkpoint(args, path):
     """Evaluate one checkpoint into its own result folder; return its metrics."""
     options, checkpoint, task_type = load_for_inference(args, path)
-    folder = result_folder(path, 'eval', evaluated_list_name(options.val_list), options.save_prefix)
+    folder = result_folder(path, 'eval', evaluated_list_name(args.val_list), options.save_prefix)  # 'val' unless given
     options = options.replace(result_dir=folder)
     run_on_main_process(create_run_folder, folder, options, 'choose a new --save_prefix to keep the old results')
     with discard_folder_if_setup_fails(folder) if is_main_process() else contextlib.nullcontext():

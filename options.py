@@ -293,15 +293,17 @@ def _config_to_argv(parser, path):
     return argv
 
 
-def _check_names(parser, args):
-    """Stop with one line when --task, --model_type or --data_type names nothing registered."""
+def _check_names(args):
+    """A KilnError (one line; a traceback with --debug) when --task, --model_type or --data_type names
+    nothing registered."""
+    from utils.errors import KilnError
     for option in REGISTRIES:
         value = getattr(args, option, None)
         if value is not None:
             names = registry_names(option)
             if value not in names:
-                parser.error(f'unknown --{option} {value!r}; choose one of: {", ".join(sorted(names))} '
-                             f'(or register it in {REGISTRIES[option][2]})')
+                raise KilnError(f'unknown --{option} {value!r}; choose one of: {", ".join(sorted(names))} '
+                                f'(or register it in {REGISTRIES[option][2]})')
 
 
 def parse_args(add_args, argv=None, base_config=None):
@@ -316,7 +318,7 @@ def parse_args(add_args, argv=None, base_config=None):
     config_path = config_parser.parse_known_args(argv)[0].config
     config_argv = [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)]
     args = parser.parse_args(config_argv + argv)
-    _check_names(parser, args)
+    _check_names(args)
     return args
 
 

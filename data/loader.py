@@ -105,7 +105,7 @@ class Batches:
 
     def __len__(self):
         """Batches in a whole epoch."""
-        return len(self.sampler.batches())
+        return self.sampler.num_batches()
 
     def order(self, epoch):
         """The sample order of `epoch` (a checkpoint keeps it, to check that a resumed run reads the same data)."""

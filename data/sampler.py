@@ -62,6 +62,21 @@ class ResumableBatchSampler(Sampler):
         generator.manual_seed(mix(self.seed, 0 if self.fixed_order else epoch))
         return torch.randperm(self.length, generator=generator).tolist()
 
+    def num_batches(self):
+        """How many batches this rank gets in a whole epoch (arithmetic: no order is drawn)."""
+        if not self.shuffle:
+            mine = len(range(self.rank, self.length, self.world_size))
+            count = -(-mine // self.batch_size)
+        else:
+            count = max(1, self.length // (self.batch_size * self.world_size))
+        return min(count, self._limit(count))
+
+    def _limit(self, count):
+        """--limit_*_batches as a number of batches: a count, or a fraction of `count`."""
+        if not self.limit:
+            return count
+        return self.limit if isinstance(self.limit, int) else max(1, int(count * self.limit))
+
     def batches(self, epoch=None):
         """Every batch of this rank in `epoch` (default: the current one), from batch 0, as lists of
         (position in the epoch's order, dataset index)."""
@@ -74,7 +89,7 @@ class ResumableBatchSampler(Sampler):
             count = len(order) // step if len(order) >= step else 1  # a tiny dataset still gives one batch
             first = self.rank * self.batch_size
             batches = [order[i * step + first:i * step + first + self.batch_size] for i in range(count)]
-        return batches[:self.limit] if self.limit else batches
+        return batches[:self._limit(len(batches))]
 
     def __iter__(self):
         epoch, start = self.epoch, self.start  # fixed for this pass, whatever set_epoch does meanwhile
@@ -83,7 +98,7 @@ class ResumableBatchSampler(Sampler):
                               [mix(self.seed, epoch, position) for position, _ in batch])
 
     def __len__(self):
-        return max(0, len(self.batches()) - self.start)
+        return max(0, self.num_batches() - self.start)
 
 
 class SeededDataset(Dataset):

@@ -1,22 +1,79 @@
 """Start a new project from this template: `python scripts/new_task.py DEST [--name NAME]
-[--dataset NAME] [--model NAME]`.
+[--task NAME] [--dataset NAME] [--model NAME]`.
 
-Copies the template's own files (what git tracks, or without git everything but experiment
-outputs, generated data and caches) into the new, empty folder DEST, puts the project name where
-"Kiln" stood, and with --dataset / --model writes a commented stub dataset file and model
-package and registers them in data/data_entry.py and model/model_entry.py. The new project runs
-and passes its tests as it is.
+Copies the template as committed (`git archive HEAD`: your uncommitted or untracked files are not
+copied; outside a git checkout, every file but experiment outputs, generated data and caches) into
+the new, empty folder DEST, puts the project name where "Kiln" stood, and with --task / --dataset /
+--model writes a commented stub task, dataset file or model package and registers each with one
+line. The new project runs and passes its tests as it is.
 """
 import argparse
+import io
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 
 TEMPLATE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEFT_OUT = ('.git', 'checkpoints', 'data/generated', '__pycache__', '.pytest_cache', '.idea', '.venv')
-TEXT_FILES = ('.py', '.md', '.sh', '.xml', '.txt', '.yaml', '.cfg', '.toml', '.gitignore', 'run')
+LEFT_OUT = ('.git', 'checkpoints', 'data/generated', '__pycache__', '.pytest_cache', '.ruff_cache', '.idea', '.venv')
+TEXT_FILES = ('.py', '.md', '.sh', '.xml', '.txt', '.yaml', '.yml', '.cfg', '.toml', '.json', '.gitignore', 'run')
+INTRO = re.compile(r'<!-- intro -->.*?<!-- /intro -->', re.S)  # the README's template pitch, replaced in a project
+
+TASK_STUB = '''"""The {name} task. Everything this kind of problem needs beyond the loop is here (see tasks/task.py).
+
+As written it classifies images, so it trains, evaluates and predicts at once on the generated shapes;
+replace the parts marked TODO with your own problem's.
+"""
+from metrics import ClassificationMetrics
+from tasks.task import Task
+from utils.viz import labeled_grid
+
+
+class {cls}(Task):
+    """{name}: TODO say what the model predicts from an image."""
+
+    default_model = 'small_cnn'  # TODO: --model_type when none is given (model/model_entry.py)
+    default_data = ('shapes', 'list')  # TODO: --data_type without / with list files (data/data_entry.py)
+    default_loss = 'cross_entropy'  # TODO: a LOSSES name (loss.py), or override loss() below
+    monitor = 'val/acc'  # TODO: the metric that picks best.pth ('val/' + a name metric_names returns)
+    monitor_mode = 'max'
+    targets = ('label',)  # TODO: the batch keys your datasets give besides 'image'
+
+    @classmethod
+    def metric_names(cls, options):
+        return ['loss', 'acc', f'top{{options.topk}}']  # TODO: what metrics().compute() returns, and 'loss'
+
+    def loss(self, outputs, batch):
+        # TODO: the loss of one batch from the model's outputs and the batch's targets
+        return self.criterion(outputs, batch['label'])
+
+    def metrics(self):
+        # TODO: an object with update(outputs, batch) and compute(class_names=None) (see metrics.py)
+        return ClassificationMetrics(self.num_classes, self.options.topk)
+
+    def pictures(self, batch, outputs):
+        # TODO: what to look at in TensorBoard and eval's pictures
+        count = min(16, self.count(batch))
+        predicted, true = self.to_host(outputs[:count].argmax(1), batch['label'][:count])
+        return {{'predictions': labeled_grid(self.display_images(batch, count), predicted.tolist(), true.tolist(),
+                                            self.class_names)}}
+
+    eval_header = ('image', 'label', 'prediction')
+
+    def eval_rows(self, batch, outputs):
+        # TODO: eval.py's predictions.csv: per sample, a list of rows (after the image path)
+        labels, predicted = self.to_host(batch['label'], outputs.argmax(1))
+        return [[[label, p]] for label, p in zip(labels.tolist(), predicted.tolist())]
+
+    predict_header = ('image', 'prediction', 'prediction_name')
+
+    def predict_rows(self, batch, outputs, paths, folder):
+        # TODO: predict.py's predictions.csv for unlabelled images (may also write files into folder)
+        predicted, = self.to_host(outputs.argmax(1))
+        return [[[p, self.class_names[p]]] for p in predicted.tolist()]
+'''
 
 DATASET_STUB = '''"""The {name} dataset. Replace the parts marked TODO with your data's own reading."""
 import os
@@ -27,13 +84,16 @@ from data.list_dataset import ListDataset
 class {cls}(ListDataset):
     """{name}: images and labels from list files of `image_path label` lines.
 
-    Built as {cls}(args, split) with split 'train' or 'val'. ListDataset already reads the list,
-    the class names (classes.txt beside the list), decodes images and applies data/augment.py's
-    transforms; override what differs for your data:
+    Built as {cls}(args, split) with split 'train' or 'val'. ListDataset already reads the list, the
+    class names (classes.txt beside the list) and decodes images to uint8; the training augmentation
+    runs per batch on the device. Override what differs for your data:
+    - `augment`: the augmentation that keeps a label true (add 'hflip' only if mirrored images keep it);
     - `default_list(args, split)`: where the lists are when --train_list/--val_list are not given;
     - `read(index)`: how one image is decoded (return a uint8 tensor 3 x H x W);
-    - `__getitem__(index)`: what one sample is (the Trainer's `step` unpacks it as inputs, targets).
+    - `__getitem__(index)`: what one sample is (a dict: 'image' plus the task's targets, e.g. 'label').
     """
+
+    augment = ('crop',)  # TODO: the augmentations that fit your data (crop, hflip, vflip)
 
     def default_list(self, args, split):
         # TODO: point at your data, or always pass --train_list / --val_list
@@ -65,6 +125,11 @@ class {cls}(nn.Module):
         return self.head(self.pool(self.features(x)).flatten(1))
 '''
 
+PROJECT_INTRO = '''<!-- intro -->
+{name} trains, evaluates and serves its models with PyTorch: `bash scripts/train.sh` trains,
+`bash scripts/eval.sh` evaluates, `python predict.py` predicts, TensorBoard shows the curves.
+<!-- /intro -->'''
+
 
 def fail(message):
     """Print one error line and exit with status 2."""
@@ -72,17 +137,37 @@ def fail(message):
     sys.exit(2)
 
 
-def template_files():
-    """Paths (relative to the template) of the files a new project starts with."""
-    try:
-        listed = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'], cwd=TEMPLATE,
-                                capture_output=True, text=True, check=True).stdout.splitlines()
-    except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk the folder
-        listed = [os.path.relpath(os.path.join(folder, name), TEMPLATE)
-                  for folder, _, names in os.walk(TEMPLATE) for name in names]
-    return sorted(path for path in listed if os.path.isfile(os.path.join(TEMPLATE, path))
-                  and not any(path == part or path.startswith(part + '/') or f'/{part}/' in f'/{path}'
-                              for part in LEFT_OUT))
+def copy_template(dest):
+    """Copy the template's committed files into `dest` (see the module docstring); return how."""
+    archive = subprocess.run(['git', 'archive', '--format=tar', 'HEAD'], cwd=TEMPLATE, capture_output=True)
+    if archive.returncode == 0:
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(dest, filter='data')
+        return 'the committed files (git archive HEAD)'
+    for folder, names, files in os.walk(TEMPLATE):
+        relative = os.path.relpath(folder, TEMPLATE)
+        names[:] = [n for n in names if os.path.normpath(os.path.join(relative, n)) not in LEFT_OUT
+                    and n not in LEFT_OUT]
+        for name in files:
+            target = os.path.join(dest, relative, name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy2(os.path.join(folder, name), target)
+    return 'every file but outputs and caches (not a git checkout)'
+
+
+def rename(dest, name):
+    """Put `name` where "Kiln" stood in the text files, and replace the README's template pitch."""
+    for folder, _, files in os.walk(dest):
+        for file in files:
+            path = os.path.join(folder, file)
+            if not file.endswith(TEXT_FILES):
+                continue
+            with open(path, encoding='utf-8') as f:
+                text = f.read()
+            if file == 'README.md' and folder == dest:
+                text = INTRO.sub(PROJECT_INTRO.format(name=name), text)
+            with open(path, 'w', encoding='utf-8') as f:
+                f.write(re.sub(r'\bKiln\b', name, text))
 
 
 def camel(name):
@@ -90,15 +175,18 @@ def camel(name):
     return ''.join(part.capitalize() for part in name.split('_'))
 
 
-def register(path, dict_name, line, import_line):
-    """Add `line` as the last entry of the dict `dict_name` in `path`, and `import_line` after its imports."""
+def register(path, dict_name, name, target):
+    """Add `'name': 'target',` as the last entry of the dict `dict_name` in the registry file `path`."""
     with open(path) as f:
         text = f.read()
     start = text.index(f'{dict_name} = {{')
     end = text.index('\n}', start)
-    text = text[:end] + f'\n    {line}' + text[end:]
-    imports = list(re.finditer(r'^from (data|model)\.\S+ import .+$', text, flags=re.M))
-    text = text[:imports[-1].end()] + f'\n{import_line}' + text[imports[-1].end():]
+    with open(path, 'w') as f:
+        f.write(text[:end] + f"\n    '{name}': '{target}'," + text[end:])
+
+
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'w') as f:
         f.write(text)
 
@@ -108,10 +196,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[1])
     parser.add_argument('dest', help='folder for the new project (must not exist or be empty)')
     parser.add_argument('--name', help='project name (default: the folder name)')
-    parser.add_argument('--dataset', help='name of a dataset stub to add (a Python identifier)')
-    parser.add_argument('--model', help='name of a model stub to add (a Python identifier)')
+    for stub in ('task', 'dataset', 'model'):
+        parser.add_argument(f'--{stub}', help=f'name of a {stub} stub to add (a lower-case Python name)')
     args = parser.parse_args(argv)
-    for option in ('dataset', 'model'):
+    for option in ('task', 'dataset', 'model'):
         value = getattr(args, option)
         if value is not None and not re.fullmatch(r'[a-z][a-z0-9_]*', value):
             fail(f'--{option} {value!r}: use a lower-case Python name such as my_{option}')
@@ -122,37 +210,30 @@ def main(argv=None):
         fail(f'{args.dest} is inside the template; choose a folder outside it')
     name = args.name or os.path.basename(dest)
 
-    for path in template_files():
-        target = os.path.join(dest, path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(os.path.join(TEMPLATE, path), target)
-        if path.endswith(TEXT_FILES):
-            with open(target) as f:
-                text = f.read()
-            with open(target, 'w') as f:
-                f.write(re.sub(r'\bKiln\b', name, text))
+    how = copy_template(dest)
+    rename(dest, name)
     os.makedirs(os.path.join(dest, 'checkpoints'), exist_ok=True)
     open(os.path.join(dest, 'checkpoints', '.gitkeep'), 'a').close()
-
+    if args.task:
+        cls = camel(args.task) + 'Task'
+        write(os.path.join(dest, 'tasks', f'{args.task}.py'), TASK_STUB.format(name=args.task, cls=cls))
+        register(os.path.join(dest, 'tasks', 'task_entry.py'), 'TASKS', args.task, f'tasks.{args.task}:{cls}')
     if args.dataset:
         cls = camel(args.dataset) + 'Dataset'
-        with open(os.path.join(dest, 'data', f'{args.dataset}.py'), 'w') as f:
-            f.write(DATASET_STUB.format(name=args.dataset, cls=cls))
-        register(os.path.join(dest, 'data', 'data_entry.py'), 'DATASETS', f"'{args.dataset}': {cls},",
-                 f'from data.{args.dataset} import {cls}')
+        write(os.path.join(dest, 'data', f'{args.dataset}.py'), DATASET_STUB.format(name=args.dataset, cls=cls))
+        register(os.path.join(dest, 'data', 'data_entry.py'), 'DATASETS', args.dataset, f'data.{args.dataset}:{cls}')
     if args.model:
         cls = camel(args.model)
-        os.makedirs(os.path.join(dest, 'model', args.model))
-        with open(os.path.join(dest, 'model', args.model, f'{args.model}.py'), 'w') as f:
-            f.write(MODEL_STUB.format(name=args.model, cls=cls))
-        with open(os.path.join(dest, 'model', args.model, '__init__.py'), 'w') as f:
-            f.write(f"from model.{args.model}.{args.model} import {cls}\n\n__all__ = ['{cls}']\n")
-        register(os.path.join(dest, 'model', 'model_entry.py'), 'MODELS', f"'{args.model}': {cls},",
-                 f'from model.{args.model} import {cls}')
-    print(f'new project {name} in {dest}')
-    print(f'  cd {args.dest} && python3 -m pip install -r requirements.txt && bash scripts/train.sh'
-          + (f' --data_type {args.dataset} --train_list LIST --val_list LIST' if args.dataset else '')
-          + (f' --model_type {args.model}' if args.model else ''))
+        write(os.path.join(dest, 'model', args.model, f'{args.model}.py'), MODEL_STUB.format(name=args.model, cls=cls))
+        write(os.path.join(dest, 'model', args.model, '__init__.py'),
+              f"from model.{args.model}.{args.model} import {cls}\n\n__all__ = ['{cls}']\n")
+        register(os.path.join(dest, 'model', 'model_entry.py'), 'MODELS', args.model, f'model.{args.model}:{cls}')
+    print(f'new project {name} in {dest}, from {how}')
+    flags = ''.join(f' --{option} {getattr(args, value)}' for option, value in
+                    (('task', 'task'), ('data_type', 'dataset'), ('model_type', 'model')) if getattr(args, value))
+    if args.dataset:
+        flags += ' --train_list LIST --val_list LIST'
+    print(f'  cd {args.dest} && python3 -m pip install -r requirements.txt && bash scripts/train.sh{flags}')
 
 
 if __name__ == '__main__':

@@ -45,9 +45,8 @@ class Task:
         """Refuse, with one line, a dataset that does not provide this task's targets."""
         provided = tuple(getattr(dataset, 'targets', ('label',)))
         if not set(self.targets) <= set(provided):
-            task = type(self).__name__
-            raise KilnError(f'{task} needs a dataset with {", ".join(self.targets)}, but --data_type {data_type} '
-                            f'gives {", ".join(provided)}; use one of this task\'s datasets '
+            raise KilnError(f'--task {self.options.task} needs a dataset that gives {", ".join(self.targets)}, but '
+                            f'--data_type {data_type} gives {", ".join(provided)}; use one of this task\'s datasets '
                             f'(e.g. --data_type {self.default_data[0]}, or {self.default_data[1]} with list files)')
 
     # the batch contract -------------------------------------------------------------------------

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-TIMEOUT = 180
+TIMEOUT = 600 * float(os.environ.get("KILN_TEST_TIMEOUT_SCALE", 1))  # only stops hangs
 FAST = ['--epochs', '1', '--batch_size', '8', '--no-progress_bar']
 
 

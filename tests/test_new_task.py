@@ -39,8 +39,8 @@ def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_pa
             'data/leaves.py', 'model/leaf_net/leaf_net.py', 'model/leaf_net/__init__.py'} <= files
     readme = (dest / 'README.md').read_text()
     assert readme.startswith('# Glaze') and not re.search(r'\bKiln\b', readme)  # KilnError is code, kept
-    assert "'leaves': LeavesDataset," in (dest / 'data' / 'data_entry.py').read_text()
-    assert "'leaf_net': LeafNet," in (dest / 'model' / 'model_entry.py').read_text()
+    assert "'leaves': 'data.leaves:LeavesDataset'," in (dest / 'data' / 'data_entry.py').read_text()
+    assert "'leaf_net': 'model.leaf_net:LeafNet'," in (dest / 'model' / 'model_entry.py').read_text()
 
     # its own tests (the fast ones here; the whole suite is the template's) and its train.sh with the stubs
     _ok(subprocess.run([sys.executable, '-m', 'pytest', '-q', 'tests/test_units.py'], cwd=dest, capture_output=True,
@@ -100,7 +100,7 @@ def test_segmentation_eval_writes_exact_iou_and_pictures(segmented):
 
 def test_segment_task_needs_masks(tiny_shapes, tmp_path):
     result = run_script('train.py', *tiny_run_args(tiny_shapes, tmp_path), '--task', 'segment', '--model_type', 'seg_net')
-    assert result.returncode == 2 and 'needs a dataset of masks' in result.stderr and 'Traceback' not in result.stderr
+    assert result.returncode == 2 and 'needs a dataset that gives mask' in result.stderr and 'Traceback' not in result.stderr
     assert os.listdir(tmp_path) == []
 
 
@@ -156,7 +156,7 @@ def test_eval_compares_several_checkpoints(classified, tmp_path):
         with open(os.path.join(experiment, 'eval', 'best_val_cmp', 'result.json')) as f:
             assert float(row['acc']) == pytest.approx(json.load(f)['metrics']['acc'], abs=1e-6)
     table = (folder / 'comparison.txt').read_text().splitlines()
-    assert table[0].split() == ['checkpoint', 'acc', 'top3'] and len(table) == 3 and 'checkpoint' in result.stdout
+    assert table[0].split() == ['checkpoint', 'loss', 'acc', 'top3'] and len(table) == 3 and 'checkpoint' in result.stdout
     again = run_script('eval.py', '--load_model_path', pattern, '--save_prefix', 'cmp', '--checkpoints_dir', str(tmp_path))
     assert again.returncode == 2 and 'already exists' in again.stderr
 

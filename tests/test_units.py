@@ -191,3 +191,15 @@ def test_checkpoint_write_failure_keeps_the_previous_file(tmp_path, monkeypatch)
         save_checkpoint({'step': torch.tensor(2)}, path)
     assert load_checkpoint(path)['step'].item() == 1
     assert os.listdir(tmp_path) == ['last.pth']  # the temporary file was cleaned up
+
+
+def test_sampler_counts_batches_without_drawing_an_order():
+    from data.sampler import ResumableBatchSampler
+    for length, batch_size, shuffle, world_size, limit in [(96, 16, True, 1, None), (100, 7, False, 3, None),
+                                                           (5, 16, True, 2, None), (48, 16, True, 2, 0.5),
+                                                           (48, 8, False, 2, 2), (1, 4, False, 3, None)]:
+        for rank in range(world_size):
+            sampler = ResumableBatchSampler(length, batch_size, shuffle, 0, rank, world_size, limit)
+            assert sampler.num_batches() == len(sampler.batches()), (length, batch_size, shuffle, world_size, limit)
+    sampler = ResumableBatchSampler(100, 10, True, 0, limit=0.3)
+    assert [len(b) for b in sampler.batches()] == [10, 10, 10]
