@@ -53,7 +53,8 @@ def load_for_inference(args, path):
     if values['model_type'] is None:
         raise KilnError(f'{path} does not say which model it holds; give --model_type')
     task_type = task_class(values['task'] or 'classify')
-    values.update(task=values['task'] or 'classify', img_size=values['img_size'] or 32, topk=values['topk'] or 3,
+    values.update(task=values['task'] or 'classify', img_size=values['img_size'] or task_type.default_image_size,
+                  topk=values['topk'] or 3,
                   data_type=values['data_type'] or task_type.default_data[bool(values['val_list'])])
     class_names = checkpoint.get('class_names')
     if values['num_classes'] is None and class_names:

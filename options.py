@@ -122,7 +122,8 @@ def parse_common_args(parser):
     parser.add_argument('--val_list', help='list file for validation/evaluation (default: the dataset\'s own val split)')
     parser.add_argument('--data_root', default='data/generated', help='where generated datasets are written')
     parser.add_argument('--num_classes', type=_positive_int, help='default: what the dataset reports')
-    parser.add_argument('--img_size', type=_image_side, default=32, help='images are resized to this side')
+    parser.add_argument('--img_size', type=_image_side, help='images are resized to this side (default: the task\'s, '
+                        '32 to classify and segment, 64 to detect)')
     parser.add_argument('--batch_size', type=_positive_int, default=128, help='images per step and process')
     parser.add_argument('--num_workers', type=_non_negative_int,
                         help='DataLoader worker processes for datasets read from disk (default: min(4, CPUs per '
@@ -239,7 +240,7 @@ def parse_test_args(parser):
     The task, model, dataset and image size default to what the checkpoint was trained with.
     """
     parser = parse_common_args(parser)
-    parser.set_defaults(task=None, model_type=None, img_size=None)
+    parser.set_defaults(task=None)
     parser.add_argument('--load_model_path', nargs='+', metavar='CHECKPOINT',
                         help='checkpoint(s) to evaluate: files, experiment folders (their best.pth) or quoted '
                         'globs; with several, a comparison table is written too')
@@ -252,7 +253,7 @@ def parse_predict_args(parser):
     """Prediction options on top of the common ones; like evaluation, the model, task and image
     size default to what the checkpoint was trained with."""
     parser = parse_common_args(parser)
-    parser.set_defaults(task=None, model_type=None, img_size=None)
+    parser.set_defaults(task=None)
     parser.add_argument('--load_model_path', required=True,
                         help='the checkpoint to predict with (or an experiment folder: its best.pth)')
     parser.add_argument('--input', required=True, help='a folder of images, or a list file (first column: image)')

@@ -110,6 +110,7 @@ def resolve_task_defaults(args):
     args.model_type = args.model_type or task.default_model
     args.data_type = args.data_type or task.default_data[bool(args.train_list or args.val_list)]
     args.loss = args.loss or task.default_loss
+    args.img_size = args.img_size or task.default_image_size
     args.monitor = args.monitor or task.monitor
     args.monitor_mode = args.monitor_mode or task.monitor_mode
     return args

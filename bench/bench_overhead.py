@@ -1,15 +1,13 @@
-"""How much does Kiln cost over hand-written code? `python bench/bench_overhead.py`.
+"""How much does Kiln cost over hand-written code? `python bench/bench_overhead.py [--device cuda]`.
 
-1. Training: the Trainer and a minimal hand-written loop train the same model, from the same
-   initial weights, on the same in-memory data (the Trainer's own DataLoaders over the default
-   shapes dataset) for the same number of epochs, validating after each epoch. The Trainer runs
-   as users run it: progress bar, TensorBoard curves and images, printed lines, a full
-   checkpoint every epoch. The two alternate --repeats times in one process, so machine noise
-   hits both alike; the median ratio is printed.
+1. Training: Kiln's loop (train.py, as users run it: progress bar, TensorBoard curves and pictures,
+   printed lines, a full checkpoint every epoch) against a minimal hand-written loop over the same
+   data path (the same device-resident uint8 batches and batched augmentation, data/loader.py), the
+   same model, optimizer and schedule, for the same epochs. The two alternate --repeats times in one
+   process, so machine noise hits both alike; images/s and the median ratio are printed.
 2. Saving one checkpoint (the full training state), relative to one epoch.
-3. Time to the first training step of `python train.py`, beside the time to import torch.
-4. Evaluation: the Evaluator (with result files and pictures) against a bare forward loop over
-   the validation split, alternating; images per second and the median ratio.
+3. Time from starting `python train.py` to its first optimizer step, beside `python -c "import torch"`.
+4. Evaluation: eval.py's loop (every result file and picture) against a bare forward loop.
 """
 import argparse
 import contextlib
@@ -23,136 +21,145 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eval import Evaluator, load_evaluated_checkpoint  # noqa: E402
-from model.model_entry import select_model  # noqa: E402
-from options import parse_args, parse_test_args, parse_train_args  # noqa: E402
-from train import Trainer  # noqa: E402
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import eval as evaluation  # noqa: E402
+import train  # noqa: E402
+from model.model_entry import select_model  # noqa: E402
+from utils.seeding import set_seed  # noqa: E402
 
 
-def hand_written_loop(trainer, epochs):
-    """The minimal loop a user would write: same model, data, optimizer and schedule."""
-    torch.manual_seed(trainer.args.seed)
-    model = select_model(trainer.args).to(trainer.device)
-    optimizer = torch.optim.AdamW(model.parameters(), trainer.args.lr, weight_decay=trainer.args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * len(trainer.train_loader))
-    criterion = torch.nn.CrossEntropyLoss()
-    for _ in range(epochs):
+def hand_written_loop(run, epochs):
+    """The loop a user would write on the same batches: same model, optimizer, schedule and validation."""
+    o, device = run.options, run.device
+    set_seed(o.seed)
+    model = select_model(o).to(device, memory_format=torch.channels_last if o.channels_last else torch.preserve_format)
+    if o.compile:
+        model = torch.compile(model, mode=o.compile_mode)
+    optimizer = torch.optim.AdamW(model.parameters(), o.lr, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * len(run.train_data))
+    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(o.amp)
+    for epoch in range(epochs):
         model.train()
-        for inputs, targets in trainer.train_loader:
-            loss = criterion(model(inputs), targets)
+        for batch in run.train_data.epoch(epoch):
+            with torch.autocast(device.type, dtype, enabled=dtype is not None):
+                loss = torch.nn.functional.cross_entropy(model(batch['image']), batch['label'])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             scheduler.step()
         model.eval()
-        correct = 0
-        with torch.no_grad():
-            for inputs, targets in trainer.val_loader:
-                correct += (model(inputs).argmax(1) == targets).sum()
-        accuracy = correct.item() / len(trainer.val_loader.dataset)
+        correct = torch.zeros((), device=device)
+        with torch.no_grad(), torch.autocast(device.type, dtype, enabled=dtype is not None):
+            for batch in run.val_data.epoch(0):
+                correct += (model(batch['image']).argmax(1) == batch['label']).sum()
+        accuracy = correct.item() / len(run.val_data.dataset)
     return accuracy
 
 
-def make_trainer(argv, folder):
-    """A Trainer writing into `folder`, set up as train.py would set it up."""
-    args = parse_args(parse_train_args, argv + ['--cpu'])
-    args.model_dir, args.resume_from = folder, None
-    os.makedirs(folder)
-    return Trainer(args)
-
-
 def timed(function):
-    """Seconds `function()` takes."""
+    """Seconds `function()` takes (waiting for the GPU at the end)."""
     start = time.perf_counter()
     function()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 def bench_training(options, scratch, quiet):
-    """Print the Trainer/hand-written ratio of each repeat and the median; return the last Trainer
-    and the seconds of its epochs."""
-    argv = ['--epochs', str(options.epochs), '--model_type', options.model_type, '--num_workers', '0']
-    ratios = []
+    """Print each repeat's images/s and the median Kiln/hand-written time ratio; return the last run and
+    the seconds of one of its epochs."""
+    argv = ['--epochs', str(options.epochs), '--model_type', options.model_type, '--print_freq', '20',
+            *(['--cpu'] if options.device == 'cpu' else []), *options.extra]
+    ratios, speeds = [], []
     for repeat in range(options.repeats):
-        trainer = make_trainer(argv, os.path.join(scratch, f'run{repeat}'))
+        run = train.start(argv + ['--checkpoints_dir', os.path.join(scratch, f'run{repeat}')])
+        images = options.epochs * len(run.train_data) * run.options.batch_size
         if repeat % 2:  # alternate which goes first, so warm-up and drift do not favour one
-            hand = timed(lambda: hand_written_loop(trainer, options.epochs))
+            hand = timed(lambda: hand_written_loop(run, options.epochs))
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            kiln = timed(trainer.train)
+            kiln = timed(lambda: train.run_training(run))
         if not repeat % 2:
-            hand = timed(lambda: hand_written_loop(trainer, options.epochs))
+            hand = timed(lambda: hand_written_loop(run, options.epochs))
         ratios.append(kiln / hand)
-        print(f'  repeat {repeat + 1}: Trainer {kiln:.2f}s  hand-written {hand:.2f}s  ratio {kiln / hand:.3f}',
-              flush=True)
-    print(f'training: median Trainer overhead over a hand-written loop {(statistics.median(ratios) - 1) * 100:+.1f}% '
-          f'({options.repeats} alternating runs of {options.epochs} epochs, {options.model_type}, '
-          f'progress bar + TensorBoard + checkpoint every epoch on)')
-    return trainer, kiln / options.epochs
+        speeds.append((images / kiln, images / hand))
+        print(f'  repeat {repeat + 1}: Kiln {kiln:.2f}s ({images / kiln:.0f} img/s)  hand-written {hand:.2f}s '
+              f'({images / hand:.0f} img/s)  ratio {kiln / hand:.3f}', flush=True)
+    print(f'training: Kiln {statistics.median(s for s, _ in speeds):.0f} img/s, hand-written '
+          f'{statistics.median(h for _, h in speeds):.0f} img/s; median ratio {statistics.median(ratios):.3f} '
+          f'({options.repeats} alternating runs of {options.epochs} epochs, {options.model_type} on {run.device}, '
+          f'progress bar + TensorBoard + a checkpoint every epoch on)')
+    return run, kiln / options.epochs
 
 
-def bench_checkpoint(trainer, epoch_seconds):
+def bench_checkpoint(run, epoch_seconds):
     """Print the median time of saving the full training state, and its share of one epoch."""
+    run.trackers = None  # closed at the end of the run
     with contextlib.redirect_stdout(open(os.devnull, 'w')):
-        saves = [timed(trainer.save_checkpoint) for _ in range(5)]
+        saves = [timed(lambda: train.save(run)) for _ in range(5)]
     print(f'checkpoint: saving the full state takes {statistics.median(saves) * 1000:.0f} ms (median of 5), '
-          f'{statistics.median(saves) / epoch_seconds * 100:.1f}% of one epoch ({epoch_seconds:.1f}s)')
+          f'{statistics.median(saves) / epoch_seconds * 100:.1f}% of one epoch ({epoch_seconds:.2f}s)')
 
 
-def bench_first_step(scratch):
-    """Print how long `python train.py` takes to make its first optimizer step, beside `import torch`."""
+def bench_first_step(options, scratch):
+    """Print how long `python train.py` takes to its first optimizer step, beside `python -c "import torch"`."""
     firsts, imports = [], []
+    device = ['--cpu'] if options.device == 'cpu' else []
     for repeat in range(3):
-        result = subprocess.run([sys.executable, 'train.py', '--max_iteration', '1', '--no-progress_bar',
+        imports.append(timed(lambda: subprocess.run([sys.executable, '-c', 'import torch'], check=True)))
+        result = subprocess.run([sys.executable, 'train.py', '--max_iteration', '1', '--no-progress_bar', *device,
                                  '--checkpoints_dir', os.path.join(scratch, f'first{repeat}')],
                                 cwd=REPO, capture_output=True, text=True, check=True)
         firsts.append(float(re.search(r'first step ([0-9.]+)s after start', result.stdout).group(1)))
-        imports.append(timed(lambda: subprocess.run([sys.executable, '-c', 'import torch, torchvision'], check=True)))
-    print(f'time to first step: median {statistics.median(firsts):.1f}s from the start of train.py '
-          f'(importing torch and torchvision alone: {statistics.median(imports):.1f}s)')
+    first, imported = statistics.median(firsts), statistics.median(imports)
+    print(f'time to first step: median {first:.2f}s from the start of train.py; python -c "import torch" takes '
+          f'{imported:.2f}s: {first / imported:.2f}x (3 alternating runs)')
 
 
-def bench_eval(trainer, scratch, repeats):
-    """Print the Evaluator's throughput against a bare forward loop over the same validation data."""
-    checkpoint = os.path.join(trainer.args.model_dir, 'last.pth')
+def bench_eval(run, scratch, repeats):
+    """Print eval.py's throughput against a bare forward loop over the same validation batches."""
+    checkpoint = os.path.join(run.options.model_dir, 'last.pth')
     ratios, speeds = [], []
     for repeat in range(repeats):
-        args = parse_args(parse_test_args, ['--load_model_path', checkpoint, '--cpu', '--no-progress_bar'])
-        args.load_model_path, args.result_dir = checkpoint, os.path.join(scratch, f'eval{repeat}')
-        os.makedirs(args.result_dir)
-        evaluator = Evaluator(args, load_evaluated_checkpoint(args))
+        argv = ['--load_model_path', checkpoint, '--no-progress_bar', '--save_prefix', f'bench{repeat}',
+                *(['--cpu'] if run.device.type == 'cpu' else [])]
+        model = run.setup.wrapped
 
         def bare():
-            evaluator.model.eval()
+            model.eval()
             with torch.no_grad():
-                for inputs, _ in evaluator.loader:
-                    evaluator.model(inputs).argmax(1)
+                for batch in run.val_data.epoch(0):
+                    model(batch['image']).argmax(1)
         if repeat % 2:
             hand = timed(bare)
-        kiln = timed(evaluator.eval)
+        with contextlib.redirect_stdout(open(os.devnull, 'w')):
+            kiln = timed(lambda: evaluation.main(argv))
         if not repeat % 2:
             hand = timed(bare)
         ratios.append(kiln / hand)
-        speeds.append(len(evaluator.dataset) / kiln)
-    print(f'evaluation: median {statistics.median(speeds):.0f} images/s with all result files, '
-          f'{(statistics.median(ratios) - 1) * 100:+.1f}% over a bare forward loop ({repeats} alternating runs)')
+        speeds.append(len(run.val_data.dataset) / kiln)
+    print(f'evaluation: median {statistics.median(speeds):.0f} images/s with every result file, median ratio '
+          f'{statistics.median(ratios):.3f} over a bare forward loop ({repeats} alternating runs; eval.py\'s time '
+          f'includes loading the checkpoint and the data)')
 
 
 def main():
     """Run the four measurements and print their figures."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--device', choices=['cpu', 'cuda'], default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--epochs', type=int, default=2)
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--model_type', default='small_cnn')
+    parser.add_argument('extra', nargs='*', help='more train.py options after --, e.g. -- --amp bf16 --compile')
     options = parser.parse_args()
+    print(f'machine: {os.cpu_count()} CPUs, torch {torch.__version__}, '
+          f'{torch.cuda.get_device_name() if options.device == "cuda" else "no GPU used"}')
     with tempfile.TemporaryDirectory() as scratch, open(os.devnull, 'w') as quiet:
-        trainer, epoch_seconds = bench_training(options, scratch, quiet)
-        bench_checkpoint(trainer, epoch_seconds)
-        bench_first_step(scratch)
-        bench_eval(trainer, scratch, options.repeats)
+        run, epoch_seconds = bench_training(options, scratch, quiet)
+        bench_checkpoint(run, epoch_seconds)
+        bench_first_step(options, scratch)
+        bench_eval(run, scratch, options.repeats)
 
 
 if __name__ == '__main__':

@@ -12,6 +12,8 @@ DATASETS = {
     'mem_list': 'data.mem_list_dataset:MemListDataset',
     'shapes_seg': 'data.shapes_seg_dataset:ShapesSegDataset',  # segmentation (--task segment)
     'seg_list': 'data.seg_list_dataset:SegListDataset',
+    'shapes_det': 'data.shapes_det_dataset:ShapesDetDataset',  # detection (--task detect)
+    'det_list': 'data.det_list_dataset:DetListDataset',
 }
 
 

@@ -64,8 +64,9 @@ def to_rgb(image):
     return image.convert('RGB')
 
 
-def decode_image(path, size, where=''):
-    """Decode an image file into a uint8 RGB tensor (3, size, size).
+def decode_image(path, size, where='', with_size=False):
+    """Decode an image file into a uint8 RGB tensor (3, size, size); with `with_size`, also the
+    (width, height) it had as displayed (EXIF orientation applied), to scale boxes with it.
 
     EXIF orientation is applied, multi-frame files (GIF, TIFF) give their first frame, every mode
     is converted by `to_rgb` (alpha over white, 16-bit scaled, not clipped), and the result is
@@ -75,13 +76,15 @@ def decode_image(path, size, where=''):
     try:
         with Image.open(path) as image:
             rgb = to_rgb(ImageOps.exif_transpose(image))
+        original = rgb.size
         if rgb.size != (size, size):
             rgb = rgb.resize((size, size), Image.BILINEAR)
         array = np.asarray(rgb)
     except IMAGE_ERRORS as error:
         reason = ' '.join(str(error).split()) or type(error).__name__
         raise KilnError(f'cannot read image {path}{where}: {reason}; fix or remove it from the list') from None
-    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+    image = torch.from_numpy(array.copy()).permute(2, 0, 1)
+    return (image, original) if with_size else image
 
 
 def check_image(path):

@@ -33,21 +33,23 @@ class ListDataset(Dataset):
     """
 
     targets = ('label',)  # what a sample holds besides 'image' (tasks check it)
+    columns = 2  # fields per line: the image path and its label
     augment = ('crop',)  # default training augmentation (data/augment.py); --augment overrides it
     class_files = ('classes.txt',)  # where class names are looked for, beside the list file
 
     def __init__(self, args, split):
         self.list_path = getattr(args, f'{split}_list', None) or self.default_list(args, split)
         self.size = args.img_size
-        self.samples = [(resolve_path(self.list_path, fields[0]), self.parse_target(fields[1], number), number)
-                        for number, fields in read_list_file(self.list_path, columns=2)]
+        self.samples = [(resolve_path(self.list_path, fields[0]), self.parse_target(fields[1:], number), number)
+                        for number, fields in read_list_file(self.list_path, columns=self.columns)]
         self.check_files()
         self.class_names = read_class_names(self.list_path, self.class_files)
         self.num_classes = args.num_classes or self.count_classes()
         self.check_targets()
 
-    def parse_target(self, field, number):
-        """The target of one line from its second field: an integer label >= 0."""
+    def parse_target(self, fields, number):
+        """The target of one line from its fields after the image path: an integer label >= 0."""
+        field, = fields
         if not field.isdecimal():
             raise KilnError(f'{self.list_path}:{number}: expected "image_path label" with a label >= 0, '
                             f'got label {field!r}')

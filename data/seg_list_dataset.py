@@ -23,8 +23,8 @@ class SegListDataset(ListDataset):
     augment = ('crop',)
     class_files = ('seg_classes.txt', 'classes.txt')
 
-    def parse_target(self, field, number):
-        path = resolve_path(self.list_path, field)
+    def parse_target(self, fields, number):
+        path = resolve_path(self.list_path, fields[0])
         if not os.path.isfile(path):
             raise KilnError(f'{self.list_path}:{number}: mask {path} does not exist')
         return path

@@ -5,7 +5,9 @@ noisy background with distracting lines and dots. The generator writes real PNG 
 `train.txt`, `val.txt` and `classes.txt`, so the default run reads data exactly the way a
 user's own list files are read. For segmentation it also writes a mask per image (0 for the
 background, 1 + class on the shape's pixels), `seg_train.txt`/`seg_val.txt` of
-`image_path mask_path` lines, and `seg_classes.txt`. Run `python -m data.shapes --help` to generate a copy by hand.
+`image_path mask_path` lines, and `seg_classes.txt`. The detection variant
+(`generate_shape_boxes`) draws 1 to 4 shapes per image and lists their boxes as
+`image_path x1,y1,x2,y2,class ...` lines. Run `python -m data.shapes --help` to generate a copy by hand.
 """
 import argparse
 import contextlib
@@ -17,6 +19,7 @@ import tempfile
 
 import numpy as np
 from PIL import Image, ImageDraw
+from tqdm import tqdm
 
 from utils.errors import KilnError
 
@@ -52,15 +55,13 @@ def _contrasting_colour(rng, background):
             return tuple(int(c) for c in colour)
 
 
-def draw_shape_image(label, rng, size=32):
-    """One RGB image of class `label` drawn with the random generator `rng`, and its mask
-    (an 'L' image: 0 background, label + 1 on the shape)."""
-    big = size * SUPERSAMPLE
+def _background(rng, big, clutter=(1, 4)):
+    """A `big`-pixel canvas of random colour with a few thin lines and small dots as clutter;
+    returns (image, its ImageDraw, the background colour)."""
     background = rng.integers(0, 256, size=3)
     image = Image.new('RGB', (big, big), tuple(int(c) for c in background))
-    mask = Image.new('L', (big, big), 0)
     draw = ImageDraw.Draw(image)
-    for _ in range(rng.integers(1, 4)):  # clutter: thin lines and small dots
+    for _ in range(rng.integers(*clutter)):
         colour = tuple(int(c) for c in rng.integers(0, 256, size=3))
         if rng.random() < 0.5:
             xy = [tuple(rng.uniform(0, big, size=2)) for _ in range(2)]
@@ -69,33 +70,92 @@ def draw_shape_image(label, rng, size=32):
             x, y = rng.uniform(0, big, size=2)
             r = rng.uniform(1, 2.5) * SUPERSAMPLE
             draw.ellipse([x - r, y - r, x + r, y + r], fill=colour)
+    return image, draw, background
 
+
+def _draw_shape(canvas, name, center, radius, angle, fill):
+    """Draw shape `name` inside the circle (center, radius) on an ImageDraw canvas."""
+    box = [center[0] - radius, center[1] - radius, center[0] + radius, center[1] + radius]
+    if name == 'circle':
+        canvas.ellipse(box, fill=fill)
+    elif name == 'ring':
+        canvas.ellipse(box, outline=fill, width=max(1, int(radius * 0.3)))
+    elif name == 'square':
+        canvas.polygon(_polygon(center, radius, angle, 4), fill=fill)
+    elif name == 'triangle':
+        canvas.polygon(_polygon(center, radius, angle, 3), fill=fill)
+    elif name == 'star':
+        canvas.polygon(_polygon(center, radius, angle, 5, inner_ratio=0.45), fill=fill)
+    else:
+        canvas.polygon(_cross(center, radius, angle, radius * 0.3), fill=fill)
+
+
+def _shrink_with_noise(image, rng, size):
+    """The supersampled image shrunk to `size` (anti-aliasing the edges) with Gaussian pixel noise."""
+    pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.int16)
+    noise = rng.normal(0, 8, size=pixels.shape)
+    return Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8))
+
+
+def draw_shape_image(label, rng, size=32):
+    """One RGB image of class `label` drawn with the random generator `rng`, and its mask
+    (an 'L' image: 0 background, label + 1 on the shape)."""
+    big = size * SUPERSAMPLE
+    image, draw, background = _background(rng, big)
+    mask = Image.new('L', (big, big), 0)
     radius = rng.uniform(0.22, 0.42) * big
     center = rng.uniform(radius, big - radius, size=2)
     angle = rng.uniform(0, 2 * math.pi)
     colour = _contrasting_colour(rng, background)
-    box = [center[0] - radius, center[1] - radius, center[0] + radius, center[1] + radius]
     name = CLASS_NAMES[label]
     for canvas, fill in ((draw, colour), (ImageDraw.Draw(mask), label + 1)):
-        if name == 'circle':
-            canvas.ellipse(box, fill=fill)
-        elif name == 'ring':
-            canvas.ellipse(box, outline=fill, width=max(1, int(radius * 0.3)))
-        elif name == 'square':
-            canvas.polygon(_polygon(center, radius, angle, 4), fill=fill)
-        elif name == 'triangle':
-            canvas.polygon(_polygon(center, radius, angle, 3), fill=fill)
-        elif name == 'star':
-            canvas.polygon(_polygon(center, radius, angle, 5, inner_ratio=0.45), fill=fill)
+        _draw_shape(canvas, name, center, radius, angle, fill)
+    return _shrink_with_noise(image, rng, size), mask.resize((size, size), Image.NEAREST)
+
+
+def _overlap(a, b):
+    """Intersection of boxes a and b over the smaller one's area (an upper bound on their IoU)."""
+    w = min(a[2], b[2]) - max(a[0], b[0])
+    h = min(a[3], b[3]) - max(a[1], b[1])
+    if w <= 0 or h <= 0:
+        return 0.0
+    return w * h / min((a[2] - a[0]) * (a[3] - a[1]), (b[2] - b[0]) * (b[3] - b[1]))
+
+
+def draw_boxes_image(rng, size=64, max_shapes=4, radius_range=(0.094, 0.22), max_overlap=0.3, tries=30):
+    """One RGB image with 1 to `max_shapes` shapes, and their boxes as [(x1, y1, x2, y2, label)] in
+    pixels (x2, y2 exclusive, tight around the drawn pixels).
+
+    Shapes are inscribed in circles of radius `radius_range` times `size` (box sides ~12-28 px at
+    64 px), placed fully inside the image. A shape whose box would cover more than `max_overlap`
+    of a smaller box already placed (so their IoU is below it too) is placed again, up to `tries`
+    times, then dropped: later shapes are drawn over earlier ones, and this keeps every shape
+    mostly visible.
+    """
+    big = size * SUPERSAMPLE
+    image, draw, background = _background(rng, big, clutter=(2, 8))  # more clutter: 4x the area of a 32 px image
+    boxes = []
+    for _ in range(rng.integers(1, max_shapes + 1)):
+        label = int(rng.integers(len(CLASS_NAMES)))
+        for _ in range(tries):
+            radius = rng.uniform(*radius_range) * big
+            center = rng.uniform(radius, big - radius, size=2)
+            angle = rng.uniform(0, 2 * math.pi)
+            # the tight box of the drawn pixels, from the shape drawn alone on a blank mask
+            mask = Image.new('L', (big, big), 0)
+            _draw_shape(ImageDraw.Draw(mask), CLASS_NAMES[label], center, radius, angle, 255)
+            box = mask.getbbox()
+            if box and all(_overlap(box, other) < max_overlap for *other, _ in boxes):
+                break
         else:
-            canvas.polygon(_cross(center, radius, angle, radius * 0.3), fill=fill)
+            continue
+        _draw_shape(draw, CLASS_NAMES[label], center, radius, angle, _contrasting_colour(rng, background))
+        boxes.append((*box, label))
+    scaled = [tuple(round(v / SUPERSAMPLE, 1) for v in box[:4]) + (box[4],) for box in boxes]
+    return _shrink_with_noise(image, rng, size), scaled
 
-    pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.int16)
-    noise = rng.normal(0, 8, size=pixels.shape)
-    return Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8)), mask.resize((size, size), Image.NEAREST)
 
-
-def _write_split(root, split, count, seed, size):
+def _write_split(root, split, count, seed, size, progress):
     lines, seg_lines = [], []
     os.makedirs(os.path.join(root, 'images', split))
     os.makedirs(os.path.join(root, 'masks', split))
@@ -109,10 +169,27 @@ def _write_split(root, split, count, seed, size):
         mask.save(os.path.join(root, mask_path))
         lines.append(f'{image_path} {label}\n')
         seg_lines.append(f'{image_path} {mask_path}\n')
+        progress.update()
     with open(os.path.join(root, f'{split}.txt'), 'w') as f:
         f.writelines(lines)
     with open(os.path.join(root, f'seg_{split}.txt'), 'w') as f:
         f.writelines(seg_lines)
+
+
+def _write_box_split(root, split, count, seed, size, progress):
+    lines = []
+    os.makedirs(os.path.join(root, 'images', split))
+    for index in range(count):
+        # the trailing 1 keeps these images independent of the classification ones with the same seed
+        rng = np.random.default_rng([seed, 0 if split == 'train' else 1, index, 1])
+        image_path = f'images/{split}/{index:05d}.png'
+        image, boxes = draw_boxes_image(rng, size)
+        image.save(os.path.join(root, image_path))
+        fields = [image_path] + [f'{x1:g},{y1:g},{x2:g},{y2:g},{label}' for x1, y1, x2, y2, label in boxes]
+        lines.append(' '.join(fields) + '\n')
+        progress.update()
+    with open(os.path.join(root, f'{split}.txt'), 'w') as f:
+        f.writelines(lines)
 
 
 def _read_manifest(path):
@@ -124,8 +201,9 @@ def _read_manifest(path):
         return None
 
 
-def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
-    """Write the shapes dataset into `root` unless a complete copy with these settings is there.
+def _generate(root, manifest, write, total):
+    """Run `write(folder, progress)` to generate a dataset into `root` unless a complete copy with
+    this `manifest` is there; `total` is the number of images, for the progress bar.
 
     Files are written into a temporary sibling folder and renamed into place at the end, so an
     interrupted generation never leaves a half-written dataset, and concurrent processes (one
@@ -133,8 +211,6 @@ def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
     version or with other settings (its manifest.json says so) is replaced; a folder without a
     manifest is never touched. Returns `root`.
     """
-    manifest = {'version': GENERATOR_VERSION, 'train_size': train_size, 'val_size': val_size,
-                'seed': seed, 'size': size, 'classes': list(CLASS_NAMES)}
     manifest_path = os.path.join(root, 'manifest.json')
     found = _read_manifest(manifest_path)
     if found == manifest:
@@ -149,12 +225,10 @@ def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix='.shapes-', dir=parent)
     try:
-        _write_split(staging, 'train', train_size, seed, size)
-        _write_split(staging, 'val', val_size, seed, size)
-        with open(os.path.join(staging, 'classes.txt'), 'w') as f:
-            f.write('\n'.join(CLASS_NAMES) + '\n')
-        with open(os.path.join(staging, 'seg_classes.txt'), 'w') as f:
-            f.write('\n'.join(('background',) + CLASS_NAMES) + '\n')
+        # disable=None: no bar when stderr is not a terminal (CI logs, tests)
+        with tqdm(total=total, desc=f'generating {os.path.basename(os.path.abspath(root))}', unit='img',
+                  disable=None, leave=False) as progress:
+            write(staging, progress)
         with open(os.path.join(staging, 'manifest.json'), 'w') as f:
             json.dump(manifest, f, indent=1)
         try:
@@ -168,15 +242,55 @@ def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
     return root
 
 
+def _write_classes(folder, file_name, names):
+    with open(os.path.join(folder, file_name), 'w') as f:
+        f.write('\n'.join(names) + '\n')
+
+
+def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
+    """Write the shapes dataset (one shape per image, with masks) into `root` unless a complete
+    copy with these settings is there; see `_generate` for how copies are made safely. Returns `root`."""
+    manifest = {'version': GENERATOR_VERSION, 'train_size': train_size, 'val_size': val_size,
+                'seed': seed, 'size': size, 'classes': list(CLASS_NAMES)}
+
+    def write(folder, progress):
+        _write_split(folder, 'train', train_size, seed, size, progress)
+        _write_split(folder, 'val', val_size, seed, size, progress)
+        _write_classes(folder, 'classes.txt', CLASS_NAMES)
+        _write_classes(folder, 'seg_classes.txt', ('background',) + CLASS_NAMES)
+
+    return _generate(root, manifest, write, train_size + val_size)
+
+
+def generate_shape_boxes(root, train_size=4000, val_size=800, seed=0, size=64):
+    """Write the detection variant into `root` unless a complete copy with these settings is there:
+    images with 1 to 4 shapes and `train.txt`/`val.txt` lines of `image_path x1,y1,x2,y2,class ...`
+    (pixels, x2/y2 exclusive; class indexes classes.txt). Returns `root`."""
+    manifest = {'version': GENERATOR_VERSION, 'task': 'detection', 'train_size': train_size,
+                'val_size': val_size, 'seed': seed, 'size': size, 'classes': list(CLASS_NAMES)}
+
+    def write(folder, progress):
+        _write_box_split(folder, 'train', train_size, seed, size, progress)
+        _write_box_split(folder, 'val', val_size, seed, size, progress)
+        _write_classes(folder, 'classes.txt', CLASS_NAMES)
+
+    return _generate(root, manifest, write, train_size + val_size)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description='Generate the shapes dataset as PNG files and list files.')
     parser.add_argument('root', help='folder to create')
-    parser.add_argument('--train_size', type=int, default=6000)
-    parser.add_argument('--val_size', type=int, default=1200)
+    parser.add_argument('--detection', action='store_true',
+                        help='the detection variant: several shapes per image, with boxes in the list files')
+    parser.add_argument('--train_size', type=int, help='default 6000 (4000 with --detection)')
+    parser.add_argument('--val_size', type=int, help='default 1200 (800 with --detection)')
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--size', type=int, default=32, help='image side in pixels')
+    parser.add_argument('--size', type=int, help='image side in pixels, default 32 (64 with --detection)')
     args = parser.parse_args(argv)
-    generate_shapes(args.root, args.train_size, args.val_size, args.seed, args.size)
+    generate = generate_shape_boxes if args.detection else generate_shapes
+    options = {name: value for name in ('train_size', 'val_size', 'size')
+               if (value := getattr(args, name)) is not None}  # the rest: the generator's defaults
+    generate(args.root, seed=args.seed, **options)
     print(f'shapes dataset in {args.root}: train.txt, val.txt, classes.txt')
 
 

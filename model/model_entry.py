@@ -11,6 +11,7 @@ MODELS = {
     'resnet18': 'model.resnet:ResNet18',
     'linear': 'model.linear:LinearClassifier',
     'seg_net': 'model.seg_net:SegNet',  # segmentation (--task segment)
+    'center_net': 'model.center_net:CenterNet',  # detection (--task detect)
     # torchvision's ImageNet nets with a new head; --pretrained_path loads local weights
     'tv_resnet18': 'model.torchvision_nets:tv_resnet18',
     'tv_resnet34': 'model.torchvision_nets:tv_resnet34',

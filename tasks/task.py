@@ -25,6 +25,7 @@ class Task:
     default_model = 'small_cnn'  # --model_type when none is given
     default_data = ('shapes', 'list')  # --data_type when none is given: without / with list files
     default_loss = 'cross_entropy'  # --loss, a LOSSES name (loss.py)
+    default_image_size = 32  # --img_size
     monitor = 'val/acc'  # default --monitor, and its --monitor_mode
     monitor_mode = 'max'
     targets = ('label',)  # the batch keys a dataset must provide besides 'image'

@@ -8,6 +8,7 @@ from utils.registry import load_entry
 TASKS = {
     'classify': 'tasks.classify:ClassifyTask',
     'segment': 'tasks.segment:SegmentTask',
+    'detect': 'tasks.detect:DetectTask',
 }
 
 

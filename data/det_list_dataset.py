@@ -1,0 +1,58 @@
+"""An object-detection dataset read from a list file: one image per line with its boxes,
+
+    images/00001.png 12,8,30,26,2 40.5,33,58,50,0
+
+each box `x1,y1,x2,y2,class` in pixels of the image as stored (x2, y2 exclusive), classes indexing
+`classes.txt` beside the list; a path alone is an image without objects. Paths, comments, quotes
+and encodings as for every list file (data/list_file.py).
+"""
+import numpy as np
+import torch
+
+from data.image_io import decode_image
+from data.list_dataset import ListDataset
+from utils.errors import KilnError
+
+
+class DetListDataset(ListDataset):
+    """Images with any number of boxes; crops and flips move the boxes with the pixels.
+    A sample is {'image': uint8 (3, S, S), 'boxes': float32 (k, 4) xyxy pixels at size S,
+    'box_labels': int64 (k,)}; batches pad the boxes (labels -1), see data/loader.py."""
+
+    targets = ('boxes', 'box_labels')
+    augment = ('crop',)
+    columns = None  # as many boxes as the image has
+
+    def parse_target(self, fields, number):
+        """(boxes (k, 4) float32, labels (k,) int64) from `x1,y1,x2,y2,class` fields."""
+        boxes, labels = [], []
+        for field in fields:
+            try:
+                x1, y1, x2, y2, label = field.split(',')
+                box, label = [float(v) for v in (x1, y1, x2, y2)], int(label)
+            except ValueError:
+                box, label = None, -1
+            if box is None or label < 0 or not (box[2] > box[0] and box[3] > box[1]):
+                raise KilnError(f'{self.list_path}:{number}: expected boxes as "x1,y1,x2,y2,class" with x2 > x1, '
+                                f'y2 > y1 and a class >= 0, got {field!r}')
+            boxes.append(box)
+            labels.append(label)
+        return np.array(boxes, dtype=np.float32).reshape(-1, 4), np.array(labels, dtype=np.int64)
+
+    def count_classes(self):
+        if self.class_names:
+            return len(self.class_names)
+        return 1 + max((int(labels.max()) for _, (_, labels), _ in self.samples if len(labels)), default=0)
+
+    def check_targets(self):
+        for _, (_, labels), number in self.samples:
+            if len(labels) and labels.max() >= self.num_classes:
+                raise KilnError(f'{self.list_path}:{number}: class {labels.max()} is outside '
+                                f'0..{self.num_classes - 1} (num_classes={self.num_classes}); fix the list, '
+                                f'classes.txt or --num_classes')
+
+    def __getitem__(self, index):
+        path, (boxes, labels), number = self.samples[index]
+        image, (width, height) = decode_image(path, self.size, f' ({self.list_path}:{number})', with_size=True)
+        scale = torch.tensor([self.size / width, self.size / height] * 2, dtype=torch.float32)
+        return {'image': image, 'boxes': torch.from_numpy(boxes) * scale, 'box_labels': torch.from_numpy(labels)}

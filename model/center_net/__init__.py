@@ -1,0 +1,3 @@
+from model.center_net.center_net import CenterNet
+
+__all__ = ['CenterNet']

@@ -1,0 +1,382 @@
+"""Hyper-parameter sweeps: train.py once per combination of option values, then one comparison table.
+
+    python sweep.py --grid lr=1e-3,3e-3 batch_size=64,128 -- [train.py options]
+    python sweep.py --sampler random --trials 8 --seed 0 --grid lr=1e-4:1e-2 batch_size=64,128 -- ...
+    python sweep.py --config sweep.yaml -- ...
+
+sweep.yaml: `grid: {lr: [1e-3, 3e-3], batch_size: [64, 128]}` or `random: {lr: {log_uniform: [1e-4, 1e-2]},
+weight_decay: {uniform: [0, 1e-3]}, batch_size: {choice: [64, 128]}}` with `trials: 8`, `seed: 0`, `name:`
+(flags override the file). Names are train.py options, checked with its parser before anything runs;
+switches take true/false. Random ranges A:B are log-uniform when 0 < A and B > 10 A (more than a decade),
+else uniform; integer bounds give integers, other values 3 significant digits; --seed fixes the trials.
+
+Each combination is its own experiment, --save_prefix <name>_lr0.001_bs64 (numbers in shortest form;
+bs, wd, opt, ... abbreviate), trained by `train.py ... --resume` one after another: a second sweep
+continues interrupted runs and skips finished ones, whose newest checkpoint (checkpoints.json) exists
+and reached run_config.json's max_num_train_steps under the --epochs/--max_iteration asked now, or
+where train.py exited 0 for this same command (early stopping; <checkpoints_dir>/sweeps/<name>/finished.json).
+A failed run is reported and the rest go on (exit code 1). Ctrl-C or SIGTERM goes to the running
+train.py, which saves; the sweep stops. Then eval.py compares the finished runs' best.pth in
+<checkpoints_dir>/comparisons/val_<name>/comparison.txt (val_<name>_2, ... after later training).
+
+--slurm writes <checkpoints_dir>/sweeps/<name>/sweep.sbatch, a --requeue job array with one task per
+line of combinations.txt (line $SLURM_ARRAY_TASK_ID + 1, run with --resume) and submits it with sbatch;
+--sbatch='--gpus=1 --time=4:00:00' adds sbatch options. --dry_run prints the commands, writes nothing.
+"""
+import argparse
+import contextlib
+import difflib
+import hashlib
+import itertools
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+
+import yaml
+
+from options import KilnArgumentParser, parse_args, parse_train_args
+from utils.errors import KilnError, run_cli
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+TRAIN, EVAL = os.path.join(REPO, 'train.py'), os.path.join(REPO, 'eval.py')
+SHORT = {'batch_size': 'bs', 'weight_decay': 'wd', 'optimizer': 'opt', 'scheduler': 'sched', 'momentum': 'mom',
+         'epochs': 'ep', 'warmup_steps': 'warmup', 'grad_accum_steps': 'accum', 'max_iteration': 'iters'}
+NOT_SWEPT = ('save_prefix', 'resume', 'config', 'help', 'fast_dev_run')  # set by the sweep, or no run at all
+NUMBER = r'\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*'
+CHILD, STOP = [None], []  # the running train.py or eval.py; the signals received
+
+
+def sweep_args(argv):
+    """The sweep's own options (those before `--`)."""
+    parser = KilnArgumentParser(prog='sweep.py', usage='sweep.py [options] -- [train.py options]', description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--grid', nargs='+', default=[], metavar='NAME=VALUES',
+                        help='an option and its values, lr=1e-3,3e-3 (random search: also ranges, lr=1e-4:1e-2)')
+    parser.add_argument('--config', metavar='FILE', help='a YAML sweep file (see above)')
+    parser.add_argument('--sampler', choices=['grid', 'random'], help='all combinations (default), or --trials random')
+    parser.add_argument('--trials', type=int, help='random search: how many combinations (default 10)')
+    parser.add_argument('--seed', type=int, help='random search: seed of the sampling (default 0)')
+    parser.add_argument('--name', help="names the runs, the comparison and the sweep's folder (default 'sweep')")
+    parser.add_argument('--slurm', action='store_true', help='submit a SLURM job array instead of running here')
+    parser.add_argument('--sbatch', default='', metavar='OPTIONS', help='with --slurm: more sbatch options')
+    parser.add_argument('--dry_run', action='store_true', help='print the commands; run and write nothing')
+    parser.add_argument('--compare', action=argparse.BooleanOptionalAction, default=True,
+                        help='evaluate the finished runs into one comparison table')
+    parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
+    return parser.parse_args(argv)
+
+
+def load_specs(args):
+    """({option: ('choice', [values]) or (rule, low, high, integer)}, sampler, trials, seed, name)."""
+    config = {}
+    if args.config:
+        try:
+            with open(args.config) as f:
+                config = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise KilnError(f'--config {args.config}: cannot read it ({str(error).splitlines()[0]})') from None
+        if (not isinstance(config, dict) or set(config) - {'grid', 'random', 'trials', 'seed', 'name'}
+                or not isinstance(config.get('grid', config.get('random')), dict) or {'grid', 'random'} <= set(config)):
+            raise KilnError(f'--config {args.config}: expected grid: {{option: [values]}} or random: {{option: '
+                            f'{{log_uniform|uniform|choice: [...]}}}}, and trials:, seed:, name:')
+    entries = dict(config.get('grid', config.get('random', {})))
+    for item in args.grid:  # lr=1e-3,3e-3 is a list, lr=1e-4:1e-2 a range
+        name, _, values = item.partition('=')
+        bounds = values.split(':')
+        if not (name and values):
+            raise KilnError(f'--grid {item}: expected NAME=VALUES, e.g. lr=1e-3,3e-3 or lr=1e-4:1e-2')
+        entries[name] = ({'range': bounds} if len(bounds) == 2 and all(re.fullmatch(NUMBER, b) for b in bounds)
+                         else [v.strip() for v in values.split(',') if v.strip()])
+    sampler = args.sampler or ('random' if 'random' in config else 'grid')
+    trials = config.get('trials') if args.trials is None else args.trials
+    name = str(args.name or config.get('name', 'sweep'))
+    if sampler == 'grid' and trials is not None:
+        raise KilnError('--trials is for random search: add --sampler random')
+    trials = 10 if trials is None else trials
+    if not isinstance(trials, int) or trials < 1:
+        raise KilnError(f'--trials must be a positive integer, got {trials}')
+    if not entries:
+        raise KilnError('nothing to sweep: give --grid NAME=VALUES ... or --config FILE')
+    if not re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', name):
+        raise KilnError(f'--name {name!r}: use letters, digits, ".", "_" and "-" only')
+    specs = {option: parse_spec(option, value) for option, value in entries.items()}
+    return specs, sampler, trials, config.get('seed', 0) if args.seed is None else args.seed, name
+
+
+def parse_spec(name, value):
+    """An entry as ('choice', [texts]) or (rule, low, high, integer): [values], {choice: [values]}, or a range
+    {uniform|log_uniform|range: [low, high]}; `range` is log-uniform when positive and over a decade wide."""
+    def text(v):  # as on a command line
+        return str(v).lower() if isinstance(v, bool) else ' '.join(map(text, v)) if isinstance(v, list) else str(v)
+    rule, values = next(iter(value.items())) if isinstance(value, dict) and len(value) == 1 else ('choice', value)
+    if rule == 'choice' and isinstance(values, list):
+        return 'choice', [text(v) for v in values]
+    with contextlib.suppress(ValueError, TypeError):
+        low, high = map(text, values) if rule in ('uniform', 'log_uniform', 'range') else None
+        lo, hi = float(low), float(high)
+        rule = rule if rule != 'range' else 'log_uniform' if 0 < lo and hi > 10 * lo else 'uniform'
+        if lo < hi and (rule == 'uniform' or lo > 0):
+            return rule, lo, hi, all(re.fullmatch(r'\s*[-+]?\d+\s*', bound) for bound in (low, high))
+    raise KilnError(f'{name}: expected [values], {{choice: [values]}} or {{uniform|log_uniform: [low, high]}} '
+                    f'with low < high (and 0 < low for log_uniform), got {value!r}')
+
+
+def sample(rng, spec):
+    """One value of `spec`, as text."""
+    if spec[0] == 'choice':
+        return rng.choice(spec[1])
+    rule, lo, hi, integer = spec
+    value = math.exp(rng.uniform(math.log(lo), math.log(hi))) if rule == 'log_uniform' else rng.uniform(lo, hi)
+    if integer:
+        return str(min(max(round(value), int(lo)), int(hi)))
+    rounded = float(f'{value:.3g}')
+    return repr(rounded if lo <= rounded <= hi else value)
+
+
+def combinations(specs, sampler, trials, seed):
+    """Every combination (grid) or `trials` random ones (seeded), each a list of (option, value)."""
+    if sampler == 'random':
+        rng = random.Random(seed)
+        return [[(name, sample(rng, spec)) for name, spec in specs.items()] for _ in range(trials)]
+    ranged = [name for name, spec in specs.items() if spec[0] != 'choice']
+    if ranged:
+        raise KilnError(f'{ranged[0]} is a range: ranges need --sampler random (or list values: {ranged[0]}=a,b)')
+    return [list(zip(specs, values)) for values in itertools.product(*(spec[1] for spec in specs.values()))]
+
+
+def check_names(specs, actions, train_argv):
+    """One line for a swept name that is no train.py option or has no values, and for --save_prefix or
+    --resume after `--` (swept values simply override the same options there: the last flag wins)."""
+    given = {token.split('=')[0] for token in train_argv if token.startswith('--')}
+    for name, spec in specs.items():
+        if name in NOT_SWEPT:
+            raise KilnError(f'--{name} cannot be swept: the sweep names and resumes every run itself')
+        if name not in actions:
+            close = difflib.get_close_matches(name, [n for n in actions if n not in NOT_SWEPT], 1)
+            raise KilnError(f'{name!r} is not a train.py option; '
+                            + (f'did you mean {close[0]}?' if close else 'see python train.py --help'))
+        if spec[0] == 'choice' and not spec[1]:
+            raise KilnError(f'{name}: no values to sweep')
+    if {'--save_prefix', '--resume'} & given:
+        raise KilnError('the sweep sets --save_prefix and --resume for every run: leave them out after --')
+
+
+def tokens(action, value):
+    """Command-line tokens that give `action`'s option the text `value` (a switch takes true or false)."""
+    flag, on = action.option_strings[0], value.lower() in ('true', 'yes', 'on', '1')
+    if action.nargs != 0:
+        return [flag, *value.split()] if action.nargs in ('+', '*') else [flag, value]
+    if not on and value.lower() not in ('false', 'no', 'off', '0'):
+        raise KilnError(f'{flag} is a switch: sweep it over true,false, not {value!r}')
+    return [flag] if on else [f'--no-{flag[2:]}'] if isinstance(action, argparse.BooleanOptionalAction) else []
+
+
+def run_name(name, combo):
+    """`<name>_lr0.001_bs64`: short, filesystem-safe, the same for the same values however they are written."""
+    parts = [name]
+    for option, value in combo:
+        try:
+            parts.append(SHORT.get(option, option) + re.sub(r'e\+?(-?)0*(\d)', r'e\1\2', format(float(value), 'g')))
+        except ValueError:
+            parts.append(f'{SHORT.get(option, option)}-{re.sub(r"[^A-Za-z0-9.+-]+", "-", value).strip("-") or "x"}')
+    prefix = '_'.join(parts)
+    return prefix if len(prefix) <= 100 else f'{prefix[:90]}_{hashlib.sha1(prefix.encode()).hexdigest()[:8]}'
+
+
+def plan(combos, name, train_argv, actions):
+    """The runs (prefix, argv, options), every argv checked; identical random trials run once."""
+    runs = {}
+    for combo in combos:
+        prefix = run_name(name, combo)
+        argv = [*train_argv, *(token for option, value in combo for token in tokens(actions[option], value)),
+                '--save_prefix', prefix, '--resume']
+        if prefix in runs and runs[prefix].argv != argv:
+            raise KilnError(f'two combinations are both named {prefix}: give distinct values')
+        if prefix not in runs:  # train.py's parser checks the values: one `error:` line, exit code 2
+            runs[prefix] = argparse.Namespace(prefix=prefix, argv=argv, options=parse_args(parse_train_args, argv))
+    return list(runs.values())
+
+
+def experiment_folder(options):
+    """utils/run_folder.experiment_folder after train.py's resolve_task_defaults (loads torch only for a default)."""
+    model, data = options.model_type, options.data_type
+    if model is None or data is None:
+        from tasks.task_entry import task_class
+        task = task_class(options.task)
+        model = model or task.default_model
+        data = data or task.default_data[bool(options.train_list or options.val_list)]
+    return os.path.join(options.checkpoints_dir, f'{model}_{data}_{options.save_prefix}')
+
+
+def finished(run, done):
+    """Why `run` counts as finished (see the module docstring), or None."""
+    def load(name):
+        with contextlib.suppress(OSError, ValueError, yaml.YAMLError), open(os.path.join(run.folder, name)) as f:
+            return yaml.safe_load(f)  # JSON is YAML too
+    record, config, saved = load('checkpoints.json'), load('run_config.json'), load('args.yaml')
+    with contextlib.suppress(KeyError, TypeError, AttributeError):
+        last = record['last']
+        step = record['files'][last]['step'] if os.path.isfile(os.path.join(run.folder, last)) else -1
+        if step >= 0 and done.get(run.prefix) == run.argv:
+            return f'train.py ended at step {step}'
+        if all(saved[k] == getattr(run.options, k) for k in ('epochs', 'max_iteration')) \
+                and step >= config['max_num_train_steps']:
+            return f'step {step}/{config["max_num_train_steps"]}'
+    return None
+
+
+def forward(signum, frame):
+    """Ctrl-C or SIGTERM: the running train.py gets it (and saves); the sweep stops after it."""
+    STOP.append(signum)
+    if CHILD[0] is not None and CHILD[0].poll() is None:
+        CHILD[0].send_signal(signum)
+
+
+def launch(command):
+    """Run `command` in its own process group (signals reach it through `forward` only), its stderr
+    shown as it comes; return (exit code, last line of its stderr)."""
+    print('$ ' + shlex.join(command))
+    child = CHILD[0] = subprocess.Popen(command, stderr=subprocess.PIPE, process_group=0)
+    tail = b''
+    while chunk := os.read(child.stderr.fileno(), 65536):
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.buffer.flush()
+        tail = (tail + chunk)[-8192:]
+    code, CHILD[0] = child.wait(), None
+    lines = [line.strip() for line in re.split(r'[\r\n]', tail.decode(errors='replace')) if line.strip()]
+    return code, lines[-1] if lines else ''
+
+
+def run_all(runs, name, base, compare):
+    """Train the runs one after another, skipping finished ones, then compare them; return the exit code."""
+    done_path = os.path.join(base.checkpoints_dir, 'sweeps', name, 'finished.json')
+    done, failed, trained = {}, [], 0
+    with contextlib.suppress(OSError, ValueError), open(done_path) as f:
+        done = json.load(f)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    for index, run in enumerate(runs, 1):
+        if STOP:
+            break
+        reason = finished(run, done)
+        if reason:
+            print(f'[{index}/{len(runs)}] {run.prefix}: finished ({reason}), skipped')
+            continue
+        print(f'[{index}/{len(runs)}] {run.prefix}')
+        code, last = launch([sys.executable, TRAIN, *run.argv])
+        if code == 0:
+            trained, done[run.prefix] = trained + 1, run.argv
+            os.makedirs(os.path.dirname(done_path), exist_ok=True)
+            with open(done_path + '.tmp', 'w') as f:
+                json.dump(done, f, indent=1)
+            os.replace(done_path + '.tmp', done_path)
+        elif not STOP:
+            failed.append(f'{run.prefix}: exit code {code}: {last}')
+    table = compare_runs([run for run in runs if finished(run, done)], name, base, trained) \
+        if compare and not STOP else None
+    if STOP:
+        print(f'{name}: stopped by signal {STOP[0]} (the running train.py saved): run it again to go on')
+        return 128 + STOP[0]
+    print(f'{name}: {len(runs) - len(failed)} of {len(runs)} runs finished, {trained} trained now'
+          + (f'; comparison: {table}' if table else '') + ''.join(f'\n  failed: {line}' for line in failed))
+    return 1 if failed or table is False else 0
+
+
+def compare_runs(runs, name, base, trained):
+    """eval.py on the runs' best.pth into one table: its path, None without one, False if eval.py failed."""
+    folders = [run.folder for run in runs if os.path.isfile(os.path.join(run.folder, 'best.pth'))]
+    if len(folders) < 2:
+        print('fewer than 2 finished runs: no comparison')
+        return None
+    prefixes = (name if k == 1 else f'{name}_{k}' for k in itertools.count(1))
+    tables = os.path.join(base.checkpoints_dir, 'comparisons', 'val_{}')
+    newest, prefix = None, next(prefixes)
+    while os.path.exists(tables.format(prefix)) or any(os.path.exists(os.path.join(f, 'eval', f'best_val_{prefix}'))
+                                                       for f in folders):
+        newest, prefix = tables.format(prefix), next(prefixes)
+    if not trained and newest and os.path.isfile(os.path.join(newest, 'comparison.txt')):
+        return os.path.join(newest, 'comparison.txt')  # nothing new to compare
+    device = (['--cpu'] if base.cpu else []) + ([] if base.progress_bar else ['--no-progress_bar'])  # as training
+    device += (['--gpus', *map(str, base.gpus)] if base.gpus else []) + (
+        [] if base.num_workers is None else ['--num_workers', str(base.num_workers)])
+    code, last = launch([sys.executable, EVAL, '--load_model_path', *folders, '--save_prefix', prefix,
+                         '--checkpoints_dir', base.checkpoints_dir, '--data_root', base.data_root, *device])
+    if code:
+        print(f'eval.py failed (exit code {code}): {last}')
+    return False if code else os.path.join(tables.format(prefix), 'comparison.txt')
+
+
+SBATCH = """#!/usr/bin/env bash
+# Kiln sweep {name}: one array task per line of {combos} (train.py options), written by sweep.py.
+# Pre-emption sends SIGTERM two minutes ahead: train.py saves, and the requeued task resumes the run.
+#SBATCH --job-name={name}
+#SBATCH --array=0-{last}
+#SBATCH --requeue
+#SBATCH --signal=TERM@120
+#SBATCH --output={folder}/slurm-%A_%a.out
+#SBATCH --chdir={cwd}
+set -euo pipefail
+PYTHON=${{PYTHON:-{python}}}
+eval "set -- $(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {combos})"
+exec "$PYTHON" {train} "$@"
+"""
+
+
+def submit(runs, name, base, sbatch_options, dry_run):
+    """Write the job-array script and its combinations, and submit it with sbatch (print them with dry_run)."""
+    folder = os.path.abspath(os.path.join(base.checkpoints_dir, 'sweeps', name))
+    combos, path = os.path.join(folder, 'combinations.txt'), os.path.join(folder, 'sweep.sbatch')
+    script = SBATCH.format(name=name, combos=shlex.quote(combos), last=len(runs) - 1, folder=folder, cwd=os.getcwd(),
+                           python=shlex.quote(sys.executable), train=shlex.quote(TRAIN))
+    lines = ''.join(shlex.join(run.argv) + '\n' for run in runs)
+    command = ['sbatch', '--parsable', *shlex.split(sbatch_options), path]
+    if dry_run:
+        print(f'{path}:\n{script}\n{combos}:\n{lines}\n$ {shlex.join(command)}')
+        return 0
+    os.makedirs(folder, exist_ok=True)
+    for file, content in ((combos, lines), (path, script)):
+        with open(file, 'w') as f:
+            f.write(content)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise KilnError(f'sbatch not found: submit {path} from a SLURM login node') from None
+    if result.returncode:
+        error = (result.stderr.strip() or '?').splitlines()[-1]
+        raise KilnError(f'sbatch failed (exit code {result.returncode}): {error}')
+    job = result.stdout.strip().split(';')[0]
+    print(f'submitted job array {job}: {len(runs)} tasks of {path}; logs in {folder}/slurm-{job}_<task>.out')
+    return 0
+
+
+def main(argv):
+    """Check every run's options, then train them here, print them (--dry_run) or submit them (--slurm)."""
+    sys.stdout.reconfigure(line_buffering=True)  # in order with the runs' own output
+    split = argv.index('--') if '--' in argv else len(argv)
+    args, train_argv = sweep_args(argv[:split]), argv[split + 1:]
+    specs, sampler, trials, seed, name = load_specs(args)
+    actions = {action.dest: action for action in parse_train_args(KilnArgumentParser())._actions
+               if action.option_strings}
+    check_names(specs, actions, train_argv)
+    base = parse_args(parse_train_args, train_argv)
+    runs = plan(combinations(specs, sampler, trials, seed), name, train_argv, actions)
+    print(f'{name}: {len(runs)} runs ({sampler} over {", ".join(specs)})')
+    if args.slurm:
+        return submit(runs, name, base, args.sbatch, args.dry_run)
+    if args.dry_run:
+        for index, run in enumerate(runs, 1):
+            print(f'[{index}/{len(runs)}] {run.prefix}\n$ {shlex.join([sys.executable, TRAIN, *run.argv])}')
+        return 0
+    for run in runs:
+        run.folder = experiment_folder(run.options)
+    return run_all(runs, name, base, args.compare)
+
+
+if __name__ == '__main__':
+    sys.exit(run_cli(main))

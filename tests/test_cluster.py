@@ -1,0 +1,306 @@
+"""Outgrowing one machine, tested without a cluster: two torchrun "nodes" on localhost (gloo on the
+CPU), and scripts/slurm_train.sh under stand-in SLURM commands (srun, scontrol, scancel, sbatch)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from conftest import REPO, run_script, timeout, tiny_run_args
+
+TORCHRUN = [sys.executable, '-m', 'torch.distributed.run']
+# the linear model has no BatchNorm, whose batch statistics would differ between 1 x 16 and 2 x 8 images
+LINEAR_SGD = ['--model_type', 'linear', '--optimizer', 'sgd', '--lr', '0.05', '--epochs', '1']
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def _start(command, log, env=None):
+    """Start `command` in the repository with its output in the file `log`; returns the Popen."""
+    with open(log, 'w') as out:
+        return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})})
+
+
+def _finish(process, log):
+    """Wait for `process`; returns its output (the test fails, with the output, on a non-zero exit)."""
+    process.wait(timeout=timeout(300))
+    with open(log) as f:
+        output = f.read()
+    assert process.returncode == 0, output[-5000:]
+    return output
+
+
+def _folder(checkpoints, name='default'):
+    return os.path.join(checkpoints, f'linear_list_{name}')
+
+
+def _last(folder):
+    return torch.load(os.path.join(folder, 'last.pth'), weights_only=True, map_location='cpu')
+
+
+def _step(folder):
+    return _last(folder)['position']['step']
+
+
+def _assert_same_weights(a, b, atol):
+    for name, tensor in a['model'].items():
+        assert torch.allclose(tensor.float(), b['model'][name].float(), atol=atol, rtol=0), name
+
+
+# --- two nodes on localhost -----------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def one_machine_and_two_nodes(tiny_shapes, tmp_path_factory):
+    """The same training as 1 process x 16 images, 1 node x 2 processes x 8, and 2 nodes x 1 process x 8,
+    run side by side: {'single'|'one_node'|'two_nodes': (checkpoints folder, output)}."""
+    root = tmp_path_factory.mktemp('cluster')
+    args = {name: tiny_run_args(tiny_shapes, root / name) + LINEAR_SGD for name in ('single', 'one_node', 'two_nodes')}
+    port, rdzv_id = _free_port(), uuid.uuid4().hex
+    nodes = ['--nnodes', '2', '--nproc-per-node', '1', '--rdzv-backend', 'c10d', '--rdzv-endpoint',
+             f'127.0.0.1:{port}', '--rdzv-id', rdzv_id]
+    runs = {
+        'single': [_start([sys.executable, 'train.py', *args['single']], root / 'single.log')],
+        'one_node': [_start([*TORCHRUN, '--standalone', '--nproc-per-node', '2', 'train.py', *args['one_node'],
+                             '--batch_size', '8'], root / 'one_node.log')],
+        # both nodes run in the same folder and write to the same checkpoints folder, as on a shared file system
+        'two_nodes': [_start([*TORCHRUN, *nodes, '--node-rank', str(rank), 'train.py', *args['two_nodes'],
+                              '--batch_size', '8'], root / f'node{rank}.log') for rank in (0, 1)],
+    }
+    outputs = {}
+    for name, processes in runs.items():
+        logs = [root / f'{name}.log'] if name != 'two_nodes' else [root / 'node0.log', root / 'node1.log']
+        outputs[name] = ''.join(_finish(process, log) for process, log in zip(processes, logs))
+    return {name: (args[name][args[name].index('--checkpoints_dir') + 1], outputs[name]) for name in runs}
+
+
+def test_two_nodes_train_like_one_node_and_like_one_process(one_machine_and_two_nodes):
+    states = {name: _last(_folder(checkpoints)) for name, (checkpoints, _) in one_machine_and_two_nodes.items()}
+    assert {name: state['position']['step'] for name, state in states.items()} == dict.fromkeys(states, 6)
+    _assert_same_weights(states['two_nodes'], states['one_node'], atol=1e-5)
+    _assert_same_weights(states['two_nodes'], states['single'], atol=1e-5)
+    with open(os.path.join(_folder(one_machine_and_two_nodes['two_nodes'][0]), 'run_config.json')) as f:
+        config = json.load(f)
+    assert config['world_size'] == 2 and config['total_batch_size'] == 16
+
+
+def test_only_global_rank_zero_writes(one_machine_and_two_nodes):
+    """Both nodes' processes have LOCAL_RANK 0; only the one with RANK 0 writes and prints."""
+    checkpoints, output = one_machine_and_two_nodes['two_nodes']
+    single = one_machine_and_two_nodes['single'][0]
+    assert os.listdir(checkpoints) == ['linear_list_default']  # one experiment folder
+    names = lambda folder: sorted(n if not n.startswith('events.') else 'events' for n in os.listdir(folder))
+    assert names(_folder(checkpoints)) == names(_folder(single))  # one TensorBoard event file, no per-node copies
+    assert names(_folder(checkpoints)).count('events') == 1
+    with open(os.path.join(_folder(checkpoints), 'reproduce.json')) as f:
+        assert len(json.load(f)) == 1
+    assert output.count('done after') == 1  # one report, from global rank 0
+
+
+# --- scripts/slurm_train.sh under stand-in SLURM commands -------------------------------------------
+
+STANDINS = {
+    # records its arguments, skips its options and runs the command once per node (here: on this machine)
+    'srun': r'''
+echo "srun $*" >> "$SLURM_STANDIN_LOG"
+while [[ "$1" == -* ]]; do shift; done
+[ -z "${SLURM_STANDIN_DRY:-}" ] || exit 0
+pids=()
+for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do
+    SLURM_NODEID=$node SLURM_PROCID=$node "$@" &
+    pids+=($!)
+done
+printf '%s\n' "${pids[@]}" > "$SLURM_STANDIN_STEP"
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+''',
+    # scancel --signal=SIG JOB: like SLURM (with proctrack/cgroup), signal every process of the job step
+    # (what srun started and everything below it), but not the batch script
+    'scancel': r'''
+echo "scancel $*" >> "$SLURM_STANDIN_LOG"
+signal=${1#--signal=}
+tree() { echo "$1"; local child; for child in $(ps -o pid= --ppid "$1"); do tree "$child"; done; }
+for pid in $(cat "$SLURM_STANDIN_STEP"); do
+    for p in $(tree "$pid"); do kill -s "$signal" "$p" 2>/dev/null || true; done
+done
+''',
+    'scontrol': r'''
+echo "scontrol $*" >> "$SLURM_STANDIN_LOG"
+if [ "$1 $2" = "show hostnames" ]; then tr ',' '\n' <<< "$3"; fi
+''',
+    # runs the job at once, in the foreground, as the batch shell (so its PID is the job script's)
+    'sbatch': r'''
+echo "sbatch $*" >> "$SLURM_STANDIN_LOG"
+while [[ "$1" == -* ]]; do shift; done
+export SLURM_SUBMIT_DIR=$PWD
+exec bash "$@"
+''',
+}
+
+
+class StandInSlurm:
+    """A folder of stand-in SLURM commands, and jobs submitted through them (one node, this machine)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        os.makedirs(folder / 'bin')
+        for name, text in STANDINS.items():
+            path = folder / 'bin' / name
+            path.write_text('#!/usr/bin/env bash\n' + text.lstrip())
+            path.chmod(0o755)
+        self.jobs = 0
+
+    def env(self, job_id, name, **extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'SRUN_'))}
+        return {**env, 'PATH': f'{self.folder / "bin"}{os.pathsep}{env["PATH"]}', 'PYTHON': sys.executable,
+                'OMP_NUM_THREADS': '1', 'RDZV_PORT': str(_free_port()),
+                'SLURM_STANDIN_LOG': str(self.folder / f'{job_id}.log'),
+                'SLURM_STANDIN_STEP': str(self.folder / f'{job_id}.step'),
+                'SLURM_JOB_ID': str(job_id), 'SLURM_JOB_NAME': name, 'SLURM_JOB_NODELIST': '127.0.0.1',
+                'SLURM_JOB_NUM_NODES': '1', **extra}
+
+    def submit(self, name, args, job_id=None, **extra_env):
+        """`sbatch scripts/slurm_train.sh ARGS` (the same job_id again: a requeue); returns the Job."""
+        if job_id is None:
+            self.jobs += 1
+            job_id = 4000 + self.jobs
+        env = self.env(job_id, name, **extra_env)
+        output = self.folder / f'{job_id}.{name}.{time.monotonic_ns()}.out'
+        with open(output, 'w') as out:
+            process = subprocess.Popen(['sbatch', 'scripts/slurm_train.sh', *args], cwd=REPO, stdout=out,
+                                       stderr=subprocess.STDOUT, env=env)
+        return Job(self, job_id, process, output, env)
+
+    def commands(self, job_id):
+        """The SLURM commands the job ran, one line each."""
+        with open(self.folder / f'{job_id}.log') as f:
+            return f.read().splitlines()
+
+
+class Job:
+    def __init__(self, slurm, job_id, process, output, env):
+        self.slurm, self.id, self.process, self.output, self.env = slurm, job_id, process, output, env
+
+    def scancel(self, signame):
+        subprocess.run([str(self.slurm.folder / 'bin' / 'scancel'), f'--signal={signame}', str(self.id)],
+                       env=self.env, check=True, timeout=timeout(60))
+
+    def wait_for(self, path):
+        deadline = time.time() + timeout(300)
+        while not os.path.exists(path):
+            assert self.process.poll() is None, self.read()[-5000:]
+            assert time.time() < deadline, f'no {path}'
+            time.sleep(0.02)
+
+    def finish(self, returncode=0):
+        try:
+            self.process.wait(timeout=timeout(300))
+        finally:
+            if self.process.poll() is None:  # a hang: end the whole job
+                self.scancel('KILL')
+                self.process.kill()
+        assert self.process.returncode == returncode, self.read()[-5000:]
+        return self.read()
+
+    def read(self):
+        with open(self.output) as f:
+            return f.read()
+
+
+@pytest.fixture(scope='module')
+def slurm(tmp_path_factory):
+    return StandInSlurm(tmp_path_factory.mktemp('slurm'))
+
+
+def _job_args(shapes, checkpoints):
+    """Tiny training options for a job: 60 steps of 8 images, a checkpoint after every step (which also
+    makes each step slow enough to be interrupted in the middle of the run); the script adds --cpu."""
+    return [a for a in tiny_run_args(shapes, checkpoints) if a != '--cpu'] + LINEAR_SGD + [
+        '--batch_size', '8', '--max_iteration', '60', '--save_interval', '1']
+
+
+@pytest.fixture(scope='module')
+def whole_job(slurm, tiny_shapes, tmp_path_factory):
+    """An uninterrupted job: (job, its output, its checkpoints folder)."""
+    checkpoints = tmp_path_factory.mktemp('whole')
+    job = slurm.submit('whole', _job_args(tiny_shapes, checkpoints))
+    return job, job.finish(), checkpoints
+
+
+def test_slurm_job_trains_into_its_experiment_folder(slurm, whole_job):
+    job, output, checkpoints = whole_job
+    assert os.listdir(checkpoints) == ['linear_list_slurm_whole']  # <model>_<data>_slurm_<job name>
+    assert _step(_folder(checkpoints, 'slurm_whole')) == 60 and 'done after' in output
+    commands = slurm.commands(job.id)
+    assert commands[0].startswith('sbatch scripts/slurm_train.sh') and commands[1] == 'scontrol show hostnames 127.0.0.1'
+    srun = commands[2]
+    assert srun.startswith('srun ') and len(commands) == 3  # no scancel, no requeue
+    for part in ('-m torch.distributed.run --nnodes=1 --nproc-per-node=1 --rdzv-backend=c10d',
+                 f'--rdzv-endpoint=127.0.0.1:{job.env["RDZV_PORT"]} --rdzv-id={job.id} --max-restarts=',
+                 'train.py --save_prefix slurm_whole --resume --cpu --data_type list'):
+        assert part in srun, srun
+
+
+@pytest.mark.parametrize('gpus, nproc, processes, cpu', [
+    (None, None, 1, True),  # a CPU node: one process, gloo on the CPU
+    (None, '3', 3, True),
+    ('4', None, 4, False),
+    ('a100:2', None, 2, False),
+    ('0', None, 1, True),
+])
+def test_slurm_script_picks_the_processes_per_node(slurm, gpus, nproc, processes, cpu):
+    extra = {'SLURM_STANDIN_DRY': '1', **({'SLURM_GPUS_PER_NODE': gpus} if gpus else {}),
+             **({'NPROC': nproc} if nproc else {})}
+    job = slurm.submit('dry', ['--epochs', '1'], **extra)  # srun only records what it would run
+    job.finish()
+    srun = slurm.commands(job.id)[-1]
+    assert f'--nproc-per-node={processes} ' in srun and ('--resume --cpu ' in srun) == cpu, srun
+
+
+def test_time_limit_warning_saves_and_the_requeued_job_continues(slurm, whole_job, tiny_shapes, tmp_path):
+    """120 s before the time limit SLURM sends USR1 to the job script (--signal=B:USR1@120): every
+    process saves, the script requeues the job, and the requeued job (the same script again) goes on."""
+    args = _job_args(tiny_shapes, tmp_path)
+    folder = _folder(tmp_path, 'slurm_parts')
+    job = slurm.submit('parts', args)
+    job.wait_for(os.path.join(folder, 'last.pth'))  # training has started
+    os.kill(job.process.pid, signal.SIGUSR1)
+    output = job.finish()
+    assert 'stopped by SIGINT' in output and 'interrupted' not in output, output[-3000:]
+    assert slurm.commands(job.id)[-2:] == [f'scancel --signal=USR2 {job.id}', f'scontrol requeue {job.id}']
+    stopped_at = _step(folder)
+    assert 0 < stopped_at < 60
+
+    requeued = slurm.submit('parts', args, job_id=job.id).finish()
+    assert requeued.split('resuming ', 1)[1].splitlines()[0].endswith(f'step {stopped_at}')
+    assert _step(folder) == 60  # where the uninterrupted job ended, with the same weights
+    _assert_same_weights(_last(folder), _last(_folder(whole_job[2], 'slurm_whole')), atol=1e-6)
+
+
+def test_a_term_to_every_process_saves_and_torchrun_restarts_from_it(slurm, whole_job, tiny_shapes, tmp_path):
+    """Pre-emption (and --signal=TERM, scancel --signal=TERM) sends TERM to every process of the job step,
+    torchrun and its workers alike: each worker must get it once (torchrun ignores it instead of passing on
+    a second one, which would stop Kiln unsaved). The worker saves and exits; here, where no SLURM ends the
+    job, torchrun's --max-restarts start it again and it resumes from that checkpoint."""
+    folder = _folder(tmp_path, 'slurm_pre')
+    job = slurm.submit('pre', _job_args(tiny_shapes, tmp_path))
+    job.wait_for(os.path.join(folder, 'last.pth'))
+    job.scancel('TERM')
+    output = job.finish()
+    assert output.count('stopped by SIGTERM') == 1 and 'interrupted' not in output, output[-3000:]
+    stopped_at = int(output.split('stopped by SIGTERM', 1)[1].split(' at step ', 1)[1].split()[0])
+    assert 0 < stopped_at < 60 and output.count('resuming') == 1
+    assert output.split('resuming ', 1)[1].splitlines()[0].endswith(f'step {stopped_at}')
+    assert _step(folder) == 60 and 'requeue' not in ' '.join(slurm.commands(job.id))
+    _assert_same_weights(_last(folder), _last(_folder(whole_job[2], 'slurm_whole')), atol=1e-6)

@@ -1,0 +1,216 @@
+"""sweep.py: grid and random sweeps of real train.py runs on tiny data; finished runs skipped, interrupted
+ones resumed, failures reported, mistakes refused before any run, SLURM job arrays, the comparison table."""
+import argparse
+import csv
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import run_script, tiny_run_args, timeout
+from options import parse_args, parse_train_args
+
+# one epoch, a checkpoint every 2 steps and the newest 2 kept, so a run can be cut back to an earlier one;
+# the model named, so that the sweep finds the folders without loading torch for the task's default
+FAST = ['--model_type', 'small_cnn', '--epochs', '1', '--save_interval', '2', '--keep_last', '2', '--no-log_images']
+GRID = ['--grid', 'lr=1e-3,3e-3', 'batch_size=16,32']
+RUNS = {'sweep_lr0.001_bs16': (0.001, 16), 'sweep_lr0.001_bs32': (0.001, 32),
+        'sweep_lr0.003_bs16': (0.003, 16), 'sweep_lr0.003_bs32': (0.003, 32)}
+
+
+def _sweep(*args, code=0, env=None):
+    result = run_script('sweep.py', *args, env=env)
+    assert result.returncode == code, result.stdout + result.stderr
+    assert 'Traceback' not in result.stderr
+    return result
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _folder(checkpoints, prefix):
+    return os.path.join(checkpoints, f'small_cnn_list_{prefix}')
+
+
+def _last_step(folder):
+    record = _json(os.path.join(folder, 'checkpoints.json'))
+    return record['files'][record['last']]['step']
+
+
+def _starts(folder):
+    """How many times train.py started (or resumed) in `folder`: one reproduce.json entry each."""
+    return len(_json(os.path.join(folder, 'reproduce.json')))
+
+
+@pytest.fixture(scope='module')
+def grid(tiny_shapes, tmp_path_factory):
+    """A 2x2 grid sweep, run once for the tests below: (checkpoints dir, train options, its output)."""
+    checkpoints = str(tmp_path_factory.mktemp('sweep') / 'ck')
+    train = [*tiny_run_args(tiny_shapes, checkpoints), *FAST]
+    return checkpoints, train, _sweep(*GRID, '--', *train).stdout
+
+
+def test_grid_runs_every_combination_and_compares_them(grid):
+    checkpoints, _, output = grid
+    for prefix, (lr, batch_size) in RUNS.items():
+        folder = _folder(checkpoints, prefix)
+        with open(os.path.join(folder, 'args.yaml')) as f:
+            args = yaml.safe_load(f)
+        assert (args['lr'], args['batch_size'], args['save_prefix'], args['epochs']) == (lr, batch_size, prefix, 1)
+        planned = _json(os.path.join(folder, 'run_config.json'))['max_num_train_steps']
+        assert _last_step(folder) == planned == 96 // batch_size
+    table = os.path.join(checkpoints, 'comparisons', 'val_sweep')
+    with open(os.path.join(table, 'comparison.csv')) as f:
+        rows = list(csv.reader(f))
+    assert rows[0][:2] == ['checkpoint', 'loss'] and len(rows) == 1 + len(RUNS)
+    assert sorted(row[0] for row in rows[1:]) == sorted(os.path.join(_folder(checkpoints, p), 'best.pth') for p in RUNS)
+    assert f'comparison: {table}/comparison.txt' in output
+
+
+def test_rerun_skips_finished_runs(grid):
+    checkpoints, train, _ = grid
+    starts = {prefix: _starts(_folder(checkpoints, prefix)) for prefix in RUNS}
+    # a run the sweep has no record of (e.g. trained by the SLURM array) is judged by its folder alone
+    record = os.path.join(checkpoints, 'sweeps', 'sweep', 'finished.json')
+    done = _json(record)
+    del done['sweep_lr0.001_bs32']
+    with open(record, 'w') as f:
+        json.dump(done, f)
+    # a run that stopped before its planned steps (early stopping) counts as finished when train.py said so
+    plan = os.path.join(_folder(checkpoints, 'sweep_lr0.003_bs32'), 'run_config.json')
+    with open(plan) as f:
+        original = f.read()
+    with open(plan, 'w') as f:
+        json.dump({**json.loads(original), 'max_num_train_steps': 100}, f)
+    try:
+        output = _sweep(*GRID, '--', *train).stdout
+    finally:
+        with open(plan, 'w') as f:
+            f.write(original)
+    assert output.count('), skipped') == len(RUNS) and 'train.py --' not in output, output
+    assert '[2/4] sweep_lr0.001_bs32: finished (step 3/3), skipped' in output
+    assert '[4/4] sweep_lr0.003_bs32: finished (train.py ended at step 3), skipped' in output
+    assert {prefix: _starts(_folder(checkpoints, prefix)) for prefix in RUNS} == starts  # no train.py started
+    assert f'comparison: {checkpoints}/comparisons/val_sweep/comparison.txt' in output  # nothing new to compare
+    # asked to go longer (--epochs 2), a finished run is not finished any more: the sweep resumes it
+    import sweep
+    for epochs, expected in (('1', 'step 3/3'), ('2', None)):
+        argv = [*train, '--lr', '1e-3', '--batch_size', '32', '--epochs', epochs, '--save_prefix', 'sweep_lr0.001_bs32']
+        run = argparse.Namespace(prefix='sweep_lr0.001_bs32', argv=argv, options=parse_args(parse_train_args, argv),
+                                 folder=_folder(checkpoints, 'sweep_lr0.001_bs32'))
+        assert sweep.finished(run, {}) == expected
+
+
+def test_failed_run_is_reported_and_the_others_resume_and_run(grid):
+    checkpoints, train, _ = grid
+    interrupted = _folder(checkpoints, 'sweep_lr0.001_bs16')
+    for name in ('epoch001_step0000006.pth', 'last.pth'):  # as if killed after the save at step 4
+        os.remove(os.path.join(interrupted, name))
+    # lr 1e30 makes the loss non-finite at step 2: train.py stops with exit code 2; it runs first, the other after it
+    result = _sweep('--grid', 'lr=1e30,1e-3', 'batch_size=16', '--', *train, code=1)
+    assert re.search(r'failed: sweep_lr1e30_bs16: exit code 2: error: non-finite loss at step 2', result.stdout)
+    assert f'resuming {interrupted}/epoch000_step0000004.pth' in result.stdout
+    assert _last_step(interrupted) == 6 and _starts(interrupted) == 2
+    assert result.stdout.index('[1/2] sweep_lr1e30_bs16') < result.stdout.index('[2/2] sweep_lr0.001_bs16')
+
+
+@pytest.mark.parametrize('grid_args, message', [
+    (['lrr=1e-3,3e-3'], "'lrr' is not a train.py option; did you mean lr?"),
+    (['lr=1e-3,-1'], 'argument --lr: must be a positive number, got -1'),
+    (['lr=1e-3', 'optimizer=sgd,adamx'], "argument --optimizer: invalid choice: 'adamx'"),
+    (['save_prefix=a,b'], '--save_prefix cannot be swept'),
+    (['lr=1e-4:1e-2'], 'lr is a range: ranges need --sampler random'),
+    (['deterministic=true,maybe'], '--deterministic is a switch'),
+])
+def test_mistakes_are_refused_in_one_line_before_any_run(tiny_shapes, tmp_path, grid_args, message):
+    checkpoints = tmp_path / 'ck'
+    result = _sweep('--grid', *grid_args, '--', *tiny_run_args(tiny_shapes, checkpoints), code=2)
+    assert result.stderr.startswith('error: ') and result.stderr.count('\n') == 1 and message in result.stderr
+    assert result.stdout == '' and not checkpoints.exists()
+
+
+def _trials(output):
+    """{save prefix: {option: value}} from a dry run's printed train.py commands (the last flag wins)."""
+    trials = {}
+    for line in output.splitlines():
+        if line.startswith('$ '):
+            words = shlex.split(line[2:])
+            options = dict(zip(words[2::2], words[3::2]))
+            trials[options['--save_prefix']] = options
+    return trials
+
+
+def test_random_search_is_reproducible_and_stays_in_its_ranges(tiny_shapes, tmp_path):
+    train = ['--', *tiny_run_args(tiny_shapes, tmp_path / 'ck')]
+    ranges = ['--grid', 'lr=1e-4:1e-2', 'weight_decay=0:1e-3', 'batch_size=16,32', 'warmup_steps=0:5']
+    first = _sweep('--sampler', 'random', '--trials', '6', '--seed', '3', *ranges, '--dry_run', *train).stdout
+    assert first == _sweep('--sampler', 'random', '--trials', '6', '--seed', '3', *ranges, '--dry_run', *train).stdout
+    config = tmp_path / 'sweep.yaml'
+    config.write_text('random: {lr: {log_uniform: [1e-4, 1e-2]}, weight_decay: {uniform: [0, 1e-3]}, '
+                      'batch_size: {choice: [16, 32]}, warmup_steps: {uniform: [0, 5]}}\ntrials: 6\nseed: 3\n')
+    assert _sweep('--config', str(config), '--dry_run', *train).stdout == first  # the same rules, spelled in YAML
+    trials = _trials(first)
+    assert len(trials) == 6 and not (tmp_path / 'ck').exists()
+    for prefix, options in trials.items():
+        lr, decay, warmup = float(options['--lr']), float(options['--weight_decay']), options['--warmup_steps']
+        assert 1e-4 <= lr <= 1e-2 and 0 <= decay <= 1e-3 and options['--batch_size'] in ('16', '32')
+        assert warmup.isdigit() and 0 <= int(warmup) <= 5
+        assert prefix.startswith(f'sweep_lr{lr:g}_wd') and prefix.endswith(f'_bs{options["--batch_size"]}_warmup{warmup}')
+    other = _trials(_sweep('--sampler', 'random', '--trials', '6', '--seed', '4', *ranges, '--dry_run', *train).stdout)
+    assert other.keys() != trials.keys()
+
+
+def test_slurm_writes_a_job_array_and_submits_it(tiny_shapes, tmp_path):
+    checkpoints, bin_dir = tmp_path / 'ck', tmp_path / 'bin'
+    bin_dir.mkdir()
+    stand_in = bin_dir / 'sbatch'  # records its arguments, answers like `sbatch --parsable`
+    stand_in.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SBATCH_ARGS"\necho 4242\n')
+    stand_in.chmod(0o755)
+    config = tmp_path / 'grid.yaml'
+    config.write_text('grid: {lr: [1e-3, 3e-3], batch_size: [16, 32]}\n')
+    env = {'PATH': f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', 'SBATCH_ARGS': str(tmp_path / 'sbatch_args')}
+    train = tiny_run_args(tiny_shapes, checkpoints)
+    result = _sweep('--config', str(config), '--slurm', '--sbatch=--time=1:00:00', '--', *train, env=env)
+    script = checkpoints / 'sweeps' / 'sweep' / 'sweep.sbatch'
+    assert 'submitted job array 4242' in result.stdout
+    assert (tmp_path / 'sbatch_args').read_text().split() == ['--parsable', '--time=1:00:00', str(script)]
+    text = script.read_text()
+    assert '#SBATCH --array=0-3\n' in text and '#SBATCH --requeue\n' in text
+    assert sorted(os.listdir(checkpoints)) == ['sweeps']  # nothing ran here
+    # array task 2 runs train.py with the third combination, resumable (a stand-in python prints its arguments)
+    echo = bin_dir / 'echo_python'
+    echo.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    echo.chmod(0o755)
+    task = subprocess.run(['bash', str(script)], capture_output=True, text=True, timeout=timeout(60),
+                          env={**os.environ, 'SLURM_ARRAY_TASK_ID': '2', 'PYTHON': str(echo)})
+    assert task.returncode == 0, task.stderr
+    argv = task.stdout.splitlines()
+    assert argv[0].endswith('train.py') and argv[1:] == [*train, '--lr', '3e-3', '--batch_size', '16',
+                                                        '--save_prefix', 'sweep_lr0.003_bs16', '--resume']
+    dry = _sweep('--config', str(config), '--slurm', '--dry_run', '--name', 'other', '--', *train, env=env)
+    assert '#SBATCH --array=0-3' in dry.stdout and not (checkpoints / 'sweeps' / 'other').exists()
+
+
+def test_random_ranges_are_log_uniform_over_a_decade_else_uniform():
+    import sweep
+    specs = sweep.load_specs(sweep.sweep_args(['--grid', 'lr=1e-4:1e-2', 'weight_decay=0:1e-3', 'epochs=1:3']))[0]
+    trials = [dict(trial) for trial in sweep.combinations(specs, 'random', 2000, 0)]
+    assert 0.45 < sum(float(t['lr']) < 1e-3 for t in trials) / len(trials) < 0.55  # uniform would give 0.09
+    assert 0.45 < sum(float(t['weight_decay']) < 5e-4 for t in trials) / len(trials) < 0.55  # 0 to 1e-3: uniform
+    assert {t['epochs'] for t in trials} == {'1', '2', '3'}  # integer bounds give integers
+
+
+def test_folder_names_follow_the_task_defaults(tmp_path):
+    import sweep
+    options = parse_args(parse_train_args, ['--checkpoints_dir', str(tmp_path), '--save_prefix', 'sweep_lr0.1'])
+    assert sweep.experiment_folder(options) == os.path.join(tmp_path, 'small_cnn_shapes_sweep_lr0.1')
+    options = parse_args(parse_train_args, ['--checkpoints_dir', str(tmp_path), '--save_prefix', 'x', '--task', 'segment',
+                                            '--val_list', 'v.txt'])
+    assert sweep.experiment_folder(options) == os.path.join(tmp_path, 'seg_net_seg_list_x')
