@@ -59,6 +59,11 @@ def _die_with_parent(parent):
 
 
 def _init_worker(parent, worker_id):
+    # a stop signal is the main process's to handle (it finishes the step and saves, and needs its
+    # workers for that); Ctrl-C and torchrun send it to the workers too, so they ignore it, and die
+    # with the main process instead
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     _die_with_parent(parent)
     seed_worker(worker_id)
 

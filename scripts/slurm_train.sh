@@ -2,12 +2,13 @@
 # A SLURM job: one torchrun per node, all joining one rendezvous on the first node. Submit it from
 # the repository root; its arguments go to train.py:
 #   sbatch scripts/slurm_train.sh --model_type resnet18 --epochs 90
-#   sbatch --nodes=1 --gpus-per-node=0 scripts/slurm_train.sh      # CPU nodes: gloo, --cpu added
+#   sbatch --nodes=1 --job-name=try2 scripts/slurm_train.sh --epochs 3
 # The experiment is checkpoints/<model>_<data>_slurm_<job name>, and --resume continues it (or starts
-# it), so a requeued job carries on from its last checkpoint.
+# it), so a requeued job carries on from its last checkpoint. On CPU nodes drop the --gpus-per-node
+# line: then each node runs one process (or NPROC), with gloo and --cpu.
 #
 # Settings, from the environment (sbatch passes the submitting shell's on):
-#   NPROC         processes per node (default: SLURM_GPUS_PER_NODE; 1 on a node without GPUs)
+#   NPROC         processes per node (default: SLURM_GPUS_PER_NODE, else 1)
 #   MAX_RESTARTS  torchrun restarts after a process fails, each resuming from the last checkpoint (3)
 #   RDZV_PORT     rendezvous port on the first node (default 29500 + job id % 1000)
 #   PYTHON        (python3)
@@ -15,7 +16,7 @@
 # Stopping. 120 s before the time limit SLURM sends USR1 to this script (B:USR1@120): every
 # process saves and the job requeues itself. A pre-emption's TERM makes every process save, and
 # SLURM requeues the job. To save and requeue now: scancel --batch --signal=USR1 <job>; to save and
-# end: scancel --signal=USR2 <job>; plain scancel ends the job at once, unsaved.
+# end: scancel --signal=USR2 <job>; plain scancel ends it without waiting for a save.
 #SBATCH --job-name=kiln
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

@@ -1,18 +1,21 @@
 """Outgrowing one machine, tested without a cluster: two torchrun "nodes" on localhost (gloo on the
-CPU), and scripts/slurm_train.sh under stand-in SLURM commands (srun, scontrol, scancel, sbatch)."""
+CPU), scripts/slurm_train.sh under stand-in SLURM commands (srun, scontrol, scancel, sbatch), and
+scripts/submit.py on submitit's local executor."""
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 import uuid
 
 import pytest
 import torch
 
-from conftest import REPO, run_script, timeout, tiny_run_args
+from conftest import REPO, timeout, tiny_run_args
 
 TORCHRUN = [sys.executable, '-m', 'torch.distributed.run']
 # the linear model has no BatchNorm, whose batch statistics would differ between 1 x 16 and 2 x 8 images
@@ -203,15 +206,20 @@ class Job:
             assert time.time() < deadline, f'no {path}'
             time.sleep(0.02)
 
-    def finish(self, returncode=0):
+    def finish(self):
+        """Wait for the job's end; returns its output (the test fails on a non-zero exit status)."""
         try:
             self.process.wait(timeout=timeout(300))
         finally:
-            if self.process.poll() is None:  # a hang: end the whole job
-                self.scancel('KILL')
-                self.process.kill()
-        assert self.process.returncode == returncode, self.read()[-5000:]
+            self.stop()
+        assert self.process.returncode == 0, self.read()[-5000:]
         return self.read()
+
+    def stop(self):
+        if self.process.poll() is None:  # a hang, or a failed test: end the whole job
+            self.scancel('KILL')
+            self.process.kill()
+            self.process.wait()
 
     def read(self):
         with open(self.output) as f:
@@ -223,27 +231,78 @@ def slurm(tmp_path_factory):
     return StandInSlurm(tmp_path_factory.mktemp('slurm'))
 
 
+STEPS = 40
+
+
 def _job_args(shapes, checkpoints):
-    """Tiny training options for a job: 60 steps of 8 images, a checkpoint after every step (which also
+    """Tiny training options for a job: 40 steps of 8 images, a checkpoint after every step (which also
     makes each step slow enough to be interrupted in the middle of the run); the script adds --cpu."""
     return [a for a in tiny_run_args(shapes, checkpoints) if a != '--cpu'] + LINEAR_SGD + [
-        '--batch_size', '8', '--max_iteration', '60', '--save_interval', '1']
+        '--batch_size', '8', '--max_iteration', str(STEPS), '--save_interval', '1', '--loggers', 'csv']
 
 
 @pytest.fixture(scope='module')
 def whole_job(slurm, tiny_shapes, tmp_path_factory):
-    """An uninterrupted job: (job, its output, its checkpoints folder)."""
+    """An uninterrupted job, (job, its checkpoints folder), left running beside the tests that compare
+    with it (job.finish() waits for it)."""
     checkpoints = tmp_path_factory.mktemp('whole')
     job = slurm.submit('whole', _job_args(tiny_shapes, checkpoints))
-    return job, job.finish(), checkpoints
+    yield job, checkpoints
+    job.stop()
+
+
+def _whole_state(whole_job):
+    job, checkpoints = whole_job
+    job.finish()
+    return _last(_folder(checkpoints, 'slurm_whole'))
+
+
+def test_time_limit_warning_saves_and_the_requeued_job_continues(slurm, whole_job, tiny_shapes, tmp_path):
+    """120 s before the time limit SLURM sends USR1 to the job script (--signal=B:USR1@120): every
+    process saves, the script requeues the job, and the requeued job (the same script again) goes on."""
+    args = _job_args(tiny_shapes, tmp_path)
+    folder = _folder(tmp_path, 'slurm_parts')
+    job = slurm.submit('parts', args)
+    job.wait_for(os.path.join(folder, 'last.pth'))  # training has started
+    os.kill(job.process.pid, signal.SIGUSR1)
+    output = job.finish()
+    assert 'stopped by SIGINT' in output and 'interrupted' not in output, output[-3000:]
+    assert slurm.commands(job.id)[-2:] == [f'scancel --signal=USR2 {job.id}', f'scontrol requeue {job.id}']
+    stopped_at = _step(folder)
+    assert 0 < stopped_at < STEPS
+
+    requeued = slurm.submit('parts', args, job_id=job.id).finish()
+    assert requeued.split('resuming ', 1)[1].splitlines()[0].endswith(f'step {stopped_at}')
+    assert _step(folder) == STEPS  # where the uninterrupted job ended, with the same weights
+    _assert_same_weights(_last(folder), _whole_state(whole_job), atol=1e-6)
+
+
+def test_a_term_to_every_process_saves_and_torchrun_restarts_from_it(slurm, whole_job, tiny_shapes, tmp_path):
+    """Pre-emption (and --signal=TERM, scancel --signal=TERM) sends TERM to every process of the job step,
+    torchrun and its workers alike: each worker must get it once (torchrun ignores it instead of passing on
+    a second one, which would stop Kiln unsaved). The worker saves and exits; here, where no SLURM ends the
+    job, torchrun's --max-restarts start it again and it resumes from that checkpoint."""
+    folder = _folder(tmp_path, 'slurm_pre')
+    job = slurm.submit('pre', _job_args(tiny_shapes, tmp_path))
+    job.wait_for(os.path.join(folder, 'last.pth'))
+    job.scancel('TERM')
+    output = job.finish()
+    assert output.count('stopped by SIGTERM') == 1 and 'interrupted' not in output, output[-3000:]
+    stopped_at = int(output.split('stopped by SIGTERM', 1)[1].split(' at step ', 1)[1].split()[0])
+    assert 0 < stopped_at < STEPS and output.count('resuming') == 1
+    assert output.split('resuming ', 1)[1].splitlines()[0].endswith(f'step {stopped_at}')
+    assert _step(folder) == STEPS and 'requeue' not in ' '.join(slurm.commands(job.id))
+    _assert_same_weights(_last(folder), _whole_state(whole_job), atol=1e-6)
 
 
 def test_slurm_job_trains_into_its_experiment_folder(slurm, whole_job):
-    job, output, checkpoints = whole_job
+    job, checkpoints = whole_job
+    output = job.finish()
     assert os.listdir(checkpoints) == ['linear_list_slurm_whole']  # <model>_<data>_slurm_<job name>
-    assert _step(_folder(checkpoints, 'slurm_whole')) == 60 and 'done after' in output
+    assert _step(_folder(checkpoints, 'slurm_whole')) == STEPS and 'done after' in output
     commands = slurm.commands(job.id)
-    assert commands[0].startswith('sbatch scripts/slurm_train.sh') and commands[1] == 'scontrol show hostnames 127.0.0.1'
+    assert commands[0].startswith('sbatch scripts/slurm_train.sh')
+    assert commands[1] == 'scontrol show hostnames 127.0.0.1'
     srun = commands[2]
     assert srun.startswith('srun ') and len(commands) == 3  # no scancel, no requeue
     for part in ('-m torch.distributed.run --nnodes=1 --nproc-per-node=1 --rdzv-backend=c10d',
@@ -268,39 +327,64 @@ def test_slurm_script_picks_the_processes_per_node(slurm, gpus, nproc, processes
     assert f'--nproc-per-node={processes} ' in srun and ('--resume --cpu ' in srun) == cpu, srun
 
 
-def test_time_limit_warning_saves_and_the_requeued_job_continues(slurm, whole_job, tiny_shapes, tmp_path):
-    """120 s before the time limit SLURM sends USR1 to the job script (--signal=B:USR1@120): every
-    process saves, the script requeues the job, and the requeued job (the same script again) goes on."""
-    args = _job_args(tiny_shapes, tmp_path)
-    folder = _folder(tmp_path, 'slurm_parts')
-    job = slurm.submit('parts', args)
-    job.wait_for(os.path.join(folder, 'last.pth'))  # training has started
-    os.kill(job.process.pid, signal.SIGUSR1)
-    output = job.finish()
-    assert 'stopped by SIGINT' in output and 'interrupted' not in output, output[-3000:]
-    assert slurm.commands(job.id)[-2:] == [f'scancel --signal=USR2 {job.id}', f'scontrol requeue {job.id}']
-    stopped_at = _step(folder)
-    assert 0 < stopped_at < 60
+# --- scripts/submit.py with submitit's local executor ------------------------------------------------
 
-    requeued = slurm.submit('parts', args, job_id=job.id).finish()
-    assert requeued.split('resuming ', 1)[1].splitlines()[0].endswith(f'step {stopped_at}')
-    assert _step(folder) == 60  # where the uninterrupted job ended, with the same weights
-    _assert_same_weights(_last(folder), _last(_folder(whole_job[2], 'slurm_whole')), atol=1e-6)
+def _children(pid):
+    return [int(child) for child in subprocess.run(['ps', '-o', 'pid=', '--ppid', str(pid)], capture_output=True,
+                                                   text=True).stdout.split()]
 
 
-def test_a_term_to_every_process_saves_and_torchrun_restarts_from_it(slurm, whole_job, tiny_shapes, tmp_path):
-    """Pre-emption (and --signal=TERM, scancel --signal=TERM) sends TERM to every process of the job step,
-    torchrun and its workers alike: each worker must get it once (torchrun ignores it instead of passing on
-    a second one, which would stop Kiln unsaved). The worker saves and exits; here, where no SLURM ends the
-    job, torchrun's --max-restarts start it again and it resumes from that checkpoint."""
-    folder = _folder(tmp_path, 'slurm_pre')
-    job = slurm.submit('pre', _job_args(tiny_shapes, tmp_path))
-    job.wait_for(os.path.join(folder, 'last.pth'))
-    job.scancel('TERM')
-    output = job.finish()
-    assert output.count('stopped by SIGTERM') == 1 and 'interrupted' not in output, output[-3000:]
-    stopped_at = int(output.split('stopped by SIGTERM', 1)[1].split(' at step ', 1)[1].split()[0])
-    assert 0 < stopped_at < 60 and output.count('resuming') == 1
-    assert output.split('resuming ', 1)[1].splitlines()[0].endswith(f'step {stopped_at}')
-    assert _step(folder) == 60 and 'requeue' not in ' '.join(slurm.commands(job.id))
-    _assert_same_weights(_last(folder), _last(_folder(whole_job[2], 'slurm_whole')), atol=1e-6)
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_submitit_job_saves_and_requeues_itself_before_the_time_limit(whole_job, tiny_shapes, tmp_path):
+    """A job on submitit's local executor; USR2 to its process, as SLURM sends it to every process before
+    the time limit (submitit's --signal=USR2@120): it saves at the next step, submitit calls
+    Trainer.checkpoint and requeues the job, and the requeued job resumes and ends like an uninterrupted one."""
+    pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
+    jobs = tmp_path / 'jobs'
+    # (the output to a file: the local job's controller keeps the submitting process's stdout open)
+    submit = _start([sys.executable, 'scripts/submit.py', '--cluster', 'local', '--gpus_per_node', '0',
+                     '--name', 'test', '--folder', str(jobs), '--time', '30', '--',
+                     *_job_args(tiny_shapes, tmp_path / 'ck')], tmp_path / 'submit.log')
+    controller = int(_finish(submit, tmp_path / 'submit.log').split('submitted job ', 1)[1].split(';')[0])
+    folder = _folder(tmp_path / 'ck', 'submitit_test')  # the local job's id is its controller's PID
+    try:
+        deadline = time.time() + timeout(300)
+        while not os.path.exists(os.path.join(folder, 'last.pth')):  # training has started
+            assert _alive(controller) and time.time() < deadline, 'the job ended or hung before training'
+            time.sleep(0.02)
+        tasks = _children(controller)
+        assert len(tasks) == 1
+        os.kill(tasks[0], signal.SIGUSR2)
+        while _alive(controller):  # the requeued job runs under the same controller
+            assert time.time() < deadline, 'the job did not end'
+            time.sleep(0.1)
+    finally:
+        for pid in [*_children(controller), controller]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    output = (jobs / f'{controller}_0_log.out').read_text()
+    assert output.count('stopped by SIGUSR2') == 1 and output.count('resuming') == 1, output
+    assert 'Calling checkpoint method' in output and 'Requeued job' in output, output  # submitit's log
+    with open(jobs / f'{controller}_0_result.pkl', 'rb') as f:
+        assert pickle.load(f) == ('success', {'folder': folder, 'step': STEPS})
+    _assert_same_weights(_last(folder), _whole_state(whole_job), atol=1e-6)
+
+
+def test_submitit_processes_get_torchruns_variables(monkeypatch):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('kiln_submit', os.path.join(REPO, 'scripts', 'submit.py'))
+    submit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(submit)
+    monkeypatch.setattr(os, 'environ', {})
+    job = types.SimpleNamespace(global_rank=5, num_tasks=8, local_rank=1, num_nodes=2, hostnames=['n1', 'n2'],
+                                raw_job_id='123')
+    submit.Trainer._export_distributed_environment(job)
+    assert os.environ == {'RANK': '5', 'WORLD_SIZE': '8', 'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '4',
+                          'MASTER_ADDR': 'n1', 'MASTER_PORT': '20123'}

@@ -4,7 +4,6 @@ import argparse
 import csv
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -115,7 +114,7 @@ def test_failed_run_is_reported_and_the_others_resume_and_run(grid):
         os.remove(os.path.join(interrupted, name))
     # lr 1e30 makes the loss non-finite at step 2: train.py stops with exit code 2; it runs first, the other after it
     result = _sweep('--grid', 'lr=1e30,1e-3', 'batch_size=16', '--', *train, code=1)
-    assert re.search(r'failed: sweep_lr1e30_bs16: exit code 2: error: non-finite loss at step 2', result.stdout)
+    assert 'failed: sweep_lr1e30_bs16: exit code 2: error: non-finite loss at step 2' in result.stdout
     assert f'resuming {interrupted}/epoch000_step0000004.pth' in result.stdout
     assert _last_step(interrupted) == 6 and _starts(interrupted) == 2
     assert result.stdout.index('[1/2] sweep_lr1e30_bs16') < result.stdout.index('[2/2] sweep_lr0.001_bs16')

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from utils.errors import KilnError
+from utils.fault_points import fault_point
 
 
 def atomic_write_bytes(data, path):
@@ -30,6 +31,7 @@ def atomic_write_bytes(data, path):
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        fault_point('temporary_written')
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):

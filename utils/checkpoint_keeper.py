@@ -14,6 +14,7 @@ import re
 
 from utils.checkpoint import atomic_write_json, checksum, load_checkpoint, save_checkpoint
 from utils.errors import KilnError
+from utils.fault_points import fault_point
 
 RECORD = 'checkpoints.json'
 LAST, BEST = 'last.pth', 'best.pth'
@@ -129,13 +130,16 @@ class CheckpointKeeper:
         path = os.path.join(self.folder, name)
         try:
             digest = save_checkpoint(state, path)
+            fault_point('checkpoint_written')
             _link_or_copy(path, os.path.join(self.folder, LAST))
             if is_best:
                 _link_or_copy(path, os.path.join(self.folder, BEST))
                 self.best = name
+            fault_point('links_made')
             self.files[name] = {'step': step, 'sha256': digest, 'metric': metric}
             dropped = self._forget_extra()
             self.write_record()
+            fault_point('record_written')
         except OSError as error:
             raise KilnError(f'could not write checkpoint {path} ({error.strerror or error}); the previous '
                             f'checkpoints are intact: free space or fix permissions, then continue with --resume') \

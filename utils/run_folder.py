@@ -144,19 +144,20 @@ def open_experiment(argv, args):
                                         'or move that folder away')
         args.model_dir, args.resume_from = folder, None
         return args, FolderLock(folder)
+    # read-only checks first: a refused resume touches no file (not even the lock's)
+    resume_from = _checkpoint_to_resume(args, folder)
+    saved = os.path.join(folder, ARGS_YAML)
+    if resume_from and not os.path.isfile(saved):
+        raise KilnError(f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint inside its '
+                        f'experiment folder (to start a new run from its weights, use --load_model_path)')
+    if resume_from:
+        merged = parse_args(parse_train_args, argv, base_config=saved)
+        _refuse_changes(parse_args(parse_train_args, [], base_config=saved), merged, folder)
+        merged.model_type, merged.data_type = args.model_type, args.data_type  # as resolved when it started
+        args = merged
     lock = FolderLock(folder)
     try:
-        resume_from = _checkpoint_to_resume(args, folder)
-        saved = os.path.join(folder, ARGS_YAML)
-        if resume_from and not os.path.isfile(saved):
-            raise KilnError(f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint inside its '
-                            f'experiment folder (to start a new run from its weights, use --load_model_path)')
-        if resume_from:
-            merged = parse_args(parse_train_args, argv, base_config=saved)
-            _refuse_changes(parse_args(parse_train_args, [], base_config=saved), merged, folder)
-            merged.model_type, merged.data_type = args.model_type, args.data_type  # as resolved when it started
-            args = merged
-        else:
+        if not resume_from:
             print(f'{folder} holds no checkpoint yet; starting the run in it')
         remove_stale_temporaries(folder)
         save_args(args, folder)

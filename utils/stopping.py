@@ -8,6 +8,7 @@ check points (print intervals and saves).
 """
 import dataclasses
 import enum
+import os
 import signal
 import sys
 
@@ -48,8 +49,9 @@ class StopSignals:
         if self.received:
             raise KeyboardInterrupt(f'second {signal.Signals(signum).name}')
         self.received = signum
-        print(f'\n{signal.Signals(signum).name} received: finishing the current step and saving; '
-              f'send it again to stop at once', file=sys.stderr, flush=True)
+        if os.environ.get('RANK', '0') == '0':  # under torchrun every process hears it: one says so
+            print(f'\n{signal.Signals(signum).name} received: finishing the current step and saving; '
+                  f'send it again to stop at once', file=sys.stderr, flush=True)
 
     def __enter__(self):
         try:

@@ -1,0 +1,106 @@
+"""Submit a training run to SLURM with submitit (pip install submitit), one process per GPU:
+
+    python scripts/submit.py --nodes 2 --gpus_per_node 4 --partition gpu --time 1440 -- --model_type resnet18
+    python scripts/submit.py --gpus_per_node 0 --nproc 2 -- --epochs 3     # CPU nodes: gloo, --cpu added
+    python scripts/submit.py --cluster local --gpus_per_node 0 -- --epochs 1   # here, in the background
+
+The options after `--` go to train.py. The run is checkpoints/<model>_<data>_submitit_<name> (unless
+they give --save_prefix) and every start passes --resume, so a requeued job continues it.
+
+submitit asks SLURM for USR2 two minutes before the time limit: the processes save at their next
+step, then submitit calls `Trainer.checkpoint` and requeues the job, which resumes. A pre-emption's
+TERM makes them save too, and SLURM requeues the job.
+"""
+import argparse
+import os
+import signal
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Trainer:
+    """A submitit job: train.py's main with --resume, in each process of the job."""
+
+    def __init__(self, argv):
+        self.argv = list(argv)
+
+    def __call__(self):
+        import submitit
+        sys.path.insert(0, REPO)
+        import train
+        from utils.stopping import StopSignals
+        self._export_distributed_environment(submitit.JobEnvironment())
+        requeue = signal.getsignal(signal.SIGUSR2)  # submitit's: calls checkpoint() and requeues (on rank 0)
+        warned = []
+
+        def time_limit_near(signum, frame):
+            kiln = signal.getsignal(signal.SIGUSR1)
+            if isinstance(getattr(kiln, '__self__', None), StopSignals):  # training: save first (at the next step)
+                warned.append(signum)
+                kiln(signum, frame)
+            else:
+                requeue(signum, frame)
+        signal.signal(signal.SIGUSR2, time_limit_near)
+        try:
+            run = train.main([*self.argv, '--resume'])
+        except SystemExit:  # stopped by a signal, after saving
+            if warned:
+                requeue(signal.SIGUSR2, None)
+            raise
+        return {'folder': run.options.model_dir, 'step': run.position.step}
+
+    def checkpoint(self):
+        """What the requeued job runs: this again (train.py resumes from the run's last checkpoint)."""
+        import submitit
+        return submitit.helpers.DelayedSubmission(self)
+
+    @staticmethod
+    def _export_distributed_environment(job):
+        """The variables torchrun would set, from SLURM's (or the local executor's) task numbers; each
+        process then takes the GPU of its LOCAL_RANK among all of the node's."""
+        os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
+                          LOCAL_WORLD_SIZE=str(job.num_tasks // job.num_nodes))
+        os.environ.setdefault('MASTER_ADDR', job.hostnames[0])
+        os.environ.setdefault('MASTER_PORT', str(20000 + int(job.raw_job_id) % 20000))
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage='%(prog)s [options] -- [train.py options]')
+    parser.add_argument('--nodes', type=int, default=1)
+    parser.add_argument('--gpus_per_node', type=int, default=1, help='one process per GPU; 0: CPU nodes (with --cpu)')
+    parser.add_argument('--nproc', type=int, default=1, help='processes per node on CPU nodes')
+    parser.add_argument('--cpus_per_task', type=int, default=None)
+    parser.add_argument('--time', type=int, default=24 * 60, help='time limit in minutes')
+    parser.add_argument('--partition', default=None)
+    parser.add_argument('--name', default='kiln', help='job name; the run is ..._submitit_<name>')
+    parser.add_argument('--folder', default=os.path.join('checkpoints', 'submitit'), help="submitit's logs and pickles")
+    parser.add_argument('--cluster', default=None, choices=['slurm', 'local'], help='default: SLURM if found')
+    if '--' in argv:
+        argv, train_argv = argv[:argv.index('--')], argv[argv.index('--') + 1:]
+    else:
+        train_argv = []
+    return parser.parse_args(argv), train_argv
+
+
+def main(argv=None):
+    """Submit the job; returns the submitit Job."""
+    try:
+        import submitit
+    except ImportError:
+        sys.exit('scripts/submit.py needs submitit: pip install submitit')
+    args, train_argv = parse(sys.argv[1:] if argv is None else list(argv))
+    train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []),
+                  *train_argv]
+    executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
+    executor.update_parameters(name=args.name, nodes=args.nodes, tasks_per_node=args.gpus_per_node or args.nproc,
+                               gpus_per_node=args.gpus_per_node or None, cpus_per_task=args.cpus_per_task,
+                               timeout_min=args.time, slurm_partition=args.partition, slurm_signal_delay_s=120)
+    job = executor.submit(Trainer(train_argv))
+    print(f'submitted job {job.job_id}; its output: {job.paths.stdout}', flush=True)
+    return job
+
+
+if __name__ == '__main__':
+    main()

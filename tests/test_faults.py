@@ -1,0 +1,286 @@
+"""Faults injected on purpose: kills at chosen moments (KILN_KILL_AT), a full disk, a read-only file
+system, corrupt files, racing runs, interrupted start-ups, dead parents. Each must end in one line
+or a clean recovery, and nothing a user has may be lost."""
+import contextlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, run_script, timeout, tiny_run_args
+
+EXPERIMENT = 'small_cnn_list_default'
+
+
+def _folder(args):
+    return os.path.join(args[args.index('--checkpoints_dir') + 1], EXPERIMENT)
+
+
+def _load(path):
+    return torch.load(path, weights_only=True, map_location='cpu')
+
+
+def _one_error_line(result, *needles):
+    shown = f'exit {result.returncode}\n{result.stdout}\n{result.stderr}'
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode != 0 and 'Traceback' not in result.stderr, shown
+    assert len(lines) == 1 and lines[0].startswith('error: '), shown
+    assert all(str(needle) in lines[0] for needle in needles), shown
+    return lines[0]
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _snapshot(folder):
+    return {name: open(os.path.join(folder, name), 'rb').read() for name in sorted(os.listdir(folder))
+            if os.path.isfile(os.path.join(folder, name))}
+
+
+def _start(args, *extra, env=None):
+    return subprocess.Popen([sys.executable, 'train.py', *args, *extra], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def _wait_for(condition, process=None, seconds=300):
+    deadline = time.time() + timeout(seconds)
+    while not condition():
+        assert process is None or process.poll() is None, process.communicate()
+        assert time.time() < deadline, 'timed out'
+        time.sleep(0.02)
+
+
+# kills at chosen moments ------------------------------------------------------------------------------
+
+def test_a_kill_between_the_checkpoint_and_last_pth_does_not_block_resume(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    killed = run_script('train.py', *args, env={'KILN_KILL_AT': 'checkpoint_written'})
+    assert killed.returncode == -signal.SIGKILL
+    assert sorted(n for n in os.listdir(_folder(args)) if n.endswith('.pth')) == ['epoch001_step0000006.pth']
+    resumed = _ok(run_script('train.py', *args, '--resume'))
+    assert 'resuming' in resumed.stdout and 'epoch001_step0000006.pth' in resumed.stdout
+    assert _load(os.path.join(_folder(args), 'last.pth'))['position']['step'] == 12
+    with open(os.path.join(_folder(args), 'checkpoints.json')) as f:
+        record = json.load(f)
+    assert record['last'] == 'epoch002_step0000012.pth' and set(record['files']) <= {
+        'epoch001_step0000006.pth', 'epoch002_step0000012.pth'}
+
+
+def test_a_kill_inside_a_write_leaves_a_temporary_file_that_the_next_start_removes(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    killed = run_script('train.py', *args, env={'KILN_KILL_AT': 'temporary_written'})
+    assert killed.returncode == -signal.SIGKILL
+    assert [n for n in os.listdir(_folder(args)) if '.tmp' in n]
+    _ok(run_script('train.py', *args, '--resume'))
+    assert not [n for n in os.listdir(_folder(args)) if '.tmp' in n]
+    assert os.path.isfile(os.path.join(_folder(args), 'last.pth'))
+
+
+@pytest.fixture
+def saved_often(tiny_shapes, tmp_path):
+    """A finished 2-epoch run saving every 2 steps and keeping the newest 2: its args."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--save_interval', '2', '--keep_last', '2']
+    _ok(run_script('train.py', *args))
+    return args
+
+
+def test_a_corrupt_checkpoint_record_is_rebuilt_and_pruning_goes_on(saved_often):
+    folder = _folder(saved_often)
+    with open(os.path.join(folder, 'checkpoints.json'), 'w') as f:
+        f.write('{"last": ["epoch0')  # cut off mid-write by a full disk, say
+    _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
+    with open(os.path.join(folder, 'checkpoints.json')) as f:
+        record = json.load(f)
+    kept = sorted(n for n in os.listdir(folder) if n.startswith('epoch'))
+    assert record['last'] == 'epoch003_step0000018.pth' and kept == sorted(record['files'])
+    assert len(kept) <= 3  # the newest 2 and the best: the old ones were pruned
+
+
+def test_flipped_bytes_in_a_checkpoint_are_detected(saved_often):
+    folder = _folder(saved_often)
+    newest = os.path.join(folder, 'epoch002_step0000012.pth')
+    with open(newest, 'r+b') as f:  # last.pth is the same file (a hard link)
+        f.seek(os.path.getsize(newest) // 2)
+        f.write(bytes(16))
+    evaluated = run_script('eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--no-progress_bar',
+                           '--cpu')
+    _one_error_line(evaluated, 'corrupt', 'last.pth')
+    resumed = _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
+    assert 'skipping' in resumed.stdout and 'epoch002_step0000012.pth' in resumed.stdout
+    assert 'resuming' in resumed.stdout and 'epoch001_step0000010.pth' in resumed.stdout
+    assert _load(os.path.join(folder, 'last.pth'))['position']['step'] == 18
+
+
+# resumes that must be refused ------------------------------------------------------------------------
+
+@pytest.mark.parametrize('change, needle', [(['--batch_size', '64'], '--batch_size 64 (the run has 16)'),
+                                            (['--optimizer', 'sgd'], '--optimizer sgd (the run has adamw)')])
+def test_a_resume_that_would_change_the_run_is_refused_before_any_file_changes(saved_often, change, needle):
+    folder = _folder(saved_often)
+    before = _snapshot(folder)
+    result = run_script('train.py', *saved_often, '--resume', os.path.join(folder, 'epoch001_step0000010.pth'),
+                        *change, '--max_iteration', '12')
+    _one_error_line(result, needle, '--epochs')  # and it names what may change
+    assert _snapshot(folder) == before
+
+
+def test_two_runs_of_one_folder_are_refused(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '500', '--save_interval', '2', '--resume']
+    first = _start(args)
+    _wait_for(lambda: os.path.exists(os.path.join(_folder(args), 'last.pth')), first)
+    second = run_script('train.py', *args)
+    _one_error_line(second, 'is in use by process', str(first.pid))
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=timeout(120))
+    assert first.returncode == 128 + signal.SIGTERM
+    assert len([n for n in os.listdir(_folder(args)) if n.startswith('events.')]) == 1
+
+
+# full disks, read-only folders, interrupted start-ups -------------------------------------------------
+
+def _file_size_limit(limit):
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_full_disk_at_the_start_is_one_line_and_leaves_nothing(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    result = subprocess.run([sys.executable, 'train.py', *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=timeout(), preexec_fn=_file_size_limit(100))
+    _one_error_line(result)
+    assert os.listdir(tmp_path / 'ck') == []  # no half-made folder blocks the same command later
+    _ok(run_script('train.py', *args, '--epochs', '1'))
+
+
+@contextlib.contextmanager
+def _read_only_mount(folder):
+    """`folder` as a small tmpfs that can be made read-only; skips where mounting is not allowed."""
+    os.makedirs(folder)
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64m', 'tmpfs', str(folder)], capture_output=True).returncode:
+        pytest.skip('mounting a tmpfs is not allowed here')
+    try:
+        yield lambda: subprocess.run(['mount', '-o', 'remount,ro', str(folder)], check=True)
+    finally:
+        subprocess.run(['umount', '-l', str(folder)])
+
+
+def test_a_read_only_file_system_at_resume_is_one_line(tiny_shapes, tmp_path):
+    with _read_only_mount(tmp_path / 'mnt') as make_read_only:
+        args = tiny_run_args(tiny_shapes, tmp_path / 'mnt') + ['--epochs', '1']
+        _ok(run_script('train.py', *args))
+        before = _snapshot(_folder(args))
+        make_read_only()
+        _one_error_line(run_script('train.py', *args, '--resume', '--epochs', '2'), 'Read-only')
+        assert _snapshot(_folder(args)) == before
+
+
+def test_ctrl_c_during_start_up_is_one_line(tiny_shapes, tmp_path):
+    # as from a terminal: a shell's background jobs inherit an ignored SIGINT, which Python keeps
+    process = subprocess.Popen([sys.executable, 'train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck')], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(0.5)  # still importing torch
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=timeout(60))
+    assert process.returncode == 130 and stderr.strip() == 'interrupted', stderr
+
+
+def test_checks_before_training(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _one_error_line(run_script('train.py', *args, '--monitor', 'val/nope'), '--monitor val/nope', 'val/acc')
+    _one_error_line(run_script('train.py', *args, '--img_size', '1'), '--img_size')
+    _one_error_line(run_script('train.py', *args, '--lr', 'inf'), '--lr')
+    assert os.listdir(tmp_path / 'ck') == []
+
+
+def test_a_nonfinite_loss_before_any_save_names_no_missing_file(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    line = _one_error_line(run_script('train.py', *args, '--optimizer', 'sgd', '--lr', '1e30', '--print_freq', '1'),
+                           'non-finite loss at step')
+    assert 'nothing was saved' in line and 'last.pth' not in line
+
+
+def test_a_refused_prediction_leaves_no_folder(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1']
+    _ok(run_script('train.py', *args))
+    result = run_script('predict.py', '--load_model_path', _folder(args), '--input', str(tmp_path / 'nothing'),
+                        '--cpu')  # an experiment folder means its best.pth, as in eval.py and train.py
+    _one_error_line(result, 'nothing')
+    assert not os.path.exists(os.path.join(_folder(args), 'predict'))
+
+
+# processes that lose their parent --------------------------------------------------------------------
+
+def _children(pid):
+    return [int(p) for p in subprocess.run(['ps', '-o', 'pid=', '--ppid', str(pid)], capture_output=True,
+                                           text=True).stdout.split()]
+
+
+def _running(pid):
+    """Whether process `pid` exists and is not a zombie waiting to be reaped."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError:
+        return False
+
+
+def test_dataloader_workers_exit_when_the_main_process_is_killed(tiny_shapes, tmp_path):
+    args = [a for a in tiny_run_args(tiny_shapes, tmp_path / 'ck') if a != '0'] + ['--epochs', '500']
+    args[args.index('--num_workers') + 1:args.index('--num_workers') + 1] = ['2']
+    process = _start(args)
+    _wait_for(lambda: len(_children(process.pid)) >= 2, process)
+    workers = _children(process.pid)
+    process.kill()
+    process.wait()
+    deadline = time.time() + 1.5  # within a second: PR_SET_PDEATHSIG makes it immediate
+    while time.time() < deadline and any(_running(pid) for pid in workers):
+        time.sleep(0.05)
+    assert not any(_running(pid) for pid in workers)
+
+
+TORCHRUN = [sys.executable, '-m', 'utils.torchrun', '--standalone', '--nproc-per-node=2']
+LINEAR = ['--model_type', 'linear', '--optimizer', 'sgd', '--lr', '0.05', '--batch_size', '8']
+
+
+def _torchrun(args, *extra):
+    return subprocess.Popen([*TORCHRUN, 'train.py', *args, *LINEAR, *extra], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'},
+                            start_new_session=True)
+
+
+def test_sigterm_to_torchrun_is_agreed_within_a_step_and_ends_with_143(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    launcher = _torchrun(args, '--epochs', '500', '--print_freq', '100000', '--save_interval', '30')
+    folder = os.path.join(tmp_path / 'ck', 'linear_list_default')
+    _wait_for(lambda: os.path.exists(os.path.join(folder, 'last.pth')), launcher)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=timeout(120))
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert 'stopped by SIGTERM' in stdout and 'Traceback' not in stderr
+    assert stderr.strip().splitlines()[-1] == 'torchrun: stopped by SIGTERM; the workers saved what they had'
+    step = _load(os.path.join(folder, 'last.pth'))['position']['step']
+    assert step % 30 and step % 100000  # saved for the signal, not at an interval
+
+
+def test_workers_stop_and_save_when_torchrun_is_killed(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    launcher = _torchrun(args, '--epochs', '500', '--save_interval', '30')
+    folder = os.path.join(tmp_path / 'ck', 'linear_list_default')
+    _wait_for(lambda: os.path.exists(os.path.join(folder, 'last.pth')), launcher)
+    workers = _children(launcher.pid)
+    launcher.kill()  # SIGKILL: torchrun cannot pass anything on
+    launcher.wait()
+    _wait_for(lambda: not any(_running(pid) for pid in workers), seconds=60)
+    step = _load(os.path.join(folder, 'last.pth'))['position']['step']
+    assert step % 30  # they saved when they noticed, and ended: no orphans training on
