@@ -95,12 +95,14 @@ def _name_part(text):
 def registry_names(option):
     """The names registered for `option` ('task', 'model_type' or 'data_type'), read without torch."""
     import importlib
+
+    from utils.errors import KilnError
     module_name, dict_name, path = REGISTRIES[option]
     try:
         return list(getattr(importlib.import_module(module_name), dict_name))
     except Exception as error:  # noqa: BLE001 - a broken registry file is the user's to fix: say which
         line = f' line {error.lineno}' if isinstance(error, SyntaxError) else ''
-        sys.exit(f'error: {path}{line}: {type(error).__name__}: {error}')
+        raise KilnError(f'{path}{line}: {type(error).__name__}: {error}') from None
 
 
 def parse_common_args(parser):

@@ -203,3 +203,98 @@ def test_sampler_counts_batches_without_drawing_an_order():
             assert sampler.num_batches() == len(sampler.batches()), (length, batch_size, shuffle, world_size, limit)
     sampler = ResumableBatchSampler(100, 10, True, 0, limit=0.3)
     assert [len(b) for b in sampler.batches()] == [10, 10, 10]
+
+
+def test_monitor_never_takes_a_nonfinite_value_as_best_and_counts_patience_from_real_gains():
+    from utils.monitor import Monitor
+    monitor = Monitor('val/loss', 'min', patience=2, min_delta=0.1)
+    assert monitor.update(1.0) and monitor.best == 1.0
+    assert not monitor.update(float('nan')) and not monitor.update(float('inf'))
+    assert monitor.best == 1.0 and monitor.exhausted()  # two validations without a (finite) gain
+    creeping = Monitor('val/acc', 'max', patience=3, min_delta=0.1)
+    for value in (0.50, 0.55, 0.58, 0.59):  # better each time, but never by more than 0.1 over 0.50
+        assert creeping.update(value)
+    assert creeping.best == 0.59 and creeping.waited == 3 and creeping.exhausted()
+
+
+def test_a_nonfinite_model_statistic_stops_the_run_and_names_it():
+    from utils.stopping import StopReason, Stopper
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    stopper = Stopper(torch.device('cpu'))
+    assert stopper.check_finite(model) and stopper.stop is None
+    model[1].running_var[2] = float('inf')
+    assert not stopper.check_finite(model)
+    assert stopper.stop.reason == StopReason.NONFINITE and '1.running_var' in stopper.stop.message
+
+
+def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
+    from utils.errors import run_cli
+
+    def full_disk(argv):
+        raise OSError(28, 'No space left on device', '/data/run/args.txt')
+
+    def out_of_memory(argv):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+    for main, needle in ((full_disk, 'No space left on device'), (out_of_memory, 'out of memory')):
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(main, [])
+        line = capsys.readouterr().err
+        assert exit_info.value.code == 2 and line.startswith('error: ') and needle in line and line.count('\n') == 1
+
+
+def test_an_in_memory_dataset_too_big_for_memory_is_refused(tiny_shapes, monkeypatch):
+    import data.mem_list_dataset as mem
+    monkeypatch.setattr(mem, 'available_memory', lambda: 10_000)
+    dataset = MemListDataset(_dataset_args(val_list=os.path.join(tiny_shapes, 'val.txt'), img_size=512), 'val')
+    with pytest.raises(KilnError, match='need .* GiB in memory'):
+        dataset.tensors()
+
+
+def test_every_checkpoint_is_loaded_onto_the_cpu(tmp_path, monkeypatch):
+    """A checkpoint written on a GPU loads on a machine without one: every entry point (resume, eval,
+    predict, --load_model_path) reads through load_checkpoint, which maps tensors to the CPU."""
+    path = str(tmp_path / 'x.pth')
+    torch.save({'model': {'w': torch.ones(2)}}, path)
+    seen = []
+    original = torch.load
+    monkeypatch.setattr(torch, 'load', lambda *a, **k: seen.append(k) or original(*a, **k))
+    assert load_checkpoint(path)['model']['w'].device.type == 'cpu'
+    assert seen == [{'map_location': 'cpu', 'weights_only': True}]
+
+
+def test_registry_mistakes_are_one_line_naming_the_file(tmp_path, monkeypatch):
+    from data.data_entry import DATASETS, dataset_class
+    import options
+    monkeypatch.setitem(DATASETS, 'digits', 'data.digits:DigitsDataset')  # registered, but no such file
+    with pytest.raises(KilnError, match=r"data/data_entry.py: the entry 'digits' cannot import data.digits"):
+        dataset_class('digits')
+    monkeypatch.setitem(DATASETS, 'mine', 'MyDataset')  # not 'module:Class'
+    with pytest.raises(KilnError, match=r"data/data_entry.py: the entry 'mine'"):
+        dataset_class('mine')
+    (tmp_path / 'broken_entry.py').write_text("DATASETS = {\n    'a': 'data.a:A'\n    'b': 'data.b:B',\n}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(options.REGISTRIES, 'data_type', ('broken_entry', 'DATASETS', 'data/data_entry.py'))
+    with pytest.raises(KilnError, match='^data/data_entry.py line 3: SyntaxError'):
+        options.registry_names('data_type')
+
+
+def test_unknown_names_are_answered_before_torch_loads():
+    probe = ("import atexit, runpy, sys\n"
+             "atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'))\n"
+             "sys.argv = ['train.py', '--model_type', 'small_cn']\n"
+             "runpy.run_path('train.py', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "unknown --model_type 'small_cn'" in result.stderr and 'small_cnn' in result.stderr
+    assert result.stdout.strip().endswith('NO-TORCH')
+
+
+def test_more_processes_than_gpus_is_one_line_naming_both_counts_and_the_fixes(monkeypatch):
+    from utils import distributed
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '2')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    with pytest.raises(KilnError) as error:
+        distributed.init_distributed(cpu=False)
+    message = str(error.value)
+    assert '2 processes' in message and '1 GPU' in message and '--cpu' in message and '--nproc-per-node 1' in message

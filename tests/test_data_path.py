@@ -1,0 +1,123 @@
+"""The data path: uint8 batches augmented per batch on the device, with random parameters fixed by
+(seed, epoch, sample position), so batches come out the same from memory or from disk, with any
+number of workers or processes, and after a resume; masks and boxes move with their pixels."""
+import argparse
+import os
+
+import pytest
+import torch
+
+from data.augment import BatchTransform, RandomCrop, _reflect
+from data.list_dataset import ListDataset
+from data.loader import Batches, pad_collate
+from data.mem_list_dataset import MemListDataset
+
+CPU = torch.device('cpu')
+
+
+def _args(shapes_dir, **overrides):
+    values = dict(train_list=os.path.join(shapes_dir, 'train.txt'), val_list=os.path.join(shapes_dir, 'val.txt'),
+                  img_size=32, num_classes=None, data_type='list', data_root='unused')
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def _epoch(batches, epoch, start=0):
+    return [{key: value.clone() for key, value in batch.items()} for batch in batches.epoch(epoch, start)]
+
+
+def test_batches_are_the_same_from_memory_or_disk_with_any_workers(tiny_shapes):
+    args = _args(tiny_shapes)
+    common = dict(batch_size=16, shuffle=True, seed=3, augment=('crop', 'hflip'))
+    in_memory = _epoch(Batches(MemListDataset(args, 'train'), CPU, **common), epoch=1)
+    for workers in (0, 2):
+        from_disk = _epoch(Batches(ListDataset(args, 'train'), CPU, workers=workers, **common), epoch=1)
+        assert len(from_disk) == len(in_memory) == 6
+        for a, b in zip(from_disk, in_memory):
+            assert torch.equal(a['image'], b['image']) and torch.equal(a['label'], b['label'])
+
+
+def test_augmentation_varies_per_sample_and_depends_only_on_seed_epoch_and_position(tiny_shapes):
+    dataset = MemListDataset(_args(tiny_shapes), 'train')
+    plain = Batches(dataset, CPU, batch_size=96, shuffle=False, seed=0)
+    augmented = Batches(dataset, CPU, batch_size=96, shuffle=False, seed=0, augment=('crop', 'hflip'))
+    before, after = _epoch(plain, 0)[0]['image'], _epoch(augmented, 0)[0]['image']
+    changed = (before != after).flatten(1).any(1)
+    assert 20 < changed.sum() <= 96  # most samples moved or flipped, each its own way
+    shifts = RandomCrop(32).draw(96, torch.Generator().manual_seed(0))['shift']
+    assert len({tuple(s) for s in shifts.tolist()}) > 10
+    # another batch size, a start part-way (a resume) and another epoch
+    whole = torch.cat([b['image'] for b in _epoch(Batches(dataset, CPU, batch_size=8, shuffle=True, seed=5,
+                                                          augment=('crop', 'hflip')), 2)])
+    halves = _epoch(Batches(dataset, CPU, batch_size=16, shuffle=True, seed=5, augment=('crop', 'hflip')), 2)
+    assert torch.equal(whole, torch.cat([b['image'] for b in halves]))
+    resumed = _epoch(Batches(dataset, CPU, batch_size=16, shuffle=True, seed=5, augment=('crop', 'hflip')), 2, start=3)
+    assert torch.equal(torch.cat([b['image'] for b in resumed]), torch.cat([b['image'] for b in halves[3:]]))
+    other = _epoch(Batches(dataset, CPU, batch_size=16, shuffle=True, seed=5, augment=('crop', 'hflip')), 3)
+    assert not torch.equal(torch.cat([b['image'] for b in other]), whole)
+
+
+def test_two_processes_see_the_halves_of_one_process_batches(tiny_shapes, monkeypatch):
+    import data.loader as loader
+    dataset = MemListDataset(_args(tiny_shapes), 'train')
+    one = _epoch(Batches(dataset, CPU, batch_size=16, shuffle=True, seed=1, augment=('crop', 'hflip')), 0)
+    ranks = []
+    for rank in (0, 1):
+        monkeypatch.setattr(loader, 'rank', lambda rank=rank: rank)
+        monkeypatch.setattr(loader, 'world_size', lambda: 2)
+        ranks.append(_epoch(Batches(dataset, CPU, batch_size=8, shuffle=True, seed=1, augment=('crop', 'hflip')), 0))
+    for whole, first, second in zip(one, *ranks):
+        assert torch.equal(whole['image'], torch.cat([first['image'], second['image']]))
+
+
+def test_the_crop_is_torchvision_s_reflect_padded_random_crop():
+    image = torch.arange(2 * 3 * 8 * 8, dtype=torch.uint8).view(2, 3, 8, 8)
+    shift = torch.tensor([[-1, 1], [2, -2]])  # (dy, dx) per sample
+    out = RandomCrop(32).apply({'image': image.clone()}, {'shift': shift})['image']
+    padded = torch.nn.functional.pad(image.float(), (2, 2, 2, 2), mode='reflect')
+    for i, (dy, dx) in enumerate(shift.tolist()):
+        assert torch.equal(out[i].float(), padded[i, :, 2 + dy:10 + dy, 2 + dx:10 + dx])
+    assert _reflect(torch.tensor([-2, -1, 0, 7, 8, 9]), 8).tolist() == [2, 1, 0, 7, 6, 5]
+
+
+def test_masks_and_boxes_move_with_their_pixels():
+    image = torch.zeros(1, 3, 32, 32, dtype=torch.uint8)
+    image[0, :, 4:10, 20:30] = 255  # one bright box at x 20..30, y 4..10
+    batch = {'image': image, 'mask': (image[:, 0] > 0).to(torch.uint8),
+             'boxes': torch.tensor([[[20., 4., 30., 10.], [0., 0., 0., 0.]]]), 'box_labels': torch.tensor([[3, -1]])}
+    transform = BatchTransform(('crop', 'hflip'), 32)
+    params = {(0, 'shift'): torch.tensor([[1, -2]]), (1, 'flip'): torch.tensor([True])}
+    out = transform(batch, params)
+    bright = out['image'][0, 0] > 0
+    rows, columns = bright.nonzero(as_tuple=True)
+    x1, y1, x2, y2 = out['boxes'][0, 0].tolist()
+    assert (rows.min().item(), rows.max().item() + 1) == (y1, y2) == (3, 9)  # up by 1
+    assert (columns.min().item(), columns.max().item() + 1) == (x1, x2) == (32 - 32, 32 - 22)  # right 2, mirrored
+    assert torch.equal(out['mask'][0].bool(), bright) and out['box_labels'].tolist() == [[3, -1]]
+    assert out['image'].dtype == torch.float32 and out['mask'].dtype == torch.int64
+
+
+def test_a_box_pushed_out_of_the_picture_is_dropped():
+    batch = {'image': torch.zeros(1, 3, 32, 32, dtype=torch.uint8), 'boxes': torch.tensor([[[0., 0., 1.5, 1.5]]]),
+             'box_labels': torch.tensor([[2]])}
+    out = RandomCrop(32).apply(batch, {'shift': torch.tensor([[2, 2]])})
+    assert out['box_labels'].tolist() == [[-1]]
+
+
+def test_pad_collate_pads_variable_length_targets():
+    samples = [{'image': torch.zeros(3, 4, 4, dtype=torch.uint8), 'boxes': torch.ones(n, 4),
+                'box_labels': torch.arange(n)} for n in (2, 0, 3)]
+    batch = pad_collate(samples)
+    assert batch['image'].shape == (3, 3, 4, 4) and batch['boxes'].shape == (3, 3, 4)
+    assert batch['box_labels'].tolist() == [[0, 1, -1], [-1, -1, -1], [0, 1, 2]]
+    assert batch['boxes'][1].abs().sum() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_on_a_gpu_in_memory_data_stays_there_and_batches_match_the_cpu(tiny_shapes):
+    dataset = MemListDataset(_args(tiny_shapes), 'train')
+    common = dict(batch_size=16, shuffle=True, seed=3, augment=('crop', 'hflip'))
+    gpu = Batches(dataset, torch.device('cuda'), **common)
+    assert gpu.memory['image'].is_cuda
+    for a, b in zip(_epoch(gpu, 1), _epoch(Batches(dataset, CPU, **common), 1)):
+        assert torch.equal(a['image'].cpu(), b['image'])
