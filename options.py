@@ -125,7 +125,7 @@ def parse_common_args(parser):
     parser.add_argument('--data_root', default='data/generated', help='where generated datasets are written')
     parser.add_argument('--num_classes', type=_positive_int, help='default: what the dataset reports')
     parser.add_argument('--img_size', type=_image_side, help='images are resized to this side (default: the task\'s, '
-                        '32 to classify and segment, 64 to detect)')
+                        'e.g. 32 to classify)')
     parser.add_argument('--batch_size', type=_positive_int, default=128, help='images per step and process')
     parser.add_argument('--num_workers', type=_non_negative_int,
                         help='DataLoader worker processes for datasets read from disk (default: min(4, CPUs per '

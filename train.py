@@ -368,11 +368,14 @@ def write_run_records(run):
 
 
 def hparams(options):
-    """The options shown in TensorBoard's HParams tab and other trackers (numbers, strings and booleans)."""
-    names = ('task', 'model_type', 'data_type', 'optimizer', 'lr', 'batch_size', 'grad_accum_steps', 'epochs',
-             'max_iteration', 'scheduler', 'weight_decay', 'amp', 'seed', 'augment', 'load_model_path', 'freeze_to')
-    return {name: getattr(options, name) if isinstance(getattr(options, name), (int, float, str, bool))
-            else str(getattr(options, name)) for name in names}
+    """The options shown in TensorBoard's HParams tab and given to other trackers: the main ones, and
+    every option set to something else than its default (so a sweep's options are there)."""
+    main = ('task', 'model_type', 'data_type', 'optimizer', 'lr', 'batch_size', 'epochs', 'max_iteration', 'scheduler',
+            'weight_decay', 'amp', 'seed', 'augment')
+    defaults = vars(parse_args(parse_train_args, []))
+    shown = {name: value for name, value in sorted(saved_options(options).items())
+             if name in main or (name in defaults and value != defaults[name] and name not in ('checkpoints_dir',))}
+    return {name: value if isinstance(value, (int, float, str, bool)) else str(value) for name, value in shown.items()}
 
 
 def hparams_metric_names(options):

@@ -66,7 +66,7 @@ save_and_requeue() {
 trap save_and_requeue USR1
 
 srun --kill-on-bad-exit=1 bash -c 'kiln_node "$@"' kiln_node \
-    "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC" \
+    "$PYTHON" -m utils.torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC" \
     --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
     --max-restarts="$MAX_RESTARTS" \
     train.py --save_prefix "slurm_$SLURM_JOB_NAME" --resume "${DEVICE[@]}" "$@" &

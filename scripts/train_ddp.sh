@@ -28,5 +28,5 @@ else
     LAUNCH=(--nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
             --rdzv-id="$RDZV_ID")
 fi
-"$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" train.py --model_type "$MODEL_TYPE" --data_type "$DATA_TYPE" \
+"$PYTHON" -m utils.torchrun "${LAUNCH[@]}" train.py --model_type "$MODEL_TYPE" --data_type "$DATA_TYPE" \
     --save_prefix "$SAVE_PREFIX" --epochs "$EPOCHS" --batch_size "$BATCH_SIZE" --lr "$LR" "$@"

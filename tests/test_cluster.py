@@ -17,7 +17,7 @@ import torch
 
 from conftest import REPO, timeout, tiny_run_args
 
-TORCHRUN = [sys.executable, '-m', 'torch.distributed.run']
+TORCHRUN = [sys.executable, '-m', 'utils.torchrun']
 # the linear model has no BatchNorm, whose batch statistics would differ between 1 x 16 and 2 x 8 images
 LINEAR_SGD = ['--model_type', 'linear', '--optimizer', 'sgd', '--lr', '0.05', '--epochs', '1']
 
@@ -305,7 +305,7 @@ def test_slurm_job_trains_into_its_experiment_folder(slurm, whole_job):
     assert commands[1] == 'scontrol show hostnames 127.0.0.1'
     srun = commands[2]
     assert srun.startswith('srun ') and len(commands) == 3  # no scancel, no requeue
-    for part in ('-m torch.distributed.run --nnodes=1 --nproc-per-node=1 --rdzv-backend=c10d',
+    for part in ('-m utils.torchrun --nnodes=1 --nproc-per-node=1 --rdzv-backend=c10d',
                  f'--rdzv-endpoint=127.0.0.1:{job.env["RDZV_PORT"]} --rdzv-id={job.id} --max-restarts=',
                  'train.py --save_prefix slurm_whole --resume --cpu --data_type list'):
         assert part in srun, srun

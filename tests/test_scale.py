@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO, run_script, timeout, tiny_run_args
 
-TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node=2']
+TORCHRUN = [sys.executable, '-m', 'utils.torchrun', '--standalone', '--nproc-per-node=2']
 
 
 def _torchrun(script, *args):
