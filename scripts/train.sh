@@ -5,12 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-MODEL_TYPE=${MODEL_TYPE:-small_cnn}
-DATA_TYPE=${DATA_TYPE:-shapes}
+TASK=${TASK:-classify}        # classify, segment, detect, ...: tasks/task_entry.py
+MODEL_TYPE=${MODEL_TYPE:-}    # empty: the task's own model (model/model_entry.py)
+DATA_TYPE=${DATA_TYPE:-}      # empty: the task's own dataset (data/data_entry.py)
 SAVE_PREFIX=${SAVE_PREFIX:-default}
 EPOCHS=${EPOCHS:-12}
 BATCH_SIZE=${BATCH_SIZE:-128}
 LR=${LR:-3e-3}
 
-"$PYTHON" train.py --model_type "$MODEL_TYPE" --data_type "$DATA_TYPE" --save_prefix "$SAVE_PREFIX" \
-    --epochs "$EPOCHS" --batch_size "$BATCH_SIZE" --lr "$LR" "$@"
+"$PYTHON" train.py --task "$TASK" ${MODEL_TYPE:+--model_type "$MODEL_TYPE"} ${DATA_TYPE:+--data_type "$DATA_TYPE"} \
+    --save_prefix "$SAVE_PREFIX" --epochs "$EPOCHS" --batch_size "$BATCH_SIZE" --lr "$LR" "$@"
