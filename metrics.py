@@ -68,25 +68,33 @@ class ConfusionMetrics:
         self.reset()
 
     def reset(self):
-        """Start counting again (a new interval of training batches)."""
-        self.matrix = torch.zeros(self.num_classes, self.num_classes, dtype=torch.long)
+        """Start counting again (a new interval of training batches). The counters are made on the first
+        update, on its device: copying zeros there would make the GPU wait."""
+        self.matrix = None
 
     def update(self, logits, batch):
         """Add one batch of class scores `logits` (N, C, ...) and targets `batch[target]` (N, ...)."""
         counts = confusion_matrix(logits.argmax(dim=1), batch[self.target], self.num_classes)
-        self.matrix = self.matrix.to(counts.device) + counts
+        self.matrix = counts if self.matrix is None else self.matrix + counts
 
-    def reduce(self, *extra):
-        """The matrix and `extra` tensors summed over all processes, as host tensors (one collective)."""
-        self.confusion, *rest = reduced(self.matrix, *extra)
-        self.confusion = self.confusion.long()
+    def totals(self):
+        """The counters as tensors (zeros before any update)."""
+        return [getattr(self, name) if getattr(self, name) is not None else torch.zeros(shape, dtype=torch.long)
+                for name, shape in zip(self.sums, self.shapes())]
+
+    def shapes(self):
+        return [(self.num_classes, self.num_classes)]
+
+    def reduce(self):
+        """The counters summed over all processes, as host tensors (one collective); sets `confusion`."""
+        self.confusion, *rest = (t.long() for t in reduced(*self.totals()))
         return rest
 
     sums = ('matrix',)  # the counters a checkpoint keeps
 
     def state_dict(self):
         """The counters of all processes, as host tensors (a collective: every process calls it)."""
-        return dict(zip(self.sums, (t.long() for t in reduced(*(getattr(self, name) for name in self.sums)))))
+        return dict(zip(self.sums, (t.long() for t in reduced(*self.totals()))))
 
     def load_state_dict(self, state):
         """Continue counting from `state_dict` (under torchrun, on rank 0 only: it holds everyone's counts)."""
@@ -105,15 +113,19 @@ class ClassificationMetrics(ConfusionMetrics):
 
     def reset(self):
         super().reset()
-        self.hits = torch.zeros((), dtype=torch.long)
+        self.hits = None
 
     def update(self, logits, batch):
         super().update(logits, batch)
-        self.hits = self.hits.to(logits.device) + topk_hits(logits, batch[self.target], self.k).sum()
+        hits = topk_hits(logits, batch[self.target], self.k).sum()
+        self.hits = hits if self.hits is None else self.hits + hits
+
+    def shapes(self):
+        return super().shapes() + [()]
 
     def compute(self, class_names=None):
         """{'acc', 'top<k>'} and, with `class_names`, 'recall/<name>' for each class (a collective)."""
-        hits, = self.reduce(self.hits)
+        hits, = self.reduce()
         accuracy, recall = accuracy_from_confusion(self.confusion)
         metrics = {'acc': accuracy.item(), f'top{self.k}': hits.item() / max(self.confusion.sum().item(), 1)}
         if class_names:

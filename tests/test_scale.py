@@ -304,7 +304,7 @@ def test_loader_defaults(tiny_shapes, monkeypatch):
     from data.loader import Batches
     from data.mem_list_dataset import MemListDataset
     from options import parse_args, parse_train_args
-    args = parse_args(parse_train_args, tiny_run_args(tiny_shapes, 'unused')[:6])  # list data, workers unset
+    args = parse_args(parse_train_args, tiny_run_args(tiny_shapes, 'unused')[:6] + ['--img_size', '32'])  # workers unset
     monkeypatch.setattr(os, 'cpu_count', lambda: 8)
     monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
     cpu = torch.device('cpu')
