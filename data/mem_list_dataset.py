@@ -1,8 +1,18 @@
-"""In-memory datasets: decoded once into uint8 tensors that the training device batches by indexing."""
+"""In-memory datasets: decoded once into uint8 tensors that the training device batches by indexing.
+
+The decoded tensors are cached in `<data_root>/cache/` (a file per list and image size, checked
+against the list's bytes and every file's size and modification time), so a later run loads them in
+milliseconds instead of decoding every image again.
+"""
+import hashlib
+import io
 import os
+
+import torch
 
 from data.list_dataset import ListDataset
 from data.loader import pad_collate
+from utils.checkpoint import atomic_write_bytes
 from utils.errors import KilnError
 
 
@@ -22,6 +32,11 @@ class InMemory:
     """Mixin for a dataset class: decode every sample once (on first use) into whole-dataset tensors,
     `tensors()`, which data/loader.py keeps on the training device; samples are then rows of them."""
 
+    def __init__(self, args, split):
+        root = getattr(args, 'data_root', None)
+        self.cache_folder = os.path.join(root, 'cache') if root else None
+        super().__init__(args, split)
+
     def tensors(self):
         """{'image': (N, 3, S, S) uint8, <target>: (N, ...)}: every sample, variable-length targets padded."""
         if getattr(self, '_tensors', None) is None:
@@ -31,8 +46,45 @@ class InMemory:
                 raise KilnError(f'{len(self)} images of {self.size}x{self.size} need {needed / 2**30:.1f} GiB in memory '
                                 f'but {free / 2**30:.1f} GiB are free; lower --img_size or read them from disk '
                                 f'(--data_type list)')
-            self._tensors = pad_collate([super(InMemory, self).__getitem__(i) for i in range(len(self))])
+            self._tensors = self.cached() or self.decode_all()
         return self._tensors
+
+    def decode_all(self):
+        """Decode every sample and cache the result (when the cache folder can be written)."""
+        tensors = pad_collate([super(InMemory, self).__getitem__(i) for i in range(len(self))])
+        if self.cache_folder:
+            try:
+                os.makedirs(self.cache_folder, exist_ok=True)
+                buffer = io.BytesIO()
+                torch.save({'key': self.cache_key(), 'tensors': tensors}, buffer)
+                atomic_write_bytes(buffer.getvalue(), self.cache_path())
+            except OSError:  # a read-only or full disk: the data are decoded next time too
+                pass
+        return tensors
+
+    def cached(self):
+        """The tensors of an earlier decoding of exactly these files, or None."""
+        try:
+            saved = torch.load(self.cache_path(), map_location='cpu', weights_only=True)
+        except Exception:  # noqa: BLE001 - no cache, or an unreadable one: decode again
+            return None
+        return saved['tensors'] if saved.get('key') == self.cache_key() else None
+
+    def cache_path(self):
+        stem = os.path.splitext(os.path.basename(self.list_path))[0]
+        where = hashlib.sha256(os.path.abspath(self.list_path).encode()).hexdigest()[:12]
+        return os.path.join(self.cache_folder or '', f'{type(self).__name__}_{stem}_{where}_{self.size}.pt')
+
+    def cache_key(self):
+        """A digest of the list file and of every file it names (path, size, modification time)."""
+        digest = hashlib.sha256(f'{type(self).__name__} {self.size}'.encode())
+        with open(self.list_path, 'rb') as f:
+            digest.update(f.read())
+        for path, target, _ in self.samples:
+            for file in (path, target) if isinstance(target, str) else (path,):
+                stat = os.stat(file)
+                digest.update(f'{file} {stat.st_size} {stat.st_mtime_ns}'.encode())
+        return digest.hexdigest()
 
     def check_files(self):
         """Nothing to do before decoding: every file is decoded (and so checked) at the start."""
