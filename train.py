@@ -28,7 +28,7 @@ from tqdm import tqdm  # noqa: E402
 from data.augment import augmentation_names  # noqa: E402
 from data.data_entry import select_dataset  # noqa: E402
 from data.loader import Batches  # noqa: E402
-from options import Options, saved_options  # noqa: E402
+from options import Options, prefix_map, saved_options  # noqa: E402
 from tasks.task_entry import TASKS, task_class  # noqa: E402
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model  # noqa: E402
 from utils.checkpoint_keeper import LAST, CheckpointKeeper  # noqa: E402
@@ -153,14 +153,11 @@ def build(args):
 
     checkpoint = load_checkpoint(options.resume_from) if options.resume_from else None
     weights = checkpoint_path(options.load_model_path) if options.load_model_path and checkpoint is None else None
-    finetuning = None
-
-    def freeze(model):  # between loading weights and wrapping for DDP, which must see what is trainable
-        nonlocal finetuning
-        finetuning = FineTuning(model, options.freeze_to, options.freeze_batch_norms, options.unfreeze_at_epoch)
-    from options import prefix_map
     setup = setup_model(options, device, weights, strict=not options.load_not_strict, prefix_map=prefix_map(options),
-                        prepare=freeze)
+                        wrap=False)
+    # freeze before wrapping for DDP, which syncs only what is trainable when it wraps
+    finetuning = FineTuning(setup.model, options.freeze_to, options.freeze_batch_norms, options.unfreeze_at_epoch)
+    setup.wrap(options)
     groups = finetuning.param_groups(options.lr, options.head_lr, options.backbone_lr, options.unfrozen_lr_scale)
     optimizer = OPTIMIZERS[options.optimizer](groups, options)
     updates_per_epoch = math.ceil(len(train_data) / options.grad_accum_steps)
@@ -184,12 +181,11 @@ def build(args):
               Stopper(device), monitor, history, recorder, train_metrics, checkpointer, max_steps=max_steps,
               updates_per_epoch=updates_per_epoch)
     if checkpoint is not None:
-        if finetuning.is_unfrozen(checkpoint.get('position', {}).get('epoch', 0),
-                                  checkpoint.get('position', {}).get('batch', 0)):
-            finetuning.unfreeze()
-            setup.rewrap(options)
         checkpointer.load(checkpoint, options.resume_from)
         run.stopper.resume_at(position.step)
+        if finetuning.is_unfrozen(position.epoch, position.batch):  # --unfreeze_at_epoch took effect before
+            finetuning.unfreeze()
+            setup.wrap(options)
         if is_main_process():
             print(f'resuming {options.resume_from}: epoch {position.epoch + 1}, batch {position.batch}, '
                   f'step {position.step}')
@@ -214,7 +210,7 @@ def train(run):
         while stopper.stop is None and position.step < run.max_steps:
             if run.finetuning.unfreezes_at(position.epoch, position.batch):  # --unfreeze_at_epoch
                 run.finetuning.unfreeze()
-                run.setup.rewrap(o)
+                run.setup.wrap(o)
                 model = run.setup.wrapped
             run.finetuning.train_mode(model)
             epoch = position.epoch

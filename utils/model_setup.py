@@ -20,22 +20,23 @@ class ModelSetup:
     autocast: object
     load_report: object = None
 
-    def rewrap(self, options):
-        """Wrap again (DDP keeps only the parameters that were trainable when it wrapped: call after unfreezing)."""
+    def wrap(self, options):
+        """Wrap the compiled model for several devices (again after unfreezing: DDP syncs only the
+        parameters that were trainable when it wrapped)."""
         self.wrapped = wrap_model(self.compiled, options.gpus, options.cpu)
 
 
-def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, source=None, prepare=None):
+def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, source=None, wrap=True):
     """Build --model_type, load `weights` (a path or a loaded checkpoint; all of them when `strict`),
-    call `prepare(model)` (e.g. to freeze layers), place it on `device` (channels-last with
-    --channels_last), compile it with --compile/--compile_mode, and wrap it for several devices."""
+    place it on `device` (channels-last with --channels_last), compile it with --compile/--compile_mode,
+    and (with `wrap`; else call `.wrap` later) wrap it for several devices."""
     model = select_model(options)
     report = None
     if weights is not None:
         report = load_weights(model, weights, strict=strict, source=source, prefix_map=prefix_map)
-    if prepare is not None:
-        prepare(model)
     model = model.to(device, memory_format=torch.channels_last if options.channels_last else torch.preserve_format)
     compiled = torch.compile(model, mode=options.compile_mode) if options.compile else model
-    return ModelSetup(model, compiled, wrap_model(compiled, options.gpus, options.cpu), autocast_for(device, options.amp),
-                      report)
+    setup = ModelSetup(model, compiled, compiled, autocast_for(device, options.amp), report)
+    if wrap:
+        setup.wrap(options)
+    return setup
