@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-TASK=${TASK:-classify}        # classify, segment, detect, ...: tasks/task_entry.py
+TASK=${TASK:-classify}        # a --task name: tasks/task_entry.py
 MODEL_TYPE=${MODEL_TYPE:-}    # empty: the task's own model (model/model_entry.py)
 DATA_TYPE=${DATA_TYPE:-}      # empty: the task's own dataset (data/data_entry.py)
 SAVE_PREFIX=${SAVE_PREFIX:-default}

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import data.shapes_det_dataset as shapes_det_dataset
-from conftest import REPO
+from conftest import REPO, timeout
 from data.shapes import CLASS_NAMES, generate_shape_boxes, main as shapes_main
 from data.det_list_dataset import DetListDataset
 from data.shapes_det_dataset import ShapesDetDataset
@@ -159,7 +159,7 @@ def test_boxes_dataset_generates_its_default_copy_and_checks_lines(tmp_path, mon
 def test_parts_do_not_import_torchvision():
     probe = ('import sys, data.shapes_det_dataset, model.center_net, tasks.detect\n'
              'print("TORCHVISION" if "torchvision" in sys.modules else "CLEAN")')
-    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=timeout())
     assert result.stdout.strip() == 'CLEAN', result.stderr
 
 

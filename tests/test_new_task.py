@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, run_script, tiny_run_args
+from conftest import REPO, run_script, timeout, tiny_run_args
 
 
 def _ok(result):
@@ -44,11 +44,11 @@ def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_pa
 
     # its own tests (the fast ones here; the whole suite is the template's) and its train.sh with the stubs
     _ok(subprocess.run([sys.executable, '-m', 'pytest', '-q', 'tests/test_units.py'], cwd=dest, capture_output=True,
-                       text=True, timeout=300))
+                       text=True, timeout=timeout()))
     trained = subprocess.run(['bash', 'scripts/train.sh', '--data_type', 'leaves', '--model_type', 'leaf_net',
                               '--train_list', os.path.join(tiny_shapes, 'train.txt'), '--val_list',
                               os.path.join(tiny_shapes, 'val.txt'), '--no-progress_bar', '--batch_size', '16'],
-                             cwd=dest, capture_output=True, text=True, timeout=300, env={**os.environ, 'EPOCHS': '1'})
+                             cwd=dest, capture_output=True, text=True, timeout=timeout(), env={**os.environ, 'EPOCHS': '1'})
     _ok(trained)
     assert (dest / 'checkpoints' / 'leaf_net_leaves_default' / 'best.pth').is_file()
 
@@ -65,7 +65,7 @@ def segmented(tiny_shapes, tmp_path_factory):
     """A 2-epoch segmentation run through scripts/train_seg.sh on the tiny shapes' masks: its folder."""
     args = _seg_args(tiny_shapes, tmp_path_factory.mktemp('seg'))
     result = subprocess.run(['bash', 'scripts/train_seg.sh', *args[2:]], cwd=REPO, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, 'EPOCHS': '2', 'BATCH_SIZE': '16', 'DATA_TYPE': 'seg_list'})
+                            timeout=timeout(), env={**os.environ, 'EPOCHS': '2', 'BATCH_SIZE': '16', 'DATA_TYPE': 'seg_list'})
     _ok(result)
     assert 'val/miou' in result.stdout
     return os.path.join(args[args.index('--checkpoints_dir') + 1], 'seg_net_seg_list_default')

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO
+from conftest import REPO, timeout
 from data.list_dataset import ListDataset
 from data.mem_list_dataset import MemListDataset
 from data.shapes import generate_shapes
@@ -28,7 +28,7 @@ def test_help_answers_without_importing_torch(script):
              "atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'))\n"
              f"sys.argv = ['{script}', '--help']\n"
              f"runpy.run_path('{script}', run_name='__main__')\n")
-    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=timeout())
     assert '--load_model_path' in result.stdout
     assert result.stdout.strip().endswith('NO-TORCH')
 
@@ -283,7 +283,7 @@ def test_unknown_names_are_answered_before_torch_loads():
              "atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'))\n"
              "sys.argv = ['train.py', '--model_type', 'small_cn']\n"
              "runpy.run_path('train.py', run_name='__main__')\n")
-    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=timeout())
     assert "unknown --model_type 'small_cn'" in result.stderr and 'small_cnn' in result.stderr
     assert result.stdout.strip().endswith('NO-TORCH')
 
