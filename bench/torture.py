@@ -1,13 +1,15 @@
 """A long fault-injection run, outside the test suite: `python bench/torture.py --trials 50`.
 
 Each trial picks a mode (epochs with 2 DataLoader workers, iteration mode with mid-run validation,
-gradient accumulation, in-memory data), starts a run that saves every step, SIGKILLs it at a random
-moment, sometimes SIGKILLs the resume too, and resumes until it finishes; the final weights, history
+gradient accumulation, in-memory data), starts a run that saves every step, SIGKILLs it right after
+a random step (at once, or a random fraction of a step later, inside the next save or step), sometimes
+SIGKILLs the resume too, and resumes until it finishes; the final weights, history
 and TensorBoard-free records must equal an uninterrupted run's, bit for bit. Some trials instead try
 to resume with another --batch_size, which must be refused with one line and no file touched.
 Prints the counts at the end; exits non-zero if any trial failed.
 """
 import argparse
+import json
 import os
 import random
 import signal
@@ -40,16 +42,27 @@ def experiment(folder):
     return os.path.join(folder, name)
 
 
-def train(args, kill_after=None):
-    """Run train.py; with `kill_after` seconds, SIGKILL it then. Returns the exit code."""
+def saved_step(folder):
+    """The step of the newest checkpoint on record in the run folder under `folder`, or -1."""
+    try:
+        with open(os.path.join(experiment(folder), 'checkpoints.json')) as f:
+            return int(json.load(f)['last'].split('step')[1].split('.')[0])
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        return -1
+
+
+def train(args, kill_at=None, delay=0.0):
+    """Run train.py; with `kill_at`, SIGKILL it `delay` seconds after its checkpoint of step `kill_at`
+    is on record (if it gets there). Returns the exit code."""
     process = subprocess.Popen([sys.executable, 'train.py', *args], cwd=REPO, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    if kill_after is not None:
-        try:
-            process.wait(kill_after)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    process.wait()
+    if kill_at is not None:
+        folder = args[args.index('--checkpoints_dir') + 1]
+        while process.poll() is None and saved_step(folder) < kill_at:
+            time.sleep(0.005)
+        time.sleep(delay)
+        process.kill()
+    process.communicate()
     return process.returncode
 
 
@@ -79,17 +92,17 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         from data.shapes import generate_shapes
         data = generate_shapes(os.path.join(scratch, 'data'), train_size=96, val_size=48)
-        references, durations = {}, {}
+        references, steps = {}, {}
         for mode, extra in MODES.items():
             folder = os.path.join(scratch, f'reference_{mode}')
-            start = time.perf_counter()
             assert train(base_args(data, folder) + extra) == 0, mode
-            durations[mode], references[mode] = time.perf_counter() - start, final_state(folder)
+            references[mode] = final_state(folder)
+            steps[mode] = references[mode][2]['step']
         for trial in range(options.trials):
             counts['trials'] += 1
             mode = chooser.choice(list(MODES))
             args = base_args(data, os.path.join(scratch, f'trial{trial}')) + MODES[mode]
-            killed = train(args, kill_after=chooser.uniform(3.5, durations[mode]))
+            killed = train(args, kill_at=chooser.randrange(1, steps[mode]), delay=chooser.choice([0, 0, 0.05, 0.2]))
             counts['kills'] += killed == -signal.SIGKILL
             folder = args[args.index('--checkpoints_dir') + 1]
             saved = os.path.isdir(folder) and os.listdir(folder) and os.path.exists(
@@ -108,8 +121,8 @@ def main():
                     print(f'trial {trial}: the batch-size change was not refused cleanly: {refused.stderr[-500:]}')
             code = None
             for attempt in range(5):  # resume until done; the first resumes may be killed too
-                kill = chooser.uniform(3.5, durations[mode]) if attempt < 2 and chooser.random() < 0.3 else None
-                code = train(args + ['--resume'], kill_after=kill)
+                kill = chooser.randrange(1, steps[mode]) if attempt < 2 and chooser.random() < 0.3 else None
+                code = train(args + ['--resume'], kill_at=kill, delay=chooser.choice([0, 0.05]))
                 counts['resumes'] += 1
                 counts['resume_kills'] += code == -signal.SIGKILL
                 if code == 0:
