@@ -490,7 +490,7 @@ def fast_dev_run(argv, args):
     <checkpoints_dir>/fast_dev_run/, then eval.py and predict.py on that checkpoint."""
     import eval as evaluation_script
     import predict
-    stamp = time.strftime('%Y%m%d_%H%M%S') + f'_{os.getpid()}'
+    stamp = time.strftime('%Y%m%d_%H%M%S') + f'_{os.getpid()}_{time.time_ns() % 10**9}'
     throwaway = os.path.join(args.checkpoints_dir, 'fast_dev_run')
     dev_argv = [*argv, '--checkpoints_dir', throwaway, '--save_prefix', stamp, '--max_iteration', '2',
                 '--limit_train_batches', '2', '--limit_val_batches', '2', '--valid_interval', '2']

@@ -24,7 +24,8 @@ def training_profiler(enabled, folder, wait=2, warmup=2, active=6):
     with profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
                  on_trace_ready=tensorboard_trace_handler(trace_folder), record_shapes=True) as profiler:
         yield profiler
-    sort = 'self_cuda_time_total' if torch.cuda.is_available() else 'self_cpu_time_total'
-    print(profiler.key_averages().table(sort_by=sort, row_limit=12))
+    averages = profiler.key_averages()
+    on_gpu = any(getattr(event, 'self_device_time_total', 0) > 0 for event in averages)  # not with --cpu
+    print(averages.table(sort_by='self_cuda_time_total' if on_gpu else 'self_cpu_time_total', row_limit=12))
     print(f'profile: trace in {trace_folder} (tensorboard --logdir {trace_folder}, or open the .json in '
           f'https://ui.perfetto.dev)')
