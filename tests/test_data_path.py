@@ -17,7 +17,7 @@ CPU = torch.device('cpu')
 
 def _args(shapes_dir, **overrides):
     values = dict(train_list=os.path.join(shapes_dir, 'train.txt'), val_list=os.path.join(shapes_dir, 'val.txt'),
-                  img_size=32, num_classes=None, data_type='list', data_root='unused')
+                  img_size=32, num_classes=None, data_type='list', data_root=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 

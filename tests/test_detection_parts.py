@@ -39,7 +39,7 @@ def _files(root):
 
 
 def _args(**overrides):
-    values = dict(train_list=None, val_list=None, img_size=64, num_classes=None, data_root='unused')
+    values = dict(train_list=None, val_list=None, img_size=64, num_classes=None, data_root=None)
     values.update(overrides)
     return types.SimpleNamespace(**values)
 

@@ -51,7 +51,7 @@ def test_config_values_are_checked_like_flags(tmp_path):
 
 
 def _dataset_args(**overrides):
-    values = dict(train_list=None, val_list=None, img_size=32, num_classes=None, data_type='list', data_root='x')
+    values = dict(train_list=None, val_list=None, img_size=32, num_classes=None, data_type='list', data_root=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 
