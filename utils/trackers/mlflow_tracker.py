@@ -39,6 +39,8 @@ class MlflowTracker(Tracker):
         from mlflow.tracking import MlflowClient
         self.Metric, self.Param = Metric, Param
         uri, artifacts = options.mlflow_uri or os.environ.get('MLFLOW_TRACKING_URI'), None
+        if uri and uri.startswith('sqlite:///'):  # a database file: artifacts beside it, not in ./mlruns
+            artifacts = pathlib.Path(os.path.dirname(os.path.abspath(uri[len('sqlite:///'):])), 'artifacts').as_uri()
         if not uri:
             for module in ('sqlalchemy', 'alembic'):  # MLflow's SQLite store needs both
                 require(module, self.name)
