@@ -154,25 +154,3 @@ def test_scripts_train_then_eval_on_the_default_dataset(tmp_path):
     # one epoch on 6000 images already beats chance (1/6) by far
     accuracy = float(result.split('acc: ')[1].split()[0])
     assert accuracy > 0.3
-
-
-def test_pycharm_run_configurations_point_at_the_scripts():
-    import xml.etree.ElementTree as ElementTree
-    from options import parse_args, parse_predict_args, parse_test_args, parse_train_args
-    parsers = {'train': parse_train_args, 'train_seg': parse_train_args, 'eval': parse_test_args,
-               'predict': parse_predict_args}
-    for name, parser in parsers.items():
-        root = ElementTree.parse(os.path.join(REPO, '.run', f'{name}.run.xml')).getroot()
-        config = root.find('configuration')
-        options = {o.get('name'): o.get('value') for o in config.findall('option')}
-        assert root.get('name') == 'ProjectRunConfigurationManager'
-        assert config.get('type') == 'PythonConfigurationType' and config.get('name') == name
-        assert options['SCRIPT_NAME'] == f'$PROJECT_DIR$/{name.split("_")[0]}.py'
-        assert options['WORKING_DIRECTORY'] == '$PROJECT_DIR$'
-        # the parameters must be accepted by the script's own parser
-        parse_args(parser, options['PARAMETERS'].split())
-    ddp = ElementTree.parse(os.path.join(REPO, '.run', 'train_ddp.run.xml')).getroot().find('configuration')
-    options = {o.get('name'): o.get('value') for o in ddp.findall('option')}
-    assert options['MODULE_MODE'] == 'true' and options['SCRIPT_NAME'] == 'torch.distributed.run'
-    launcher, script = options['PARAMETERS'].split(' train.py ')
-    parse_args(parse_train_args, script.split())
