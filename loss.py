@@ -1,4 +1,5 @@
 """Loss functions by name (--loss). Add a loss: write it here and add one line to LOSSES."""
+
 from functools import partial
 
 from torch import nn

@@ -4,6 +4,7 @@ A metric object takes `update(outputs, batch)` for every batch (device tensors, 
 `compute()` once at the end, which adds up the counts of every torchrun process, so validation,
 eval.py and one or many processes all give the same numbers. Tasks pick theirs in tasks/*.py.
 """
+
 import torch
 
 from utils.distributed import all_reduce_sum, collective_device
@@ -53,7 +54,7 @@ def reduced(*tensors):
     all_reduce_sum(flat)
     parts, start = [], 0
     for tensor in tensors:
-        parts.append(flat[start:start + tensor.numel()].view(tensor.shape).cpu())
+        parts.append(flat[start : start + tensor.numel()].view(tensor.shape).cpu())
         start += tensor.numel()
     return parts
 
@@ -79,8 +80,10 @@ class ConfusionMetrics:
 
     def totals(self):
         """The counters as tensors (zeros before any update)."""
-        return [getattr(self, name) if getattr(self, name) is not None else torch.zeros(shape, dtype=torch.long)
-                for name, shape in zip(self.sums, self.shapes())]
+        return [
+            getattr(self, name) if getattr(self, name) is not None else torch.zeros(shape, dtype=torch.long)
+            for name, shape in zip(self.sums, self.shapes())
+        ]
 
     def shapes(self):
         return [(self.num_classes, self.num_classes)]
@@ -125,7 +128,7 @@ class ClassificationMetrics(ConfusionMetrics):
 
     def compute(self, class_names=None):
         """{'acc', 'top<k>'} and, with `class_names`, 'recall/<name>' for each class (a collective)."""
-        hits, = self.reduce()
+        (hits,) = self.reduce()
         accuracy, recall = accuracy_from_confusion(self.confusion)
         metrics = {'acc': accuracy.item(), f'top{self.k}': hits.item() / max(self.confusion.sum().item(), 1)}
         if class_names:

@@ -5,6 +5,7 @@ Task, model and dataset names are checked against their registries here, before 
 so `--help` and every option mistake answer at once with one line. This module imports no torch.
 Folders, resume and checkpoints are resolved later (utils/run_folder.py).
 """
+
 import argparse
 import math
 import sys
@@ -14,11 +15,34 @@ import yaml
 NOT_SAVED = ('config', 'debug', 'resume')  # how a run was started, not what it is
 RESUME_LATEST = 'last'  # --resume without a path
 # what a resumed run may change: how long it runs and how it reports, not what it computes
-RESUME_CHANGEABLE = ('epochs', 'max_iteration', 'valid_interval', 'save_interval', 'print_freq', 'progress_bar',
-                     'log_images', 'loggers', 'mlflow_uri', 'wandb_project', 'keep_last', 'keep_best',
-                     'early_stop_patience', 'early_stop_min_delta', 'num_workers', 'cpu', 'gpus', 'compile',
-                     'compile_mode', 'channels_last', 'deterministic', 'limit_val_batches', 'profile',
-                     'detect_anomaly', 'checkpoints_dir', 'data_root')
+RESUME_CHANGEABLE = (
+    'epochs',
+    'max_iteration',
+    'valid_interval',
+    'save_interval',
+    'print_freq',
+    'progress_bar',
+    'log_images',
+    'loggers',
+    'mlflow_uri',
+    'wandb_project',
+    'keep_last',
+    'keep_best',
+    'early_stop_patience',
+    'early_stop_min_delta',
+    'num_workers',
+    'cpu',
+    'gpus',
+    'compile',
+    'compile_mode',
+    'channels_last',
+    'deterministic',
+    'limit_val_batches',
+    'profile',
+    'detect_anomaly',
+    'checkpoints_dir',
+    'data_root',
+)
 REGISTRIES = {  # option -> (registry module, dict name, its file)
     'task': ('tasks.task_entry', 'TASKS', 'tasks/task_entry.py'),
     'model_type': ('model.model_entry', 'MODELS', 'model/model_entry.py'),
@@ -37,11 +61,13 @@ class KilnArgumentParser(argparse.ArgumentParser):
 
 def _number(convert, test, requirement):
     """An argparse type: `convert` the text, then require `test(value)` (finite numbers only)."""
+
     def parse(text):
         value = convert(text)
         if not (math.isfinite(value) and test(value)):
             raise argparse.ArgumentTypeError(f'must be {requirement}, got {text}')
         return value
+
     parse.__name__ = requirement  # argparse names the type in its messages
     return parse
 
@@ -57,7 +83,9 @@ def _count_or_fraction(text):
     """--limit_*_batches: a number of batches (an integer >= 1) or a fraction of them (0 < f <= 1)."""
     value = float(text)
     if not (0 < value <= 1 or (value >= 1 and value == int(value))) or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f'must be a count of batches (1, 2, ...) or a fraction (0 < f <= 1), got {text}')
+        raise argparse.ArgumentTypeError(
+            f'must be a count of batches (1, 2, ...) or a fraction (0 < f <= 1), got {text}'
+        )
     return int(value) if '.' not in text and 'e' not in text.lower() else value
 
 
@@ -68,16 +96,19 @@ def _augmentations(text):
     names = [name.strip() for name in text.split(',') if name.strip()]
     unknown = [name for name in names if name not in AUGMENTATIONS]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f'unknown augmentation {", ".join(unknown) or text!r}; use none, default or '
-                                         f'a comma list of {", ".join(AUGMENTATIONS)}')
+        raise argparse.ArgumentTypeError(
+            f'unknown augmentation {", ".join(unknown) or text!r}; use none, default or '
+            f'a comma list of {", ".join(AUGMENTATIONS)}'
+        )
     return ','.join(names)
 
 
 def _prefix_rename(text):
     old, separator, _ = text.partition('=')
     if not separator or not old:
-        raise argparse.ArgumentTypeError(f'must look like old.=new. (a name prefix in the file, then the one '
-                                         f'in the model), got {text!r}')
+        raise argparse.ArgumentTypeError(
+            f'must look like old.=new. (a name prefix in the file, then the one in the model), got {text!r}'
+        )
     return text
 
 
@@ -97,6 +128,7 @@ def registry_names(option):
     import importlib
 
     from utils.errors import KilnError
+
     module_name, dict_name, path = REGISTRIES[option]
     try:
         return list(getattr(importlib.import_module(module_name), dict_name))
@@ -107,40 +139,82 @@ def registry_names(option):
 
 def parse_common_args(parser):
     """Options that training, evaluation and prediction share, so they cannot drift apart."""
-    parser.add_argument('--config', metavar='FILE', help='YAML or JSON file of options (e.g. a saved args.yaml); '
-                        'flags on the command line override it')
-    parser.add_argument('--task', default='classify',
-                        help='the kind of problem, see TASKS in tasks/task_entry.py (classify, segment, ...)')
-    parser.add_argument('--model_type', help='model name, see MODELS in model/model_entry.py (default: the task\'s own, e.g. small_cnn to classify)')
-    parser.add_argument('--data_type', help='dataset name, see DATASETS in data/data_entry.py '
-                        '(default: the task\'s own, e.g. shapes to classify)')
-    parser.add_argument('--save_prefix', type=_name_part, default='default',
-                        help='names the experiment folder in training, the result folder in evaluation')
+    parser.add_argument(
+        '--config',
+        metavar='FILE',
+        help='YAML or JSON file of options (e.g. a saved args.yaml); flags on the command line override it',
+    )
+    parser.add_argument(
+        '--task',
+        default='classify',
+        help='the kind of problem, see TASKS in tasks/task_entry.py (classify, segment, ...)',
+    )
+    parser.add_argument(
+        '--model_type',
+        help="model name, see MODELS in model/model_entry.py (default: the task's own, e.g. small_cnn to classify)",
+    )
+    parser.add_argument(
+        '--data_type',
+        help="dataset name, see DATASETS in data/data_entry.py (default: the task's own, e.g. shapes to classify)",
+    )
+    parser.add_argument(
+        '--save_prefix',
+        type=_name_part,
+        default='default',
+        help='names the experiment folder in training, the result folder in evaluation',
+    )
     parser.add_argument('--checkpoints_dir', default='checkpoints', help='where experiment folders are created')
-    parser.add_argument('--load_not_strict', action=argparse.BooleanOptionalAction, default=False,
-                        help='load only the tensors whose names and shapes match the model (load_match_dict)')
-    parser.add_argument('--load_prefix_map', type=_prefix_rename, nargs='+', metavar='OLD=NEW',
-                        help='rename tensors in --load_model_path first, e.g. net.=  or  fc.=head.')
-    parser.add_argument('--val_list', help='list file for validation/evaluation (default: the dataset\'s own val split)')
+    parser.add_argument(
+        '--load_not_strict',
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='load only the tensors whose names and shapes match the model (load_match_dict)',
+    )
+    parser.add_argument(
+        '--load_prefix_map',
+        type=_prefix_rename,
+        nargs='+',
+        metavar='OLD=NEW',
+        help='rename tensors in --load_model_path first, e.g. net.=  or  fc.=head.',
+    )
+    parser.add_argument('--val_list', help="list file for validation/evaluation (default: the dataset's own val split)")
     parser.add_argument('--data_root', default='data/generated', help='where generated datasets are written')
     parser.add_argument('--num_classes', type=_positive_int, help='default: what the dataset reports')
-    parser.add_argument('--img_size', type=_image_side, help='images are resized to this side (default: the task\'s, '
-                        'e.g. 32 to classify)')
+    parser.add_argument(
+        '--img_size',
+        type=_image_side,
+        help="images are resized to this side (default: the task's, e.g. 32 to classify)",
+    )
     parser.add_argument('--batch_size', type=_positive_int, default=128, help='images per step and process')
-    parser.add_argument('--num_workers', type=_non_negative_int,
-                        help='DataLoader worker processes for datasets read from disk (default: min(4, CPUs per '
-                        'process)); in-memory datasets are batched on the device without workers')
+    parser.add_argument(
+        '--num_workers',
+        type=_non_negative_int,
+        help='DataLoader worker processes for datasets read from disk (default: min(4, CPUs per '
+        'process)); in-memory datasets are batched on the device without workers',
+    )
     parser.add_argument('--gpus', type=int, nargs='+', help='GPU ids, e.g. --gpus 0 1 (default: GPU 0 if CUDA exists)')
     parser.add_argument('--cpu', action='store_true', help='run on the CPU even when a GPU exists')
-    parser.add_argument('--seed', type=int, default=0, help='seeds python, numpy, torch, the data order and augmentation')
+    parser.add_argument(
+        '--seed', type=int, default=0, help='seeds python, numpy, torch, the data order and augmentation'
+    )
     parser.add_argument('--topk', type=_positive_int, default=3, help='k of the top-k accuracy (classify)')
-    parser.add_argument('--amp', default='off', choices=['off', 'bf16', 'fp16'],
-                        help='mixed precision: autocast to bfloat16, or float16 with a gradient scaler')
-    parser.add_argument('--channels_last', action='store_true', help='channels-last memory format (faster convs on GPU)')
+    parser.add_argument(
+        '--amp',
+        default='off',
+        choices=['off', 'bf16', 'fp16'],
+        help='mixed precision: autocast to bfloat16, or float16 with a gradient scaler',
+    )
+    parser.add_argument(
+        '--channels_last', action='store_true', help='channels-last memory format (faster convs on GPU)'
+    )
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
-    parser.add_argument('--compile_mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune'],
-                        help='with --compile: reduce-overhead uses CUDA graphs (small models on a GPU), '
-                        'max-autotune searches kernels longer for big ones')
+    parser.add_argument(
+        '--compile_mode',
+        default='default',
+        choices=['default', 'reduce-overhead', 'max-autotune'],
+        help='with --compile: reduce-overhead uses CUDA graphs (small models on a GPU), '
+        'max-autotune searches kernels longer for big ones',
+    )
     parser.add_argument('--progress_bar', action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
     return parser
@@ -149,90 +223,184 @@ def parse_common_args(parser):
 def parse_train_args(parser):
     """Training options on top of the common ones."""
     parser = parse_common_args(parser)
-    parser.add_argument('--train_list', help='list file for training (default: the dataset\'s own train split)')
-    parser.add_argument('--augment', type=_augmentations, default='default',
-                        help='training augmentation, done on the device per batch: default (what the dataset '
-                        'declares), none, or a comma list of crop, hflip, vflip')
-    parser.add_argument('--load_model_path', help='weights to start from (a checkpoint, an experiment folder for its '
-                        'best.pth, a state dict or .safetensors)')
+    parser.add_argument('--train_list', help="list file for training (default: the dataset's own train split)")
+    parser.add_argument(
+        '--augment',
+        type=_augmentations,
+        default='default',
+        help='training augmentation, done on the device per batch: default (what the dataset '
+        'declares), none, or a comma list of crop, hflip, vflip',
+    )
+    parser.add_argument(
+        '--load_model_path',
+        help='weights to start from (a checkpoint, an experiment folder for its '
+        'best.pth, a state dict or .safetensors)',
+    )
     parser.add_argument('--pretrained_path', help='local ImageNet weights for the tv_* models (never downloaded)')
-    parser.add_argument('--freeze_to', type=int, metavar='INDEX',
-                        help='freeze the layer groups (the model\'s direct children) 0..INDEX at the start; '
-                        '-2 freezes all but the last (the head)')
-    parser.add_argument('--freeze_batch_norms', action='store_true',
-                        help='with --freeze_to, freeze normalization layers too and keep their statistics fixed')
-    parser.add_argument('--unfreeze_at_epoch', type=_positive_int, metavar='EPOCH',
-                        help='unfreeze everything when epoch EPOCH (counting from 1) begins')
-    parser.add_argument('--unfrozen_lr_scale', type=_positive_float, default=1.0,
-                        help='learning rate of the groups frozen at the start, relative to --backbone_lr (or --lr)')
+    parser.add_argument(
+        '--freeze_to',
+        type=int,
+        metavar='INDEX',
+        help="freeze the layer groups (the model's direct children) 0..INDEX at the start; "
+        '-2 freezes all but the last (the head)',
+    )
+    parser.add_argument(
+        '--freeze_batch_norms',
+        action='store_true',
+        help='with --freeze_to, freeze normalization layers too and keep their statistics fixed',
+    )
+    parser.add_argument(
+        '--unfreeze_at_epoch',
+        type=_positive_int,
+        metavar='EPOCH',
+        help='unfreeze everything when epoch EPOCH (counting from 1) begins',
+    )
+    parser.add_argument(
+        '--unfrozen_lr_scale',
+        type=_positive_float,
+        default=1.0,
+        help='learning rate of the groups frozen at the start, relative to --backbone_lr (or --lr)',
+    )
     parser.add_argument('--head_lr', type=_positive_float, help='learning rate of the last layer group (default --lr)')
-    parser.add_argument('--backbone_lr', type=_positive_float,
-                        help='learning rate of all other layer groups (default --lr)')
+    parser.add_argument(
+        '--backbone_lr', type=_positive_float, help='learning rate of all other layer groups (default --lr)'
+    )
     parser.add_argument('--epochs', type=_positive_int, default=12)
-    parser.add_argument('--loss', help='loss name, see LOSSES in loss.py (default: the task\'s own)')
+    parser.add_argument('--loss', help="loss name, see LOSSES in loss.py (default: the task's own)")
     parser.add_argument('--optimizer', default='adamw', choices=['sgd', 'adam', 'adamw'])
     parser.add_argument('--lr', type=_positive_float, default=3e-3, help='peak learning rate')
     parser.add_argument('--momentum', type=_non_negative_float, default=0.9, help='SGD momentum')
     parser.add_argument('--weight_decay', type=_non_negative_float, default=5e-4)
-    parser.add_argument('--scheduler', default='cosine', choices=['none', 'cosine', 'step', 'plateau'],
-                        help='learning-rate schedule: cosine (after --warmup_steps), step (every --lr_step_epochs), '
-                        'plateau (reduce when --monitor stalls), or none')
-    parser.add_argument('--warmup_steps', type=_non_negative_int, default=0,
-                        help='cosine scheduler: linear warm-up over this many optimizer steps')
+    parser.add_argument(
+        '--scheduler',
+        default='cosine',
+        choices=['none', 'cosine', 'step', 'plateau'],
+        help='learning-rate schedule: cosine (after --warmup_steps), step (every --lr_step_epochs), '
+        'plateau (reduce when --monitor stalls), or none',
+    )
+    parser.add_argument(
+        '--warmup_steps',
+        type=_non_negative_int,
+        default=0,
+        help='cosine scheduler: linear warm-up over this many optimizer steps',
+    )
     parser.add_argument('--lr_step_epochs', type=_positive_int, default=30, help='step scheduler: epochs per decay')
-    parser.add_argument('--lr_gamma', type=_positive_float, default=0.1,
-                        help='step and plateau schedulers: decay factor')
-    parser.add_argument('--lr_patience', type=_non_negative_int, default=2,
-                        help='plateau scheduler: validations without improvement before the decay')
-    parser.add_argument('--max_iteration', type=_positive_int,
-                        help='train for this many optimizer steps instead of --epochs')
-    parser.add_argument('--valid_interval', type=_positive_int,
-                        help='validate every N optimizer steps (default: after every epoch)')
-    parser.add_argument('--save_interval', type=_positive_int,
-                        help='also save a checkpoint every N optimizer steps (default: after every validation)')
-    parser.add_argument('--grad_accum_steps', type=_positive_int, default=1,
-                        help='add up the gradients of N batches per optimizer step (batch size x N)')
+    parser.add_argument(
+        '--lr_gamma', type=_positive_float, default=0.1, help='step and plateau schedulers: decay factor'
+    )
+    parser.add_argument(
+        '--lr_patience',
+        type=_non_negative_int,
+        default=2,
+        help='plateau scheduler: validations without improvement before the decay',
+    )
+    parser.add_argument(
+        '--max_iteration', type=_positive_int, help='train for this many optimizer steps instead of --epochs'
+    )
+    parser.add_argument(
+        '--valid_interval', type=_positive_int, help='validate every N optimizer steps (default: after every epoch)'
+    )
+    parser.add_argument(
+        '--save_interval',
+        type=_positive_int,
+        help='also save a checkpoint every N optimizer steps (default: after every validation)',
+    )
+    parser.add_argument(
+        '--grad_accum_steps',
+        type=_positive_int,
+        default=1,
+        help='add up the gradients of N batches per optimizer step (batch size x N)',
+    )
     parser.add_argument('--clip_grad_norm', type=_positive_float, help='clip the gradient norm to this value')
     parser.add_argument('--clip_grad_value', type=_positive_float, help='clip each gradient to [-value, value]')
-    parser.add_argument('--print_freq', type=_positive_int, default=20,
-                        help='print a line (and check for a non-finite loss) every N optimizer steps')
-    parser.add_argument('--loggers', nargs='+', choices=LOGGERS, default=['tensorboard'],
-                        help='experiment trackers: any of tensorboard, csv (metrics.csv), wandb (offline unless '
-                        'logged in), mlflow (a local store unless --mlflow_uri); wandb and mlflow are the '
-                        "'trackers' extra")
+    parser.add_argument(
+        '--print_freq',
+        type=_positive_int,
+        default=20,
+        help='print a line (and check for a non-finite loss) every N optimizer steps',
+    )
+    parser.add_argument(
+        '--loggers',
+        nargs='+',
+        choices=LOGGERS,
+        default=['tensorboard'],
+        help='experiment trackers: any of tensorboard, csv (metrics.csv), wandb (offline unless '
+        'logged in), mlflow (a local store unless --mlflow_uri); wandb and mlflow are the '
+        "'trackers' extra",
+    )
     parser.add_argument('--mlflow_uri', help='MLflow tracking URI (default: a local store in --checkpoints_dir)')
     parser.add_argument('--wandb_project', default='kiln', help='W&B project name')
-    parser.add_argument('--monitor', help='metric that picks the best checkpoint (default: the task\'s, e.g. val/acc)')
-    parser.add_argument('--monitor_mode', choices=['max', 'min'], help='default: the task\'s (max for val/acc)')
+    parser.add_argument('--monitor', help="metric that picks the best checkpoint (default: the task's, e.g. val/acc)")
+    parser.add_argument('--monitor_mode', choices=['max', 'min'], help="default: the task's (max for val/acc)")
     parser.add_argument('--keep_last', type=_positive_int, default=1, help='keep the newest N checkpoints')
     parser.add_argument('--keep_best', type=_positive_int, default=1, help='keep the best N checkpoints by --monitor')
-    parser.add_argument('--early_stop_patience', type=_positive_int,
-                        help='stop after N validations without --monitor improving (default: never)')
-    parser.add_argument('--early_stop_min_delta', type=_non_negative_float, default=0.0,
-                        help='the least change of --monitor that counts as an improvement')
-    parser.add_argument('--resume', nargs='?', const=RESUME_LATEST, metavar='CHECKPOINT',
-                        help='continue this experiment from its newest checkpoint (or from CHECKPOINT); '
-                        'starts it when there is nothing to continue')
-    parser.add_argument('--deterministic', action='store_true',
-                        help='use deterministic algorithms only (slower on GPU; makes repeated GPU runs bitwise equal)')
-    parser.add_argument('--log_images', action=argparse.BooleanOptionalAction, default=True,
-                        help='log pictures of validation batches at every validation')
+    parser.add_argument(
+        '--early_stop_patience',
+        type=_positive_int,
+        help='stop after N validations without --monitor improving (default: never)',
+    )
+    parser.add_argument(
+        '--early_stop_min_delta',
+        type=_non_negative_float,
+        default=0.0,
+        help='the least change of --monitor that counts as an improvement',
+    )
+    parser.add_argument(
+        '--resume',
+        nargs='?',
+        const=RESUME_LATEST,
+        metavar='CHECKPOINT',
+        help='continue this experiment from its newest checkpoint (or from CHECKPOINT); '
+        'starts it when there is nothing to continue',
+    )
+    parser.add_argument(
+        '--deterministic',
+        action='store_true',
+        help='use deterministic algorithms only (slower on GPU; makes repeated GPU runs bitwise equal)',
+    )
+    parser.add_argument(
+        '--log_images',
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='log pictures of validation batches at every validation',
+    )
     debug = parser.add_argument_group('debugging')
-    debug.add_argument('--fast_dev_run', action='store_true',
-                       help='2 training and 2 validation batches and one save in a throwaway folder, then evaluate '
-                       'and predict from that checkpoint: checks that everything runs, in seconds')
-    debug.add_argument('--overfit_batches', type=_positive_int, metavar='N',
-                       help='train on the same N batches again and again (no shuffling, no augmentation) and validate '
-                       'on them: a model that can learn drives the train loss to ~0')
-    debug.add_argument('--limit_train_batches', type=_count_or_fraction, metavar='N_OR_FRACTION',
-                       help='train on this many batches per epoch (an integer) or this fraction of them')
-    debug.add_argument('--limit_val_batches', type=_count_or_fraction, metavar='N_OR_FRACTION',
-                       help='validate on this many batches (an integer) or this fraction of them')
-    debug.add_argument('--profile', action='store_true',
-                       help='record a few training steps with torch.profiler: a trace for TensorBoard or Perfetto '
-                       'and a table of the top operators')
-    debug.add_argument('--detect_anomaly', action='store_true',
-                       help='autograd anomaly mode: name the operation that made a NaN gradient (slow)')
+    debug.add_argument(
+        '--fast_dev_run',
+        action='store_true',
+        help='2 training and 2 validation batches and one save in a throwaway folder, then evaluate '
+        'and predict from that checkpoint: checks that everything runs, in seconds',
+    )
+    debug.add_argument(
+        '--overfit_batches',
+        type=_positive_int,
+        metavar='N',
+        help='train on the same N batches again and again (no shuffling, no augmentation) and validate '
+        'on them: a model that can learn drives the train loss to ~0',
+    )
+    debug.add_argument(
+        '--limit_train_batches',
+        type=_count_or_fraction,
+        metavar='N_OR_FRACTION',
+        help='train on this many batches per epoch (an integer) or this fraction of them',
+    )
+    debug.add_argument(
+        '--limit_val_batches',
+        type=_count_or_fraction,
+        metavar='N_OR_FRACTION',
+        help='validate on this many batches (an integer) or this fraction of them',
+    )
+    debug.add_argument(
+        '--profile',
+        action='store_true',
+        help='record a few training steps with torch.profiler: a trace for TensorBoard or Perfetto '
+        'and a table of the top operators',
+    )
+    debug.add_argument(
+        '--detect_anomaly',
+        action='store_true',
+        help='autograd anomaly mode: name the operation that made a NaN gradient (slow)',
+    )
     return parser
 
 
@@ -243,9 +411,13 @@ def parse_test_args(parser):
     """
     parser = parse_common_args(parser)
     parser.set_defaults(task=None)
-    parser.add_argument('--load_model_path', nargs='+', metavar='CHECKPOINT',
-                        help='checkpoint(s) to evaluate: files, experiment folders (their best.pth) or quoted '
-                        'globs; with several, a comparison table is written too')
+    parser.add_argument(
+        '--load_model_path',
+        nargs='+',
+        metavar='CHECKPOINT',
+        help='checkpoint(s) to evaluate: files, experiment folders (their best.pth) or quoted '
+        'globs; with several, a comparison table is written too',
+    )
     parser.add_argument('--viz_freq', type=_positive_int, default=10, help='save a picture every N batches')
     parser.add_argument('--save_viz', action=argparse.BooleanOptionalAction, default=True)
     return parser
@@ -256,8 +428,11 @@ def parse_predict_args(parser):
     size default to what the checkpoint was trained with."""
     parser = parse_common_args(parser)
     parser.set_defaults(task=None)
-    parser.add_argument('--load_model_path', required=True,
-                        help='the checkpoint to predict with (or an experiment folder: its best.pth)')
+    parser.add_argument(
+        '--load_model_path',
+        required=True,
+        help='the checkpoint to predict with (or an experiment folder: its best.pth)',
+    )
     parser.add_argument('--input', required=True, help='a folder of images, or a list file (first column: image)')
     return parser
 
@@ -300,13 +475,16 @@ def _check_names(args):
     """A KilnError (one line; a traceback with --debug) when --task, --model_type or --data_type names
     nothing registered."""
     from utils.errors import KilnError
+
     for option in REGISTRIES:
         value = getattr(args, option, None)
         if value is not None:
             names = registry_names(option)
             if value not in names:
-                raise KilnError(f'unknown --{option} {value!r}; choose one of: {", ".join(sorted(names))} '
-                                f'(or register it in {REGISTRIES[option][2]})')
+                raise KilnError(
+                    f'unknown --{option} {value!r}; choose one of: {", ".join(sorted(names))} '
+                    f'(or register it in {REGISTRIES[option][2]})'
+                )
 
 
 def parse_args(add_args, argv=None, base_config=None):

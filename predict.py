@@ -6,29 +6,30 @@ rows the checkpoint's task gives (a class per image, a mask file per image, a ro
 Images that cannot be read are listed in unreadable.txt and make the exit code non-zero; none is
 skipped silently.
 """
+
 from utils.errors import quiet_interrupts, run_cli
 
 quiet_interrupts()
-from options import parse_args, parse_predict_args  # noqa: E402
+from options import parse_args, parse_predict_args
 
 if __name__ == '__main__':
     ARGS = run_cli(lambda argv: parse_args(parse_predict_args, argv))  # --help and mistakes answer before torch loads
 
-import csv  # noqa: E402
-import os  # noqa: E402
+import csv
+import os
 
-import torch  # noqa: E402
+import torch
 
-from data.augment import BatchTransform  # noqa: E402
-from data.image_io import decode_image  # noqa: E402
-from data.list_file import read_list_file, resolve_path  # noqa: E402
-from eval import load_for_inference  # noqa: E402
-from options import prefix_map  # noqa: E402
-from utils.device import select_device  # noqa: E402
-from utils.errors import KilnError  # noqa: E402
-from utils.model_setup import setup_model  # noqa: E402
-from utils.progress import progress  # noqa: E402
-from utils.run_folder import checkpoint_path, create_run_folder, discard_folder_if_setup_fails, result_folder  # noqa: E402
+from data.augment import BatchTransform
+from data.image_io import decode_image
+from data.list_file import read_list_file, resolve_path
+from eval import load_for_inference
+from options import prefix_map
+from utils.device import select_device
+from utils.errors import KilnError
+from utils.model_setup import setup_model
+from utils.progress import progress
+from utils.run_folder import checkpoint_path, create_run_folder, discard_folder_if_setup_fails, result_folder
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.gif', '.tif', '.tiff', '.webp')
 
@@ -37,8 +38,12 @@ def images_to_predict(source):
     """Image paths from a folder (its image files, sorted, subfolders included) or a list file
     (the first field of each entry; labels, masks or boxes after it are ignored)."""
     if os.path.isdir(source):
-        paths = sorted(os.path.join(folder, name) for folder, _, names in os.walk(source) for name in names
-                       if name.lower().endswith(IMAGE_EXTENSIONS))
+        paths = sorted(
+            os.path.join(folder, name)
+            for folder, _, names in os.walk(source)
+            for name in names
+            if name.lower().endswith(IMAGE_EXTENSIONS)
+        )
     elif os.path.isfile(source):
         paths = [resolve_path(source, fields[0]) for _, fields in read_list_file(source)]
     else:
@@ -101,13 +106,16 @@ def main(argv=None, args=None):
     with discard_folder_if_setup_fails(folder):
         device = select_device(options.cpu, options.gpus)
         task = task_type(options, checkpoint.get('class_names'))
-        setup = setup_model(options, device, checkpoint, strict=not options.load_not_strict, source=path,
-                            prefix_map=prefix_map(options))
+        setup = setup_model(
+            options, device, checkpoint, strict=not options.load_not_strict, source=path, prefix_map=prefix_map(options)
+        )
         unreadable = predict(options, task, setup, device, paths, folder)
     print(f'{len(paths) - len(unreadable)} images predicted in {folder}/predictions.csv')
     if unreadable:
-        raise KilnError(f'{len(unreadable)} of {len(paths)} images could not be read (listed with the '
-                        f'reasons in {folder}/unreadable.txt); the others were predicted')
+        raise KilnError(
+            f'{len(unreadable)} of {len(paths)} images could not be read (listed with the '
+            f'reasons in {folder}/unreadable.txt); the others were predicted'
+        )
 
 
 if __name__ == '__main__':

@@ -23,6 +23,7 @@ train.py, which saves; the sweep stops. Then eval.py compares the finished runs'
 line of combinations.txt (line $SLURM_ARRAY_TASK_ID + 1, run with --resume) and submits it with sbatch;
 --sbatch='--gpus=1 --time=4:00:00' adds sbatch options. --dry_run prints the commands, writes nothing.
 """
+
 import argparse
 import contextlib
 import difflib
@@ -45,8 +46,17 @@ from utils.errors import KilnError, run_cli
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 TRAIN, EVAL = os.path.join(REPO, 'train.py'), os.path.join(REPO, 'eval.py')
-SHORT = {'batch_size': 'bs', 'weight_decay': 'wd', 'optimizer': 'opt', 'scheduler': 'sched', 'momentum': 'mom',
-         'epochs': 'ep', 'warmup_steps': 'warmup', 'grad_accum_steps': 'accum', 'max_iteration': 'iters'}
+SHORT = {
+    'batch_size': 'bs',
+    'weight_decay': 'wd',
+    'optimizer': 'opt',
+    'scheduler': 'sched',
+    'momentum': 'mom',
+    'epochs': 'ep',
+    'warmup_steps': 'warmup',
+    'grad_accum_steps': 'accum',
+    'max_iteration': 'iters',
+}
 NOT_SWEPT = ('save_prefix', 'resume', 'config', 'help', 'fast_dev_run')  # set by the sweep, or no run at all
 NUMBER = r'\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*'
 CHILD, STOP = [None], []  # the running train.py or eval.py; the signals received
@@ -54,10 +64,19 @@ CHILD, STOP = [None], []  # the running train.py or eval.py; the signals receive
 
 def sweep_args(argv):
     """The sweep's own options (those before `--`)."""
-    parser = KilnArgumentParser(prog='sweep.py', usage='sweep.py [options] -- [train.py options]', description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--grid', nargs='+', default=[], metavar='NAME=VALUES',
-                        help='an option and its values, lr=1e-3,3e-3 (random search: also ranges, lr=1e-4:1e-2)')
+    parser = KilnArgumentParser(
+        prog='sweep.py',
+        usage='sweep.py [options] -- [train.py options]',
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        '--grid',
+        nargs='+',
+        default=[],
+        metavar='NAME=VALUES',
+        help='an option and its values, lr=1e-3,3e-3 (random search: also ranges, lr=1e-4:1e-2)',
+    )
     parser.add_argument('--config', metavar='FILE', help='a YAML sweep file (see above)')
     parser.add_argument('--sampler', choices=['grid', 'random'], help='all combinations (default), or --trials random')
     parser.add_argument('--trials', type=int, help='random search: how many combinations (default 10)')
@@ -66,8 +85,12 @@ def sweep_args(argv):
     parser.add_argument('--slurm', action='store_true', help='submit a SLURM job array instead of running here')
     parser.add_argument('--sbatch', default='', metavar='OPTIONS', help='with --slurm: more sbatch options')
     parser.add_argument('--dry_run', action='store_true', help='print the commands; run and write nothing')
-    parser.add_argument('--compare', action=argparse.BooleanOptionalAction, default=True,
-                        help='evaluate the finished runs into one comparison table')
+    parser.add_argument(
+        '--compare',
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='evaluate the finished runs into one comparison table',
+    )
     parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
     return parser.parse_args(argv)
 
@@ -81,18 +104,27 @@ def load_specs(args):
                 config = yaml.safe_load(f) or {}
         except (OSError, yaml.YAMLError) as error:
             raise KilnError(f'--config {args.config}: cannot read it ({str(error).splitlines()[0]})') from None
-        if (not isinstance(config, dict) or set(config) - {'grid', 'random', 'trials', 'seed', 'name'}
-                or not isinstance(config.get('grid', config.get('random')), dict) or {'grid', 'random'} <= set(config)):
-            raise KilnError(f'--config {args.config}: expected grid: {{option: [values]}} or random: {{option: '
-                            f'{{log_uniform|uniform|choice: [...]}}}}, and trials:, seed:, name:')
+        if (
+            not isinstance(config, dict)
+            or set(config) - {'grid', 'random', 'trials', 'seed', 'name'}
+            or not isinstance(config.get('grid', config.get('random')), dict)
+            or {'grid', 'random'} <= set(config)
+        ):
+            raise KilnError(
+                f'--config {args.config}: expected grid: {{option: [values]}} or random: {{option: '
+                f'{{log_uniform|uniform|choice: [...]}}}}, and trials:, seed:, name:'
+            )
     entries = dict(config.get('grid', config.get('random', {})))
     for item in args.grid:  # lr=1e-3,3e-3 is a list, lr=1e-4:1e-2 a range
         name, _, values = item.partition('=')
         bounds = values.split(':')
         if not (name and values):
             raise KilnError(f'--grid {item}: expected NAME=VALUES, e.g. lr=1e-3,3e-3 or lr=1e-4:1e-2')
-        entries[name] = ({'range': bounds} if len(bounds) == 2 and all(re.fullmatch(NUMBER, b) for b in bounds)
-                         else [v.strip() for v in values.split(',') if v.strip()])
+        entries[name] = (
+            {'range': bounds}
+            if len(bounds) == 2 and all(re.fullmatch(NUMBER, b) for b in bounds)
+            else [v.strip() for v in values.split(',') if v.strip()]
+        )
     sampler = args.sampler or ('random' if 'random' in config else 'grid')
     trials = config.get('trials') if args.trials is None else args.trials
     name = str(args.name or config.get('name', 'sweep'))
@@ -112,8 +144,10 @@ def load_specs(args):
 def parse_spec(name, value):
     """An entry as ('choice', [texts]) or (rule, low, high, integer): [values], {choice: [values]}, or a range
     {uniform|log_uniform|range: [low, high]}; `range` is log-uniform when positive and over a decade wide."""
+
     def text(v):  # as on a command line
         return str(v).lower() if isinstance(v, bool) else ' '.join(map(text, v)) if isinstance(v, list) else str(v)
+
     rule, values = next(iter(value.items())) if isinstance(value, dict) and len(value) == 1 else ('choice', value)
     if rule == 'choice' and isinstance(values, list):
         return 'choice', [text(v) for v in values]
@@ -123,8 +157,10 @@ def parse_spec(name, value):
         rule = rule if rule != 'range' else 'log_uniform' if 0 < lo and hi > 10 * lo else 'uniform'
         if lo < hi and (rule == 'uniform' or lo > 0):
             return rule, lo, hi, all(re.fullmatch(r'\s*[-+]?\d+\s*', bound) for bound in (low, high))
-    raise KilnError(f'{name}: expected [values], {{choice: [values]}} or {{uniform|log_uniform: [low, high]}} '
-                    f'with low < high (and 0 < low for log_uniform), got {value!r}')
+    raise KilnError(
+        f'{name}: expected [values], {{choice: [values]}} or {{uniform|log_uniform: [low, high]}} '
+        f'with low < high (and 0 < low for log_uniform), got {value!r}'
+    )
 
 
 def sample(rng, spec):
@@ -159,8 +195,10 @@ def check_names(specs, actions, train_argv):
             raise KilnError(f'--{name} cannot be swept: the sweep names and resumes every run itself')
         if name not in actions:
             close = difflib.get_close_matches(name, [n for n in actions if n not in NOT_SWEPT], 1)
-            raise KilnError(f'{name!r} is not a train.py option; '
-                            + (f'did you mean {close[0]}?' if close else 'see python train.py --help'))
+            raise KilnError(
+                f'{name!r} is not a train.py option; '
+                + (f'did you mean {close[0]}?' if close else 'see python train.py --help')
+            )
         if spec[0] == 'choice' and not spec[1]:
             raise KilnError(f'{name}: no values to sweep')
     if {'--save_prefix', '--resume'} & given:
@@ -194,8 +232,13 @@ def plan(combos, name, train_argv, actions):
     runs = {}
     for combo in combos:
         prefix = run_name(name, combo)
-        argv = [*train_argv, *(token for option, value in combo for token in tokens(actions[option], value)),
-                '--save_prefix', prefix, '--resume']
+        argv = [
+            *train_argv,
+            *(token for option, value in combo for token in tokens(actions[option], value)),
+            '--save_prefix',
+            prefix,
+            '--resume',
+        ]
         if prefix in runs and runs[prefix].argv != argv:
             raise KilnError(f'two combinations are both named {prefix}: give distinct values')
         if prefix not in runs:  # train.py's parser checks the values: one `error:` line, exit code 2
@@ -208,6 +251,7 @@ def experiment_folder(options):
     model, data = options.model_type, options.data_type
     if model is None or data is None:
         from tasks.task_entry import task_class
+
         task = task_class(options.task)
         model = model or task.default_model
         data = data or task.default_data[bool(options.train_list or options.val_list)]
@@ -216,17 +260,21 @@ def experiment_folder(options):
 
 def finished(run, done):
     """Why `run` counts as finished (see the module docstring), or None."""
+
     def load(name):
         with contextlib.suppress(OSError, ValueError, yaml.YAMLError), open(os.path.join(run.folder, name)) as f:
             return yaml.safe_load(f)  # JSON is YAML too
+
     record, config, saved = load('checkpoints.json'), load('run_config.json'), load('args.yaml')
     with contextlib.suppress(KeyError, TypeError, AttributeError):
         last = record['last']
         step = record['files'][last]['step'] if os.path.isfile(os.path.join(run.folder, last)) else -1
         if step >= 0 and done.get(run.prefix) == run.argv:
             return f'train.py ended at step {step}'
-        if all(saved[k] == getattr(run.options, k) for k in ('epochs', 'max_iteration')) \
-                and step >= config['max_num_train_steps']:
+        if (
+            all(saved[k] == getattr(run.options, k) for k in ('epochs', 'max_iteration'))
+            and step >= config['max_num_train_steps']
+        ):
             return f'step {step}/{config["max_num_train_steps"]}'
     return None
 
@@ -278,13 +326,19 @@ def run_all(runs, name, base, compare):
             os.replace(done_path + '.tmp', done_path)
         elif not STOP:
             failed.append(f'{run.prefix}: exit code {code}: {last}')
-    table = compare_runs([run for run in runs if finished(run, done)], name, base, trained) \
-        if compare and not STOP else None
+    table = (
+        compare_runs([run for run in runs if finished(run, done)], name, base, trained)
+        if compare and not STOP
+        else None
+    )
     if STOP:
         print(f'{name}: stopped by signal {STOP[0]} (the running train.py saved): run it again to go on')
         return 128 + STOP[0]
-    print(f'{name}: {len(runs) - len(failed)} of {len(runs)} runs finished, {trained} trained now'
-          + (f'; comparison: {table}' if table else '') + ''.join(f'\n  failed: {line}' for line in failed))
+    print(
+        f'{name}: {len(runs) - len(failed)} of {len(runs)} runs finished, {trained} trained now'
+        + (f'; comparison: {table}' if table else '')
+        + ''.join(f'\n  failed: {line}' for line in failed)
+    )
     return 1 if failed or table is False else 0
 
 
@@ -297,16 +351,31 @@ def compare_runs(runs, name, base, trained):
     prefixes = (name if k == 1 else f'{name}_{k}' for k in itertools.count(1))
     tables = os.path.join(base.checkpoints_dir, 'comparisons', 'val_{}')
     newest, prefix = None, next(prefixes)
-    while os.path.exists(tables.format(prefix)) or any(os.path.exists(os.path.join(f, 'eval', f'best_val_{prefix}'))
-                                                       for f in folders):
+    while os.path.exists(tables.format(prefix)) or any(
+        os.path.exists(os.path.join(f, 'eval', f'best_val_{prefix}')) for f in folders
+    ):
         newest, prefix = tables.format(prefix), next(prefixes)
     if not trained and newest and os.path.isfile(os.path.join(newest, 'comparison.txt')):
         return os.path.join(newest, 'comparison.txt')  # nothing new to compare
     device = (['--cpu'] if base.cpu else []) + ([] if base.progress_bar else ['--no-progress_bar'])  # as training
     device += (['--gpus', *map(str, base.gpus)] if base.gpus else []) + (
-        [] if base.num_workers is None else ['--num_workers', str(base.num_workers)])
-    code, last = launch([sys.executable, EVAL, '--load_model_path', *folders, '--save_prefix', prefix,
-                         '--checkpoints_dir', base.checkpoints_dir, '--data_root', base.data_root, *device])
+        [] if base.num_workers is None else ['--num_workers', str(base.num_workers)]
+    )
+    code, last = launch(
+        [
+            sys.executable,
+            EVAL,
+            '--load_model_path',
+            *folders,
+            '--save_prefix',
+            prefix,
+            '--checkpoints_dir',
+            base.checkpoints_dir,
+            '--data_root',
+            base.data_root,
+            *device,
+        ]
+    )
     if code:
         print(f'eval.py failed (exit code {code}): {last}')
     return False if code else os.path.join(tables.format(prefix), 'comparison.txt')
@@ -332,8 +401,15 @@ def submit(runs, name, base, sbatch_options, dry_run):
     """Write the job-array script and its combinations, and submit it with sbatch (print them with dry_run)."""
     folder = os.path.abspath(os.path.join(base.checkpoints_dir, 'sweeps', name))
     combos, path = os.path.join(folder, 'combinations.txt'), os.path.join(folder, 'sweep.sbatch')
-    script = SBATCH.format(name=name, combos=shlex.quote(combos), last=len(runs) - 1, folder=folder, cwd=os.getcwd(),
-                           python=shlex.quote(sys.executable), train=shlex.quote(TRAIN))
+    script = SBATCH.format(
+        name=name,
+        combos=shlex.quote(combos),
+        last=len(runs) - 1,
+        folder=folder,
+        cwd=os.getcwd(),
+        python=shlex.quote(sys.executable),
+        train=shlex.quote(TRAIN),
+    )
     lines = ''.join(shlex.join(run.argv) + '\n' for run in runs)
     command = ['sbatch', '--parsable', *shlex.split(sbatch_options), path]
     if dry_run:
@@ -359,10 +435,11 @@ def main(argv):
     """Check every run's options, then train them here, print them (--dry_run) or submit them (--slurm)."""
     sys.stdout.reconfigure(line_buffering=True)  # in order with the runs' own output
     split = argv.index('--') if '--' in argv else len(argv)
-    args, train_argv = sweep_args(argv[:split]), argv[split + 1:]
+    args, train_argv = sweep_args(argv[:split]), argv[split + 1 :]
     specs, sampler, trials, seed, name = load_specs(args)
-    actions = {action.dest: action for action in parse_train_args(KilnArgumentParser())._actions
-               if action.option_strings}
+    actions = {
+        action.dest: action for action in parse_train_args(KilnArgumentParser())._actions if action.option_strings
+    }
     check_names(specs, actions, train_argv)
     base = parse_args(parse_train_args, train_argv)
     runs = plan(combinations(specs, sampler, trials, seed), name, train_argv, actions)

@@ -4,51 +4,66 @@ Read it top down: `main` resolves the options and the experiment folder once, `b
 part of the run from them (each part lives in a file named by its one job), and `train` is the
 loop. A new task, dataset or model is a file plus a registry line; nothing here changes for it.
 """
+
 import time
 
 STARTED = time.perf_counter()  # for the time-to-first-step figure
 
-from utils.errors import KilnError, quiet_interrupts, run_cli  # noqa: E402
+from utils.errors import KilnError, quiet_interrupts, run_cli
 
 quiet_interrupts()  # a Ctrl-C while torch loads: one line, exit 130
-from options import parse_args, parse_train_args  # noqa: E402
+from options import parse_args, parse_train_args
 
 if __name__ == '__main__':
     ARGS = run_cli(lambda argv: parse_args(parse_train_args, argv))  # --help and mistakes answer before torch loads
 
-import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
+import contextlib
+import dataclasses
+import math
+import os
+import sys
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-from data.augment import augmentation_names  # noqa: E402
-from data.data_entry import select_dataset  # noqa: E402
-from data.loader import Batches  # noqa: E402
-from options import Options, prefix_map, saved_options  # noqa: E402
-from tasks.task_entry import TASKS, task_class  # noqa: E402
-from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model  # noqa: E402
-from utils.checkpoint_keeper import LAST, CheckpointKeeper  # noqa: E402
-from utils.checkpointer import Checkpointer, Position, RandomStates  # noqa: E402
-from utils.debug import training_profiler  # noqa: E402
-from utils.device import select_device  # noqa: E402
-from utils.distributed import (barrier, cleanup_distributed, init_distributed, is_distributed,  # noqa: E402
-                               is_main_process, local_rank, rank, run_on_main_process, world_size)
-from utils.evaluation import evaluate  # noqa: E402
-from utils.finetune import FineTuning  # noqa: E402
-from utils.model_setup import setup_model  # noqa: E402
-from utils.monitor import Monitor  # noqa: E402
-from utils.progress import progress  # noqa: E402
-from utils.recorder import Recorder  # noqa: E402
-from utils.run_folder import (TrainerRunConfig, append_reproducibility_record, checkpoint_path,  # noqa: E402
-                              discard_folder_if_setup_fails, open_experiment)
-from utils.run_history import InMemoryRunHistory  # noqa: E402
-from utils.seeding import set_deterministic, set_seed  # noqa: E402
-from utils.stopping import StopReason, Stopper  # noqa: E402
-from utils.trackers import build_trackers  # noqa: E402
+from data.augment import augmentation_names
+from data.data_entry import select_dataset
+from data.loader import Batches
+from options import Options, prefix_map, saved_options
+from tasks.task_entry import TASKS, task_class
+from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
+from utils.checkpoint_keeper import LAST, CheckpointKeeper
+from utils.checkpointer import Checkpointer, Position, RandomStates
+from utils.debug import training_profiler
+from utils.device import select_device
+from utils.distributed import (
+    barrier,
+    cleanup_distributed,
+    init_distributed,
+    is_distributed,
+    is_main_process,
+    local_rank,
+    rank,
+    run_on_main_process,
+    world_size,
+)
+from utils.evaluation import evaluate
+from utils.finetune import FineTuning
+from utils.model_setup import setup_model
+from utils.monitor import Monitor
+from utils.progress import progress
+from utils.recorder import Recorder
+from utils.run_folder import (
+    TrainerRunConfig,
+    append_reproducibility_record,
+    checkpoint_path,
+    discard_folder_if_setup_fails,
+    open_experiment,
+)
+from utils.run_history import InMemoryRunHistory
+from utils.seeding import set_deterministic, set_seed
+from utils.stopping import Stopper, StopReason
+from utils.trackers import build_trackers
 
 OPTIMIZERS = {
     'sgd': lambda groups, o: torch.optim.SGD(groups, o.lr, momentum=o.momentum, weight_decay=o.weight_decay),
@@ -63,6 +78,7 @@ def _warmup_cosine(optimizer, o, total_steps, steps_per_epoch):
             return (step + 1) / o.warmup_steps
         done = (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -71,15 +87,18 @@ SCHEDULERS = {
     'none': lambda optimizer, o, total, per_epoch: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
     'cosine': _warmup_cosine,
     'step': lambda optimizer, o, total, per_epoch: torch.optim.lr_scheduler.StepLR(
-        optimizer, o.lr_step_epochs * per_epoch, o.lr_gamma),
+        optimizer, o.lr_step_epochs * per_epoch, o.lr_gamma
+    ),
     'plateau': lambda optimizer, o, total, per_epoch: torch.optim.lr_scheduler.ReduceLROnPlateau(
-        optimizer, mode=o.monitor_mode, factor=o.lr_gamma, patience=o.lr_patience),
+        optimizer, mode=o.monitor_mode, factor=o.lr_gamma, patience=o.lr_patience
+    ),
 }
 
 
 @dataclasses.dataclass
 class Run:
     """The parts of one training run, as `build` made them; `train` drives them."""
+
     options: Options
     task: object
     device: torch.device
@@ -121,8 +140,10 @@ def resolve_options(args, task_type, train_set):
     options = Options.of(args, num_classes=args.num_classes or train_set.num_classes)
     metric_names = [f'{split}/{name}' for split in ('val', 'train') for name in task_type.metric_names(options)]
     if options.monitor not in metric_names:
-        raise KilnError(f'--monitor {options.monitor} is not a metric of --task {options.task}; choose one of: '
-                        f'{", ".join(metric_names)}')
+        raise KilnError(
+            f'--monitor {options.monitor} is not a metric of --task {options.task}; choose one of: '
+            f'{", ".join(metric_names)}'
+        )
     return options
 
 
@@ -131,9 +152,20 @@ def batches(options, task, dataset, device, train):
     overfit = options.overfit_batches
     augment = augmentation_names(options.augment, getattr(dataset, 'augment', ())) if train and not overfit else ()
     limit = overfit or (options.limit_train_batches if train else options.limit_val_batches)
-    return Batches(dataset, device, batch_size=options.batch_size, shuffle=train or bool(overfit), seed=options.seed,
-                   augment=augment, collate=task.collate, workers=options.num_workers, limit=limit,
-                   fixed_order=bool(overfit), channels_last=options.channels_last, image_size=options.img_size)
+    return Batches(
+        dataset,
+        device,
+        batch_size=options.batch_size,
+        shuffle=train or bool(overfit),
+        seed=options.seed,
+        augment=augment,
+        collate=task.collate,
+        workers=options.num_workers,
+        limit=limit,
+        fixed_order=bool(overfit),
+        channels_last=options.channels_last,
+        image_size=options.img_size,
+    )
 
 
 def build(args):
@@ -149,12 +181,16 @@ def build(args):
     task.check_dataset(train_set, options.data_type)
     # --overfit_batches validates on the very batches it trains on
     val_set = train_set if options.overfit_batches else select_dataset(options, 'val')
-    train_data, val_data = batches(options, task, train_set, device, True), batches(options, task, val_set, device, False)
+    train_data, val_data = (
+        batches(options, task, train_set, device, True),
+        batches(options, task, val_set, device, False),
+    )
 
     checkpoint = load_checkpoint(options.resume_from) if options.resume_from else None
     weights = checkpoint_path(options.load_model_path) if options.load_model_path and checkpoint is None else None
-    setup = setup_model(options, device, weights, strict=not options.load_not_strict, prefix_map=prefix_map(options),
-                        wrap=False)
+    setup = setup_model(
+        options, device, weights, strict=not options.load_not_strict, prefix_map=prefix_map(options), wrap=False
+    )
     # freeze before wrapping for DDP, which syncs only what is trainable when it wraps
     finetuning = FineTuning(setup.model, options.freeze_to, options.freeze_batch_norms, options.unfreeze_at_epoch)
     setup.wrap(options)
@@ -167,19 +203,48 @@ def build(args):
     position, history, recorder = Position(), InMemoryRunHistory(), Recorder()
     monitor = Monitor(options.monitor, options.monitor_mode, options.early_stop_patience, options.early_stop_min_delta)
     train_metrics = task.train_metrics()
-    keeper = CheckpointKeeper(options.model_dir, options.keep_last, options.keep_best, options.monitor_mode) \
-        if is_main_process() else None
+    keeper = (
+        CheckpointKeeper(options.model_dir, options.keep_last, options.keep_best, options.monitor_mode)
+        if is_main_process()
+        else None
+    )
     # the stateful parts a checkpoint is made of; `position` before the data order it checks
-    parts = {'model': setup.model, 'optimizer': optimizer, 'scheduler': scheduler, 'scaler': scaler,
-             'position': position, 'data_order': position.data_order(train_data), 'rng': RandomStates(),
-             'history': history, 'monitor': monitor}
+    parts = {
+        'model': setup.model,
+        'optimizer': optimizer,
+        'scheduler': scheduler,
+        'scaler': scaler,
+        'position': position,
+        'data_order': position.data_order(train_data),
+        'rng': RandomStates(),
+        'history': history,
+        'monitor': monitor,
+    }
     rank_zero_parts = {'recorder': recorder}  # sums of every process: restored on rank 0 only
     if train_metrics is not None:
         rank_zero_parts['train_metrics'] = train_metrics
     checkpointer = Checkpointer(parts, rank_zero_parts, keeper)
-    run = Run(options, task, device, train_data, val_data, setup, finetuning, optimizer, scheduler, scaler, position,
-              Stopper(device), monitor, history, recorder, train_metrics, checkpointer, max_steps=max_steps,
-              updates_per_epoch=updates_per_epoch)
+    run = Run(
+        options,
+        task,
+        device,
+        train_data,
+        val_data,
+        setup,
+        finetuning,
+        optimizer,
+        scheduler,
+        scaler,
+        position,
+        Stopper(device),
+        monitor,
+        history,
+        recorder,
+        train_metrics,
+        checkpointer,
+        max_steps=max_steps,
+        updates_per_epoch=updates_per_epoch,
+    )
     if checkpoint is not None:
         checkpointer.load(checkpoint, options.resume_from)
         run.stopper.resume_at(position.step)
@@ -187,15 +252,25 @@ def build(args):
             finetuning.unfreeze()
             setup.wrap(options)
         if is_main_process():
-            print(f'resuming {options.resume_from}: epoch {position.epoch + 1}, batch {position.batch}, '
-                  f'step {position.step}')
+            print(
+                f'resuming {options.resume_from}: epoch {position.epoch + 1}, batch {position.batch}, '
+                f'step {position.step}'
+            )
     if is_main_process():
-        run.trackers = build_trackers(options.loggers, options.model_dir, os.path.basename(options.model_dir),
-                                      hparams_metric_names(options), position.step if checkpoint else None,
-                                      checkpoint.get('trackers') if checkpoint else None, options)
+        run.trackers = build_trackers(
+            options.loggers,
+            options.model_dir,
+            os.path.basename(options.model_dir),
+            hparams_metric_names(options),
+            position.step if checkpoint else None,
+            checkpoint.get('trackers') if checkpoint else None,
+            options,
+        )
         if setup.load_report is not None:
-            atomic_write_json({'source': options.load_model_path, **setup.load_report.to_dict()},
-                              os.path.join(options.model_dir, 'load_report.json'))
+            atomic_write_json(
+                {'source': options.load_model_path, **setup.load_report.to_dict()},
+                os.path.join(options.model_dir, 'load_report.json'),
+            )
     return run
 
 
@@ -214,15 +289,19 @@ def train(run):
                 model = run.setup.wrapped
             run.finetuning.train_mode(model)
             epoch = position.epoch
-            for batch in progress(run.train_data.epoch(epoch, start=position.batch), o.progress_bar and is_main_process(),
-                                  f'epoch {epoch + 1}', total=len(run.train_data) - position.batch):
+            for batch in progress(
+                run.train_data.epoch(epoch, start=position.batch),
+                o.progress_bar and is_main_process(),
+                f'epoch {epoch + 1}',
+                total=len(run.train_data) - position.batch,
+            ):
                 # the batches of one update: --grad_accum_steps of them, fewer at the end of the epoch
                 group_start = position.batch // o.grad_accum_steps * o.grad_accum_steps
                 group_size = min(o.grad_accum_steps, len(run.train_data) - group_start)
                 position.batch += 1
                 update = position.batch == group_start + group_size
                 # DDP averages gradients only on the batch that ends an update
-                with (contextlib.nullcontext() if update or not is_distributed() else model.no_sync()):
+                with contextlib.nullcontext() if update or not is_distributed() else model.no_sync():
                     with run.setup.autocast():
                         outputs = task.forward(model, batch)
                         loss = task.loss(outputs, batch)
@@ -290,8 +369,14 @@ def validate(run):
         metrics.update({f'train/{k}': v for k, v in run.train_metrics.compute().items()})
         run.train_metrics.reset()
     metrics['train/lr'] = run.optimizer.param_groups[0]['lr']
-    evaluation = evaluate(run.setup.wrapped, run.val_data, run.task, run.setup.autocast,
-                          picture_batches={0} if o.log_images else (), progress_bar=o.progress_bar and is_main_process())
+    evaluation = evaluate(
+        run.setup.wrapped,
+        run.val_data,
+        run.task,
+        run.setup.autocast,
+        picture_batches={0} if o.log_images else (),
+        progress_bar=o.progress_bar and is_main_process(),
+    )
     run.finetuning.train_mode(run.setup.wrapped)
     metrics.update({f'val/{k}': v for k, v in evaluation.metrics.items()})
     for name, value in metrics.items():
@@ -318,8 +403,12 @@ def save(run, metrics=None):
         return
     metrics = metrics or {}
     monitored = metrics.get(run.options.monitor)
-    extra = {'args': saved_options(run.options), 'class_names': run.task.class_names, 'monitor_value': monitored,
-             'trackers': run.trackers.state_dict() if run.trackers else {}}
+    extra = {
+        'args': saved_options(run.options),
+        'class_names': run.task.class_names,
+        'monitor_value': monitored,
+        'trackers': run.trackers.state_dict() if run.trackers else {},
+    }
     run.checkpointer.save(run.position.epoch, run.position.step, monitored, bool(metrics.get('improved')), extra)
     if is_main_process():
         run.history.save_json(os.path.join(run.options.model_dir, 'history.json'))
@@ -343,19 +432,28 @@ def print_progress(run, images_per_second):
     """One line of running train metrics (of this process), learning rate and throughput."""
     if is_main_process():
         running = ' '.join(f'{k} {v:.4f}' for k, v in run.recorder.means().items())
-        tqdm.write(f'{position_text(run)} {running} lr {run.optimizer.param_groups[0]["lr"]:.2e} '
-                   f'{images_per_second * world_size():.0f} img/s')
+        tqdm.write(
+            f'{position_text(run)} {running} lr {run.optimizer.param_groups[0]["lr"]:.2e} '
+            f'{images_per_second * world_size():.0f} img/s'
+        )
 
 
 def write_run_records(run):
     """Write run_config.json, add this start to reproduce.json, and give the trackers the options."""
     o = run.options
     TrainerRunConfig(
-        num_epochs=math.ceil(run.max_steps / run.updates_per_epoch), per_device_batch_size=o.batch_size,
-        total_batch_size=o.batch_size * o.grad_accum_steps * world_size(), gradient_accumulation_steps=o.grad_accum_steps,
-        gradient_clip_value=o.clip_grad_norm or o.clip_grad_value, num_update_steps_per_epoch=run.updates_per_epoch,
-        max_num_train_steps=run.max_steps, world_size=world_size(), is_local_process_zero=local_rank() == 0,
-        is_world_process_zero=rank() == 0, is_distributed=is_distributed(), mixed_precision=o.amp,
+        num_epochs=math.ceil(run.max_steps / run.updates_per_epoch),
+        per_device_batch_size=o.batch_size,
+        total_batch_size=o.batch_size * o.grad_accum_steps * world_size(),
+        gradient_accumulation_steps=o.grad_accum_steps,
+        gradient_clip_value=o.clip_grad_norm or o.clip_grad_value,
+        num_update_steps_per_epoch=run.updates_per_epoch,
+        max_num_train_steps=run.max_steps,
+        world_size=world_size(),
+        is_local_process_zero=local_rank() == 0,
+        is_world_process_zero=rank() == 0,
+        is_distributed=is_distributed(),
+        mixed_precision=o.amp,
     ).save(o.model_dir)
     append_reproducibility_record(o.model_dir, o)
     shown = saved_options(o)
@@ -366,11 +464,27 @@ def write_run_records(run):
 def hparams(options):
     """The options shown in TensorBoard's HParams tab and given to other trackers: the main ones, and
     every option set to something else than its default (so a sweep's options are there)."""
-    main = ('task', 'model_type', 'data_type', 'optimizer', 'lr', 'batch_size', 'epochs', 'max_iteration', 'scheduler',
-            'weight_decay', 'amp', 'seed', 'augment')
+    main = (
+        'task',
+        'model_type',
+        'data_type',
+        'optimizer',
+        'lr',
+        'batch_size',
+        'epochs',
+        'max_iteration',
+        'scheduler',
+        'weight_decay',
+        'amp',
+        'seed',
+        'augment',
+    )
     defaults = vars(parse_args(parse_train_args, []))
-    shown = {name: value for name, value in sorted(saved_options(options).items())
-             if name in main or (name in defaults and value != defaults[name] and name not in ('checkpoints_dir',))}
+    shown = {
+        name: value
+        for name, value in sorted(saved_options(options).items())
+        if name in main or (name in defaults and value != defaults[name] and name not in ('checkpoints_dir',))
+    }
     return {name: value if isinstance(value, (int, float, str, bool)) else str(value) for name, value in shown.items()}
 
 
@@ -380,8 +494,11 @@ def hparams_metric_names(options):
     names = []
     for name in TASKS:
         with contextlib.suppress(KilnError):
-            names += [f'final/{split}/{metric}' for split in ('train', 'val')
-                      for metric in task_class(name).metric_names(options)]
+            names += [
+                f'final/{split}/{metric}'
+                for split in ('train', 'val')
+                for metric in task_class(name).metric_names(options)
+            ]
             names.append(f'best/{task_class(name).monitor}')
     return list(dict.fromkeys(names + [f'best/{options.monitor}']))
 
@@ -399,8 +516,10 @@ def report(run, stop, seconds):
     o, folder = run.options, run.options.model_dir
     best = 'none' if run.monitor.best is None else f'{run.monitor.best:.4f}'
     first = '' if run.first_step_seconds is None else f' (first step {run.first_step_seconds:.1f}s after start)'
-    lines = [f'{stop.message if stop else "done"} after {seconds:.0f}s at step {run.position.step}{first}; '
-             f'best {o.monitor} {best}']
+    lines = [
+        f'{stop.message if stop else "done"} after {seconds:.0f}s at step {run.position.step}{first}; '
+        f'best {o.monitor} {best}'
+    ]
     existing = [name for name in ('best.pth', 'last.pth') if os.path.exists(os.path.join(folder, name))]
     if existing:
         lines.append(f'  checkpoints: {", ".join(os.path.join(folder, name) for name in existing)}')
@@ -439,6 +558,7 @@ def open_run(argv, args):
         nonlocal lock
         resolved, lock = open_experiment(argv, args)
         return resolved
+
     return run_on_main_process(on_main_process), lock
 
 
@@ -478,8 +598,11 @@ def finish(run, stop):
         return
     if stop.reason == StopReason.NONFINITE:
         path = os.path.join(run.options.model_dir, LAST)
-        advice = (f'continue from the last good checkpoint with --resume {path}' if os.path.exists(path) else
-                  'nothing was saved before it: start again (add --resume to reuse the folder)')
+        advice = (
+            f'continue from the last good checkpoint with --resume {path}'
+            if os.path.exists(path)
+            else 'nothing was saved before it: start again (add --resume to reuse the folder)'
+        )
         raise KilnError(f'{stop.message}; nothing after it was saved. Lower --lr (or clip gradients) and {advice}')
     if stop.reason == StopReason.SIGNAL:
         sys.exit(128 + stop.signum)
@@ -490,17 +613,32 @@ def fast_dev_run(argv, args):
     <checkpoints_dir>/fast_dev_run/, then eval.py and predict.py on that checkpoint."""
     import eval as evaluation_script
     import predict
+
     stamp = time.strftime('%Y%m%d_%H%M%S') + f'_{os.getpid()}_{time.time_ns() % 10**9}'
     throwaway = os.path.join(args.checkpoints_dir, 'fast_dev_run')
-    dev_argv = [*argv, '--checkpoints_dir', throwaway, '--save_prefix', stamp, '--max_iteration', '2',
-                '--limit_train_batches', '2', '--limit_val_batches', '2', '--valid_interval', '2']
+    dev_argv = [
+        *argv,
+        '--checkpoints_dir',
+        throwaway,
+        '--save_prefix',
+        stamp,
+        '--max_iteration',
+        '2',
+        '--limit_train_batches',
+        '2',
+        '--limit_val_batches',
+        '2',
+        '--valid_interval',
+        '2',
+    ]
     dev_argv = [token for token in dev_argv if token != '--fast_dev_run']
     run = main(dev_argv)
     checkpoint = os.path.join(run.options.model_dir, LAST)
     device = ['--cpu'] if args.cpu else []
     evaluation_script.main(['--load_model_path', checkpoint, '--no-progress_bar', *device])
-    predict.main(['--load_model_path', checkpoint, '--input', run.val_data.dataset.list_path, '--no-progress_bar',
-                  *device])
+    predict.main(
+        ['--load_model_path', checkpoint, '--input', run.val_data.dataset.list_path, '--no-progress_bar', *device]
+    )
     print(f'fast_dev_run: trained, saved, evaluated and predicted in {run.options.model_dir}')
     return run
 

@@ -9,6 +9,7 @@
 3. Time from starting `python train.py` to its first optimizer step, beside `python -c "import torch"`.
 4. Evaluation: eval.py's loop (every result file and picture) against a bare forward loop.
 """
+
 import argparse
 import contextlib
 import os
@@ -24,10 +25,10 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import eval as evaluation  # noqa: E402
-import train  # noqa: E402
-from model.model_entry import select_model  # noqa: E402
-from utils.seeding import set_seed  # noqa: E402
+import eval as evaluation
+import train
+from model.model_entry import select_model
+from utils.seeding import set_seed
 
 
 def hand_written_loop(run, epochs):
@@ -70,8 +71,16 @@ def timed(function):
 def bench_training(options, scratch, quiet):
     """Print each repeat's images/s and the median Kiln/hand-written time ratio; return the last run and
     the seconds of one of its epochs."""
-    argv = ['--epochs', str(options.epochs), '--model_type', options.model_type, '--print_freq', '20',
-            *(['--cpu'] if options.device == 'cpu' else []), *options.extra]
+    argv = [
+        '--epochs',
+        str(options.epochs),
+        '--model_type',
+        options.model_type,
+        '--print_freq',
+        '20',
+        *(['--cpu'] if options.device == 'cpu' else []),
+        *options.extra,
+    ]
     ratios, speeds = [], []
     for repeat in range(options.repeats):
         run = train.start(argv + ['--checkpoints_dir', os.path.join(scratch, f'run{repeat}')])
@@ -84,12 +93,17 @@ def bench_training(options, scratch, quiet):
             hand = timed(lambda: hand_written_loop(run, options.epochs))
         ratios.append(kiln / hand)
         speeds.append((images / kiln, images / hand))
-        print(f'  repeat {repeat + 1}: Kiln {kiln:.2f}s ({images / kiln:.0f} img/s)  hand-written {hand:.2f}s '
-              f'({images / hand:.0f} img/s)  ratio {kiln / hand:.3f}', flush=True)
-    print(f'training: Kiln {statistics.median(s for s, _ in speeds):.0f} img/s, hand-written '
-          f'{statistics.median(h for _, h in speeds):.0f} img/s; median ratio {statistics.median(ratios):.3f} '
-          f'({options.repeats} alternating runs of {options.epochs} epochs, {options.model_type} on {run.device}, '
-          f'progress bar + TensorBoard + a checkpoint every epoch on)')
+        print(
+            f'  repeat {repeat + 1}: Kiln {kiln:.2f}s ({images / kiln:.0f} img/s)  hand-written {hand:.2f}s '
+            f'({images / hand:.0f} img/s)  ratio {kiln / hand:.3f}',
+            flush=True,
+        )
+    print(
+        f'training: Kiln {statistics.median(s for s, _ in speeds):.0f} img/s, hand-written '
+        f'{statistics.median(h for _, h in speeds):.0f} img/s; median ratio {statistics.median(ratios):.3f} '
+        f'({options.repeats} alternating runs of {options.epochs} epochs, {options.model_type} on {run.device}, '
+        f'progress bar + TensorBoard + a checkpoint every epoch on)'
+    )
     return run, kiln / options.epochs
 
 
@@ -98,8 +112,10 @@ def bench_checkpoint(run, epoch_seconds):
     run.trackers = None  # closed at the end of the run
     with contextlib.redirect_stdout(open(os.devnull, 'w')):
         saves = [timed(lambda: train.save(run)) for _ in range(5)]
-    print(f'checkpoint: saving the full state takes {statistics.median(saves) * 1000:.0f} ms (median of 5), '
-          f'{statistics.median(saves) / epoch_seconds * 100:.1f}% of one epoch ({epoch_seconds:.2f}s)')
+    print(
+        f'checkpoint: saving the full state takes {statistics.median(saves) * 1000:.0f} ms (median of 5), '
+        f'{statistics.median(saves) / epoch_seconds * 100:.1f}% of one epoch ({epoch_seconds:.2f}s)'
+    )
 
 
 def bench_first_step(options, scratch):
@@ -108,13 +124,28 @@ def bench_first_step(options, scratch):
     device = ['--cpu'] if options.device == 'cpu' else []
     for repeat in range(3):
         imports.append(timed(lambda: subprocess.run([sys.executable, '-c', 'import torch'], check=True)))
-        result = subprocess.run([sys.executable, 'train.py', '--max_iteration', '1', '--no-progress_bar', *device,
-                                 '--checkpoints_dir', os.path.join(scratch, f'first{repeat}')],
-                                cwd=REPO, capture_output=True, text=True, check=True)
+        result = subprocess.run(
+            [
+                sys.executable,
+                'train.py',
+                '--max_iteration',
+                '1',
+                '--no-progress_bar',
+                *device,
+                '--checkpoints_dir',
+                os.path.join(scratch, f'first{repeat}'),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         firsts.append(float(re.search(r'first step ([0-9.]+)s after start', result.stdout).group(1)))
     first, imported = statistics.median(firsts), statistics.median(imports)
-    print(f'time to first step: median {first:.2f}s from the start of train.py; python -c "import torch" takes '
-          f'{imported:.2f}s: {first / imported:.2f}x (3 alternating runs)')
+    print(
+        f'time to first step: median {first:.2f}s from the start of train.py; python -c "import torch" takes '
+        f'{imported:.2f}s: {first / imported:.2f}x (3 alternating runs)'
+    )
 
 
 def bench_eval(run, scratch, repeats):
@@ -122,8 +153,14 @@ def bench_eval(run, scratch, repeats):
     checkpoint = os.path.join(run.options.model_dir, 'last.pth')
     ratios, speeds = [], []
     for repeat in range(repeats):
-        argv = ['--load_model_path', checkpoint, '--no-progress_bar', '--save_prefix', f'bench{repeat}',
-                *(['--cpu'] if run.device.type == 'cpu' else [])]
+        argv = [
+            '--load_model_path',
+            checkpoint,
+            '--no-progress_bar',
+            '--save_prefix',
+            f'bench{repeat}',
+            *(['--cpu'] if run.device.type == 'cpu' else []),
+        ]
         model = run.setup.wrapped
 
         def bare():
@@ -131,6 +168,7 @@ def bench_eval(run, scratch, repeats):
             with torch.no_grad():
                 for batch in run.val_data.epoch(0):
                     model(batch['image']).argmax(1)
+
         if repeat % 2:
             hand = timed(bare)
         with contextlib.redirect_stdout(open(os.devnull, 'w')):
@@ -139,9 +177,11 @@ def bench_eval(run, scratch, repeats):
             hand = timed(bare)
         ratios.append(kiln / hand)
         speeds.append(len(run.val_data.dataset) / kiln)
-    print(f'evaluation: median {statistics.median(speeds):.0f} images/s with every result file, median ratio '
-          f'{statistics.median(ratios):.3f} over a bare forward loop ({repeats} alternating runs; eval.py\'s time '
-          f'includes loading the checkpoint and the data)')
+    print(
+        f'evaluation: median {statistics.median(speeds):.0f} images/s with every result file, median ratio '
+        f"{statistics.median(ratios):.3f} over a bare forward loop ({repeats} alternating runs; eval.py's time "
+        f'includes loading the checkpoint and the data)'
+    )
 
 
 def main():
@@ -153,8 +193,10 @@ def main():
     parser.add_argument('--model_type', default='small_cnn')
     parser.add_argument('extra', nargs='*', help='more train.py options after --, e.g. -- --amp bf16 --compile')
     options = parser.parse_args()
-    print(f'machine: {os.cpu_count()} CPUs, torch {torch.__version__}, '
-          f'{torch.cuda.get_device_name() if options.device == "cuda" else "no GPU used"}')
+    print(
+        f'machine: {os.cpu_count()} CPUs, torch {torch.__version__}, '
+        f'{torch.cuda.get_device_name() if options.device == "cuda" else "no GPU used"}'
+    )
     with tempfile.TemporaryDirectory() as scratch, open(os.devnull, 'w') as quiet:
         run, epoch_seconds = bench_training(options, scratch, quiet)
         bench_checkpoint(run, epoch_seconds)

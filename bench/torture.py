@@ -8,6 +8,7 @@ and TensorBoard-free records must equal an uninterrupted run's, bit for bit. Som
 to resume with another --batch_size, which must be refused with one line and no file touched.
 Prints the counts at the end; exits non-zero if any trial failed.
 """
+
 import argparse
 import json
 import os
@@ -32,9 +33,27 @@ MODES = {
 
 
 def base_args(data, folder):
-    return ['--data_type', 'list', '--train_list', os.path.join(data, 'train.txt'), '--val_list',
-            os.path.join(data, 'val.txt'), '--checkpoints_dir', folder, '--batch_size', '8', '--no-progress_bar',
-            '--num_workers', '0', '--cpu', '--deterministic', '--save_interval', '1', '--loggers', 'csv']
+    return [
+        '--data_type',
+        'list',
+        '--train_list',
+        os.path.join(data, 'train.txt'),
+        '--val_list',
+        os.path.join(data, 'val.txt'),
+        '--checkpoints_dir',
+        folder,
+        '--batch_size',
+        '8',
+        '--no-progress_bar',
+        '--num_workers',
+        '0',
+        '--cpu',
+        '--deterministic',
+        '--save_interval',
+        '1',
+        '--loggers',
+        'csv',
+    ]
 
 
 def experiment(folder):
@@ -54,8 +73,13 @@ def saved_step(folder):
 def train(args, kill_at=None, delay=0.0):
     """Run train.py; with `kill_at`, SIGKILL it `delay` seconds after its checkpoint of step `kill_at`
     is on record (if it gets there). Returns the exit code."""
-    process = subprocess.Popen([sys.executable, 'train.py', *args], cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    process = subprocess.Popen(
+        [sys.executable, 'train.py', *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, 'OMP_NUM_THREADS': '1'},
+    )
     if kill_at is not None:
         folder = args[args.index('--checkpoints_dir') + 1]
         while process.poll() is None and saved_step(folder) < kill_at:
@@ -77,8 +101,11 @@ def same(a, b):
 
 def snapshot(folder):
     folder = experiment(folder)
-    return {n: open(os.path.join(folder, n), 'rb').read() for n in os.listdir(folder)
-            if os.path.isfile(os.path.join(folder, n))}
+    return {
+        n: open(os.path.join(folder, n), 'rb').read()
+        for n in os.listdir(folder)
+        if os.path.isfile(os.path.join(folder, n))
+    }
 
 
 def main():
@@ -87,10 +114,12 @@ def main():
     parser.add_argument('--seed', type=int, default=0)
     options = parser.parse_args()
     chooser = random.Random(options.seed)
-    counts = dict(trials=0, kills=0, resume_kills=0, resumes=0, bitwise_equal=0, refusals=0, correct_refusals=0,
-                  failures=0)
+    counts = dict(
+        trials=0, kills=0, resume_kills=0, resumes=0, bitwise_equal=0, refusals=0, correct_refusals=0, failures=0
+    )
     with tempfile.TemporaryDirectory() as scratch:
         from data.shapes import generate_shapes
+
         data = generate_shapes(os.path.join(scratch, 'data'), train_size=96, val_size=48)
         references, steps = {}, {}
         for mode, extra in MODES.items():
@@ -105,16 +134,27 @@ def main():
             killed = train(args, kill_at=chooser.randrange(1, steps[mode]), delay=chooser.choice([0, 0, 0.05, 0.2]))
             counts['kills'] += killed == -signal.SIGKILL
             folder = args[args.index('--checkpoints_dir') + 1]
-            saved = os.path.isdir(folder) and os.listdir(folder) and os.path.exists(
-                os.path.join(experiment(folder), 'last.pth'))
+            saved = (
+                os.path.isdir(folder)
+                and os.listdir(folder)
+                and os.path.exists(os.path.join(experiment(folder), 'last.pth'))
+            )
             if chooser.random() < 0.2 and saved:
                 counts['refusals'] += 1
                 before = snapshot(folder)
-                refused = subprocess.run([sys.executable, 'train.py', *args, '--resume', '--batch_size', '16'],
-                                         cwd=REPO, capture_output=True, text=True)
+                refused = subprocess.run(
+                    [sys.executable, 'train.py', *args, '--resume', '--batch_size', '16'],
+                    cwd=REPO,
+                    capture_output=True,
+                    text=True,
+                )
                 lines = refused.stderr.strip().splitlines()
-                good = (refused.returncode == 2 and len(lines) == 1 and '--batch_size 16' in lines[0]
-                        and snapshot(folder) == before)
+                good = (
+                    refused.returncode == 2
+                    and len(lines) == 1
+                    and '--batch_size 16' in lines[0]
+                    and snapshot(folder) == before
+                )
                 counts['correct_refusals'] += good
                 counts['failures'] += not good
                 if not good:
@@ -132,8 +172,10 @@ def main():
             else:
                 counts['failures'] += 1
                 print(f'trial {trial} ({mode}): exit {code} or different weights/history')
-            print(f'trial {trial + 1}/{options.trials} {mode}: ' + ' '.join(f'{k} {v}' for k, v in counts.items()),
-                  flush=True)
+            print(
+                f'trial {trial + 1}/{options.trials} {mode}: ' + ' '.join(f'{k} {v}' for k, v in counts.items()),
+                flush=True,
+            )
     print('torture: ' + ', '.join(f'{k} {v}' for k, v in counts.items()))
     sys.exit(1 if counts['failures'] else 0)
 

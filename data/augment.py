@@ -10,6 +10,7 @@ whether the run was interrupted. All of it is index arithmetic on fixed shapes: 
 Add an augmentation: a class with `draw(count, generator)` and `apply(batch, params)`, one line in
 AUGMENTATIONS, and its name in options.AUGMENTATIONS.
 """
+
 import torch
 
 MEAN = (0.5, 0.5, 0.5)
@@ -54,8 +55,15 @@ class RandomCrop:
         if 'boxes' in batch:  # move with the pixels; a box pushed out of the picture is dropped
             offset = shift.flip(1).repeat(1, 2).to(batch['boxes'].dtype).unsqueeze(1)  # (dx, dy, dx, dy)
             boxes = batch['boxes'] - offset
-            boxes = torch.stack([boxes[..., 0].clamp(0, width), boxes[..., 1].clamp(0, height),
-                                 boxes[..., 2].clamp(0, width), boxes[..., 3].clamp(0, height)], dim=-1)
+            boxes = torch.stack(
+                [
+                    boxes[..., 0].clamp(0, width),
+                    boxes[..., 1].clamp(0, height),
+                    boxes[..., 2].clamp(0, width),
+                    boxes[..., 3].clamp(0, height),
+                ],
+                dim=-1,
+            )
             gone = (boxes[..., 2] - boxes[..., 0] < 1) | (boxes[..., 3] - boxes[..., 1] < 1)
             batch['boxes'] = boxes
             batch['box_labels'] = batch['box_labels'].masked_fill(gone, -1)
@@ -112,8 +120,11 @@ class BatchTransform:
 
     def draw(self, count, generator):
         """Random parameters for `count` sample positions, as {(augmentation index, name): tensor (count, ...)}."""
-        return {(i, key): value for i, augmentation in enumerate(self.augmentations)
-                for key, value in augmentation.draw(count, generator).items()}
+        return {
+            (i, key): value
+            for i, augmentation in enumerate(self.augmentations)
+            for key, value in augmentation.draw(count, generator).items()
+        }
 
     def __call__(self, batch, params=None):
         """Augment (with `params`, this batch's rows of `draw`) and normalize `batch` in place; return it."""
@@ -123,8 +134,9 @@ class BatchTransform:
         image = batch['image']
         if image.dtype == torch.uint8:
             if image.device not in self.scales:
-                self.scales[image.device] = tuple(torch.tensor(values, device=image.device).view(1, -1, 1, 1) * 255
-                                                  for values in (MEAN, STD))
+                self.scales[image.device] = tuple(
+                    torch.tensor(values, device=image.device).view(1, -1, 1, 1) * 255 for values in (MEAN, STD)
+                )
             mean, std = self.scales[image.device]
             image = (image.float() - mean) / std
         if self.channels_last and image.dim() == 4:

@@ -4,6 +4,7 @@ To add a dataset: write data/my_dataset.py with a Dataset class taking (args, sp
 is 'train' or 'val', and add one line here: 'my_dataset': 'data.my_dataset:MyDataset',
 (This file imports nothing heavy: `--help` and name checks read it before torch loads.)
 """
+
 from utils.registry import load_entry
 
 DATASETS = {

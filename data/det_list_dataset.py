@@ -6,6 +6,7 @@ each box `x1,y1,x2,y2,class` in pixels of the image as stored (x2, y2 exclusive)
 `classes.txt` beside the list; a path alone is an image without objects. Paths, comments, quotes
 and encodings as for every list file (data/list_file.py).
 """
+
 import numpy as np
 import torch
 
@@ -33,8 +34,10 @@ class DetListDataset(ListDataset):
             except ValueError:
                 box, label = None, -1
             if box is None or label < 0 or not (box[2] > box[0] and box[3] > box[1]):
-                raise KilnError(f'{self.list_path}:{number}: expected boxes as "x1,y1,x2,y2,class" with x2 > x1, '
-                                f'y2 > y1 and a class >= 0, got {field!r}')
+                raise KilnError(
+                    f'{self.list_path}:{number}: expected boxes as "x1,y1,x2,y2,class" with x2 > x1, '
+                    f'y2 > y1 and a class >= 0, got {field!r}'
+                )
             boxes.append(box)
             labels.append(label)
         return np.array(boxes, dtype=np.float32).reshape(-1, 4), np.array(labels, dtype=np.int64)
@@ -47,9 +50,11 @@ class DetListDataset(ListDataset):
     def check_targets(self):
         for _, (_, labels), number in self.samples:
             if len(labels) and labels.max() >= self.num_classes:
-                raise KilnError(f'{self.list_path}:{number}: class {labels.max()} is outside '
-                                f'0..{self.num_classes - 1} (num_classes={self.num_classes}); fix the list, '
-                                f'classes.txt or --num_classes')
+                raise KilnError(
+                    f'{self.list_path}:{number}: class {labels.max()} is outside '
+                    f'0..{self.num_classes - 1} (num_classes={self.num_classes}); fix the list, '
+                    f'classes.txt or --num_classes'
+                )
 
     def __getitem__(self, index):
         path, (boxes, labels), number = self.samples[index]

@@ -4,6 +4,7 @@ Pillow's own `convert('RGB')` clips 16-bit and 32-bit pixels at 255, which turns
 and TIFFs white; `to_rgb` scales them instead, composites transparency over white, and refuses
 pixel values it cannot map to 0..255 rather than guessing.
 """
+
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,8 +44,9 @@ def to_rgb(image):
         values = np.asarray(image)
         low, high = int(values.min()), int(values.max())
         if low < 0 or high > 65535:
-            raise ValueError(f'32-bit integer pixels from {low} to {high} do not fit 16 bits; '
-                             'save it as an 8- or 16-bit image')
+            raise ValueError(
+                f'32-bit integer pixels from {low} to {high} do not fit 16 bits; save it as an 8- or 16-bit image'
+            )
         return _gray(values / 257)
     if mode == 'F':
         values = np.asarray(image).astype(np.float64)
@@ -55,8 +57,10 @@ def to_rgb(image):
             return _gray(values * 255)
         if low >= 0 and high <= 255:
             return _gray(values)
-        raise ValueError(f'floating-point pixels from {low:g} to {high:g} are in neither 0..1 nor 0..255; '
-                         'save it as an 8- or 16-bit image')
+        raise ValueError(
+            f'floating-point pixels from {low:g} to {high:g} are in neither 0..1 nor 0..255; '
+            'save it as an 8- or 16-bit image'
+        )
     if mode in ALPHA_MODES or 'transparency' in image.info:
         rgba = image.convert('RGBA')
         white = Image.new('RGBA', rgba.size, (255, 255, 255, 255))

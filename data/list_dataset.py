@@ -4,6 +4,7 @@ paths relative to the list file, comments, quotes, tabs, CSV, any common encodin
 A `classes.txt` beside the list file (one class name per line) names the classes and fixes their
 number; without it the number of classes is the largest label + 1.
 """
+
 import os
 
 import torch
@@ -40,8 +41,10 @@ class ListDataset(Dataset):
     def __init__(self, args, split):
         self.list_path = getattr(args, f'{split}_list', None) or self.default_list(args, split)
         self.size = args.img_size
-        self.samples = [(resolve_path(self.list_path, fields[0]), self.parse_target(fields[1:], number), number)
-                        for number, fields in read_list_file(self.list_path, columns=self.columns)]
+        self.samples = [
+            (resolve_path(self.list_path, fields[0]), self.parse_target(fields[1:], number), number)
+            for number, fields in read_list_file(self.list_path, columns=self.columns)
+        ]
         self.check_files()
         self.class_names = read_class_names(self.list_path, self.class_files)
         self.num_classes = args.num_classes or self.count_classes()
@@ -49,10 +52,11 @@ class ListDataset(Dataset):
 
     def parse_target(self, fields, number):
         """The target of one line from its fields after the image path: an integer label >= 0."""
-        field, = fields
+        (field,) = fields
         if not field.isdecimal():
-            raise KilnError(f'{self.list_path}:{number}: expected "image_path label" with a label >= 0, '
-                            f'got label {field!r}')
+            raise KilnError(
+                f'{self.list_path}:{number}: expected "image_path label" with a label >= 0, got label {field!r}'
+            )
         return int(field)
 
     def check_files(self):
@@ -62,8 +66,10 @@ class ListDataset(Dataset):
             if not os.path.isfile(path):
                 raise KilnError(f'{self.list_path}:{number}: image {path} does not exist')
         for index, path, reason in check_images([path for path, _, _ in self.samples])[:1]:
-            raise KilnError(f'cannot read image {path} ({self.list_path}:{self.samples[index][2]}): {reason}; '
-                            f'fix or remove it from the list')
+            raise KilnError(
+                f'cannot read image {path} ({self.list_path}:{self.samples[index][2]}): {reason}; '
+                f'fix or remove it from the list'
+            )
 
     def count_classes(self):
         """The number of classes when --num_classes is not given: classes.txt's, else the largest label + 1."""
@@ -73,13 +79,17 @@ class ListDataset(Dataset):
         """Stop with the list file line of the first label outside the class range."""
         for _, label, number in self.samples:
             if label >= self.num_classes:
-                raise KilnError(f'{self.list_path}:{number}: label {label} is outside 0..{self.num_classes - 1} '
-                                f'(num_classes={self.num_classes}); fix the list, classes.txt or --num_classes')
+                raise KilnError(
+                    f'{self.list_path}:{number}: label {label} is outside 0..{self.num_classes - 1} '
+                    f'(num_classes={self.num_classes}); fix the list, classes.txt or --num_classes'
+                )
 
     def default_list(self, args, split):
         """The list file used when no --<split>_list is given."""
-        raise KilnError(f'--data_type {args.data_type} reads list files: give --{split}_list PATH '
-                        f'(or give the dataset a default_list)')
+        raise KilnError(
+            f'--data_type {args.data_type} reads list files: give --{split}_list PATH '
+            f'(or give the dataset a default_list)'
+        )
 
     def image_paths(self):
         """Paths of all samples, in dataset order."""

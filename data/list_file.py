@@ -6,6 +6,7 @@ one, else by whitespace; "double" or 'single' quotes keep spaces in a field; `#`
 a line or after whitespace (outside quotes) starts a comment; blank lines are skipped. Files
 ending in .csv are read as CSV instead (see read_list_file).
 """
+
 import codecs
 import csv
 import os
@@ -14,8 +15,13 @@ import re
 from utils.errors import KilnError
 
 # checked in this order: the UTF-32 LE mark starts with the UTF-16 LE one
-BOMS = ((codecs.BOM_UTF32_LE, 'utf-32-le'), (codecs.BOM_UTF32_BE, 'utf-32-be'), (codecs.BOM_UTF8, 'utf-8'),
-        (codecs.BOM_UTF16_LE, 'utf-16-le'), (codecs.BOM_UTF16_BE, 'utf-16-be'))
+BOMS = (
+    (codecs.BOM_UTF32_LE, 'utf-32-le'),
+    (codecs.BOM_UTF32_BE, 'utf-32-be'),
+    (codecs.BOM_UTF8, 'utf-8'),
+    (codecs.BOM_UTF16_LE, 'utf-16-le'),
+    (codecs.BOM_UTF16_BE, 'utf-16-be'),
+)
 HEADER_WORDS = {'image', 'image_path', 'path', 'file', 'filename'}
 
 
@@ -25,13 +31,16 @@ def _decode(path, data):
     for bom, encoding in BOMS:
         if data.startswith(bom):
             try:
-                return data[len(bom):].decode(encoding, 'surrogateescape' if encoding == 'utf-8' else 'strict')
+                return data[len(bom) :].decode(encoding, 'surrogateescape' if encoding == 'utf-8' else 'strict')
             except UnicodeDecodeError as error:
-                raise KilnError(f'list file {path} is not valid {encoding.upper()} ({error.reason} at byte '
-                                f'{error.start + len(bom)}); save it as UTF-8') from None
+                raise KilnError(
+                    f'list file {path} is not valid {encoding.upper()} ({error.reason} at byte '
+                    f'{error.start + len(bom)}); save it as UTF-8'
+                ) from None
     if b'\0' in data:
-        raise KilnError(f'list file {path} looks like UTF-16 or UTF-32 text without a byte-order mark; '
-                        'save it as UTF-8')
+        raise KilnError(
+            f'list file {path} looks like UTF-16 or UTF-32 text without a byte-order mark; save it as UTF-8'
+        )
     return data.decode('utf-8', 'surrogateescape')
 
 
@@ -50,7 +59,7 @@ def _split(line, tabs):
                 raise ValueError(f'the quote at column {i + 1} is never closed')
             if end + 1 < n and not line[end + 1].isspace():
                 raise ValueError(f'text follows the closing quote at column {end + 1}')
-            fields.append(line[i + 1:end])
+            fields.append(line[i + 1 : end])
             spans.append((i, end + 1))
             quoted, i = True, end + 1
             continue
@@ -69,8 +78,11 @@ def _csv_rows(lines):
     """(line_number, fields) of a CSV list file: comma or semicolon delimiter (sniffed from the
     first lines), fields stripped, trailing empty fields dropped, blank and `#` lines skipped,
     and a first row that starts with a header word (image, path, filename, ...) skipped."""
-    content = [(number, line) for number, line in enumerate(lines, start=1)
-               if line.strip() and not line.lstrip().startswith('#')]
+    content = [
+        (number, line)
+        for number, line in enumerate(lines, start=1)
+        if line.strip() and not line.lstrip().startswith('#')
+    ]
     try:  # only the delimiter is taken from the sniffer: its guessed quote character can be wrong
         delimiter = csv.Sniffer().sniff('\n'.join(line for _, line in content[:20]), delimiters=',;').delimiter
     except csv.Error:  # a single column, or nothing to go on
@@ -109,14 +121,15 @@ def read_list_file(path, columns=None):
                 raise KilnError(f'{path}:{number}: {error}: {line.strip()!r}') from None
             if columns and not quoted and not tabs and len(fields) > columns:
                 extra = len(fields) - columns
-                fields = [line[spans[0][0]:spans[extra][1]]] + fields[extra + 1:]
+                fields = [line[spans[0][0] : spans[extra][1]]] + fields[extra + 1 :]
             if fields:
                 entries.append((number, fields))
     if columns:
         for number, fields in entries:
             if len(fields) != columns:
-                raise KilnError(f'{path}:{number}: expected {columns} fields, got {len(fields)}: '
-                                f'{lines[number - 1].strip()!r}')
+                raise KilnError(
+                    f'{path}:{number}: expected {columns} fields, got {len(fields)}: {lines[number - 1].strip()!r}'
+                )
     if not entries:
         raise KilnError(f'list file {path} lists no images')
     return entries

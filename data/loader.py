@@ -9,6 +9,7 @@ Two paths, chosen by the dataset:
 Either way `BatchTransform` (data/augment.py) then normalizes and, for training, augments the
 whole batch on the device.
 """
+
 import ctypes
 import functools
 import os
@@ -38,7 +39,7 @@ def pad_collate(samples):
             fill = 0 if values[0].is_floating_point() else -1
             padded = values[0].new_full((len(values), longest, *values[0].shape[1:]), fill)
             for i, value in enumerate(values):
-                padded[i, :len(value)] = value
+                padded[i, : len(value)] = value
             batch[key] = padded
     return batch
 
@@ -92,21 +93,41 @@ class Batches:
     """The batches of one split for this process, epoch by epoch, as dicts of device tensors with
     the images normalized (and, with `augment`, augmented: see data/augment.py)."""
 
-    def __init__(self, dataset, device, *, batch_size, shuffle, seed, augment=(), collate=pad_collate, workers=None,
-                 limit=None, fixed_order=False, channels_last=False, image_size=32):
+    def __init__(
+        self,
+        dataset,
+        device,
+        *,
+        batch_size,
+        shuffle,
+        seed,
+        augment=(),
+        collate=pad_collate,
+        workers=None,
+        limit=None,
+        fixed_order=False,
+        channels_last=False,
+        image_size=32,
+    ):
         self.dataset, self.device, self.seed = dataset, device, seed
-        self.sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle, seed, rank(), world_size(), limit,
-                                             fixed_order)
+        self.sampler = ResumableBatchSampler(
+            len(dataset), batch_size, shuffle, seed, rank(), world_size(), limit, fixed_order
+        )
         self.transform = BatchTransform(augment, image_size, channels_last)
         tensors = getattr(dataset, 'tensors', None)
         self.memory = place_in_memory(tensors(), device) if tensors else None
         self.loader = None
         if self.memory is None:
             workers = default_workers(workers)
-            self.loader = DataLoader(SeededDataset(dataset), batch_sampler=self.sampler, num_workers=workers,
-                                     collate_fn=functools.partial(_collate_with_positions, collate),
-                                     pin_memory=device.type == 'cuda', persistent_workers=workers > 0,
-                                     worker_init_fn=functools.partial(_init_worker, os.getpid()))
+            self.loader = DataLoader(
+                SeededDataset(dataset),
+                batch_sampler=self.sampler,
+                num_workers=workers,
+                collate_fn=functools.partial(_collate_with_positions, collate),
+                pin_memory=device.type == 'cuda',
+                persistent_workers=workers > 0,
+                worker_init_fn=functools.partial(_init_worker, os.getpid()),
+            )
 
     def __len__(self):
         """Batches in a whole epoch."""
@@ -143,5 +164,7 @@ class Batches:
 
     def _from_loader(self):
         for batch, positions in self.loader:
-            yield ({key: t.to(self.device, non_blocking=True) for key, t in batch.items()},
-                   positions.to(self.device, non_blocking=True))
+            yield (
+                {key: t.to(self.device, non_blocking=True) for key, t in batch.items()},
+                positions.to(self.device, non_blocking=True),
+            )

@@ -4,6 +4,7 @@ The decoded tensors are cached in `<data_root>/cache/` (a file per list and imag
 against the list's bytes and every file's size and modification time), so a later run loads them in
 milliseconds instead of decoding every image again.
 """
+
 import hashlib
 import io
 import os
@@ -43,9 +44,11 @@ class InMemory:
             needed = len(self) * 3 * self.size * self.size
             free = available_memory()
             if free is not None and needed > free // 2:
-                raise KilnError(f'{len(self)} images of {self.size}x{self.size} need {needed / 2**30:.1f} GiB in memory '
-                                f'but {free / 2**30:.1f} GiB are free; lower --img_size or read them from disk '
-                                f'(--data_type list)')
+                raise KilnError(
+                    f'{len(self)} images of {self.size}x{self.size} need {needed / 2**30:.1f} GiB in memory '
+                    f'but {free / 2**30:.1f} GiB are free; lower --img_size or read them from disk '
+                    f'(--data_type list)'
+                )
             self._tensors = self.cached() or self.decode_all()
         return self._tensors
 

@@ -8,6 +8,7 @@ seeds python, numpy and torch with (seed, epoch, position) while a sample is rea
 a dataset's own per-sample randomness also comes out the same whatever the number of DataLoader
 workers or processes, and whether or not the run was interrupted.
 """
+
 import random
 
 import numpy as np
@@ -82,20 +83,23 @@ class ResumableBatchSampler(Sampler):
         (position in the epoch's order, dataset index)."""
         order = list(enumerate(self.order(epoch)))
         if not self.shuffle:
-            mine = order[self.rank::self.world_size]
-            batches = [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
+            mine = order[self.rank :: self.world_size]
+            batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
         else:
             step = self.batch_size * self.world_size
             count = len(order) // step if len(order) >= step else 1  # a tiny dataset still gives one batch
             first = self.rank * self.batch_size
-            batches = [order[i * step + first:i * step + first + self.batch_size] for i in range(count)]
-        return batches[:self._limit(len(batches))]
+            batches = [order[i * step + first : i * step + first + self.batch_size] for i in range(count)]
+        return batches[: self._limit(len(batches))]
 
     def __iter__(self):
         epoch, start = self.epoch, self.start  # fixed for this pass, whatever set_epoch does meanwhile
         for batch in self.batches(epoch)[start:]:
-            yield SeededBatch([index for _, index in batch], [position for position, _ in batch],
-                              [mix(self.seed, epoch, position) for position, _ in batch])
+            yield SeededBatch(
+                [index for _, index in batch],
+                [position for position, _ in batch],
+                [mix(self.seed, epoch, position) for position, _ in batch],
+            )
 
     def __len__(self):
         return max(0, self.num_batches() - self.start)

@@ -4,6 +4,7 @@ A mask is a single-channel PNG of the image's size whose pixel values are class 
 `seg_classes.txt` (or `classes.txt`) beside the list file names the classes, background
 included; without one, give --num_classes.
 """
+
 import os
 
 import numpy as np
@@ -37,8 +38,9 @@ class SegListDataset(ListDataset):
     def check_targets(self):
         """Masks are checked as they are read (see read_mask): reading all of them here would be slow."""
         if self.num_classes > 256:
-            raise KilnError(f'{self.list_path}: masks hold at most 256 classes (one byte per pixel), '
-                            f'not {self.num_classes}')
+            raise KilnError(
+                f'{self.list_path}: masks hold at most 256 classes (one byte per pixel), not {self.num_classes}'
+            )
 
     def read_mask(self, index):
         """The uint8 mask (S, S) of sample `index`, checked against the number of classes."""
@@ -52,8 +54,10 @@ class SegListDataset(ListDataset):
         except (OSError, ValueError, SyntaxError) as error:
             raise KilnError(f'cannot read mask {path} ({self.list_path}:{number}): {error}') from None
         if values.max() >= self.num_classes:
-            raise KilnError(f'{self.list_path}:{number}: mask {path} holds class {int(values.max())}, outside '
-                            f'0..{self.num_classes - 1}; fix the mask, the classes file or --num_classes')
+            raise KilnError(
+                f'{self.list_path}:{number}: mask {path} holds class {int(values.max())}, outside '
+                f'0..{self.num_classes - 1}; fix the mask, the classes file or --num_classes'
+            )
         return torch.from_numpy(values.astype(np.uint8))
 
     def __getitem__(self, index):

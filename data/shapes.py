@@ -9,6 +9,7 @@ background, 1 + class on the shape's pixels), `seg_train.txt`/`seg_val.txt` of
 (`generate_shape_boxes`) draws 1 to 4 shapes per image and lists their boxes as
 `image_path x1,y1,x2,y2,class ...` lines. Run `python -m data.shapes --help` to generate a copy by hand.
 """
+
 import argparse
 import contextlib
 import json
@@ -41,8 +42,20 @@ def _polygon(center, radius, angle, corners, inner_ratio=None):
 
 def _cross(center, radius, angle, arm):
     """Vertices of a plus sign with arms of half-width `arm`."""
-    outline = [(arm, radius), (arm, arm), (radius, arm), (radius, -arm), (arm, -arm), (arm, -radius),
-               (-arm, -radius), (-arm, -arm), (-radius, -arm), (-radius, arm), (-arm, arm), (-arm, radius)]
+    outline = [
+        (arm, radius),
+        (arm, arm),
+        (radius, arm),
+        (radius, -arm),
+        (arm, -arm),
+        (arm, -radius),
+        (-arm, -radius),
+        (-arm, -arm),
+        (-radius, -arm),
+        (-radius, arm),
+        (-arm, arm),
+        (-arm, radius),
+    ]
     cos, sin = math.cos(angle), math.sin(angle)
     return [(center[0] + x * cos - y * sin, center[1] + x * sin + y * cos) for x, y in outline]
 
@@ -226,8 +239,13 @@ def _generate(root, manifest, write, total):
     staging = tempfile.mkdtemp(prefix='.shapes-', dir=parent)
     try:
         # disable=None: no bar when stderr is not a terminal (CI logs, tests)
-        with tqdm(total=total, desc=f'generating {os.path.basename(os.path.abspath(root))}', unit='img',
-                  disable=None, leave=False) as progress:
+        with tqdm(
+            total=total,
+            desc=f'generating {os.path.basename(os.path.abspath(root))}',
+            unit='img',
+            disable=None,
+            leave=False,
+        ) as progress:
             write(staging, progress)
         with open(os.path.join(staging, 'manifest.json'), 'w') as f:
             json.dump(manifest, f, indent=1)
@@ -235,8 +253,10 @@ def _generate(root, manifest, write, total):
             os.rename(staging, root)
         except OSError:
             if _read_manifest(manifest_path) != manifest:  # not a concurrent writer that won the race
-                raise KilnError(f'{root} exists and is not a generated shapes dataset (no manifest.json); '
-                                f'move it away or choose another --data_root') from None
+                raise KilnError(
+                    f'{root} exists and is not a generated shapes dataset (no manifest.json); '
+                    f'move it away or choose another --data_root'
+                ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return root
@@ -250,8 +270,14 @@ def _write_classes(folder, file_name, names):
 def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
     """Write the shapes dataset (one shape per image, with masks) into `root` unless a complete
     copy with these settings is there; see `_generate` for how copies are made safely. Returns `root`."""
-    manifest = {'version': GENERATOR_VERSION, 'train_size': train_size, 'val_size': val_size,
-                'seed': seed, 'size': size, 'classes': list(CLASS_NAMES)}
+    manifest = {
+        'version': GENERATOR_VERSION,
+        'train_size': train_size,
+        'val_size': val_size,
+        'seed': seed,
+        'size': size,
+        'classes': list(CLASS_NAMES),
+    }
 
     def write(folder, progress):
         _write_split(folder, 'train', train_size, seed, size, progress)
@@ -266,8 +292,15 @@ def generate_shape_boxes(root, train_size=4000, val_size=800, seed=0, size=64):
     """Write the detection variant into `root` unless a complete copy with these settings is there:
     images with 1 to 4 shapes and `train.txt`/`val.txt` lines of `image_path x1,y1,x2,y2,class ...`
     (pixels, x2/y2 exclusive; class indexes classes.txt). Returns `root`."""
-    manifest = {'version': GENERATOR_VERSION, 'task': 'detection', 'train_size': train_size,
-                'val_size': val_size, 'seed': seed, 'size': size, 'classes': list(CLASS_NAMES)}
+    manifest = {
+        'version': GENERATOR_VERSION,
+        'task': 'detection',
+        'train_size': train_size,
+        'val_size': val_size,
+        'seed': seed,
+        'size': size,
+        'classes': list(CLASS_NAMES),
+    }
 
     def write(folder, progress):
         _write_box_split(folder, 'train', train_size, seed, size, progress)
@@ -280,16 +313,20 @@ def generate_shape_boxes(root, train_size=4000, val_size=800, seed=0, size=64):
 def main(argv=None):
     parser = argparse.ArgumentParser(description='Generate the shapes dataset as PNG files and list files.')
     parser.add_argument('root', help='folder to create')
-    parser.add_argument('--detection', action='store_true',
-                        help='the detection variant: several shapes per image, with boxes in the list files')
+    parser.add_argument(
+        '--detection',
+        action='store_true',
+        help='the detection variant: several shapes per image, with boxes in the list files',
+    )
     parser.add_argument('--train_size', type=int, help='default 6000 (4000 with --detection)')
     parser.add_argument('--val_size', type=int, help='default 1200 (800 with --detection)')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--size', type=int, help='image side in pixels, default 32 (64 with --detection)')
     args = parser.parse_args(argv)
     generate = generate_shape_boxes if args.detection else generate_shapes
-    options = {name: value for name in ('train_size', 'val_size', 'size')
-               if (value := getattr(args, name)) is not None}  # the rest: the generator's defaults
+    options = {
+        name: value for name in ('train_size', 'val_size', 'size') if (value := getattr(args, name)) is not None
+    }  # the rest: the generator's defaults
     generate(args.root, seed=args.seed, **options)
     print(f'shapes dataset in {args.root}: train.txt, val.txt, classes.txt')
 

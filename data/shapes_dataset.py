@@ -1,4 +1,5 @@
 """The default dataset: generated shapes (data/shapes.py), read through their list files into memory."""
+
 import os
 
 from data.mem_list_dataset import MemListDataset

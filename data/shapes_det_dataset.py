@@ -1,5 +1,6 @@
 """The generated shapes as a detection task: 64-pixel images with 1 to 4 shapes and their boxes
 (data/shapes.py writes them), read through their list files into memory."""
+
 import os
 
 from data.det_list_dataset import DetListDataset

@@ -1,4 +1,5 @@
 """The generated shapes as a segmentation task (data/shapes.py writes the masks too), in memory."""
+
 import os
 
 from data.mem_list_dataset import InMemory

@@ -4,6 +4,7 @@ To add a model: create a package model/my_net/ with an nn.Module taking `args` (
 args.num_classes, args.img_size, ...), and add one line here: 'my_net': 'model.my_net:MyNet',
 (This file imports nothing heavy: `--help` and name checks read it before torch loads.)
 """
+
 from utils.registry import load_entry
 
 MODELS = {

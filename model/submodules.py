@@ -1,4 +1,5 @@
 """Reusable building blocks for models."""
+
 import torch
 from torch import nn
 
@@ -21,8 +22,9 @@ class UpBlock(nn.Module):
     def __init__(self, in_channels, out_channels, skip_channels=0):
         super().__init__()
         self.upsample = nn.Upsample(scale_factor=2, mode='bilinear', align_corners=False)
-        self.convs = nn.Sequential(ConvBNReLU(in_channels + skip_channels, out_channels),
-                                   ConvBNReLU(out_channels, out_channels))
+        self.convs = nn.Sequential(
+            ConvBNReLU(in_channels + skip_channels, out_channels), ConvBNReLU(out_channels, out_channels)
+        )
 
     def forward(self, x, skip=None):
         x = self.upsample(x)

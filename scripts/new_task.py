@@ -7,6 +7,7 @@ the new, empty folder DEST, puts the project name where "Kiln" stood, and with -
 --model writes a commented stub task, dataset file or model package and registers each with one
 line. The new project runs and passes its tests as it is.
 """
+
 import argparse
 import io
 import os
@@ -125,10 +126,10 @@ class {cls}(nn.Module):
         return self.head(self.pool(self.features(x)).flatten(1))
 '''
 
-PROJECT_INTRO = '''<!-- intro -->
+PROJECT_INTRO = """<!-- intro -->
 {name} trains, evaluates and serves its models with PyTorch: `bash scripts/train.sh` trains,
 `bash scripts/eval.sh` evaluates, `python predict.py` predicts, TensorBoard shows the curves.
-<!-- /intro -->'''
+<!-- /intro -->"""
 
 
 def fail(message):
@@ -146,8 +147,9 @@ def copy_template(dest):
         return 'the committed files (git archive HEAD)'
     for folder, names, files in os.walk(TEMPLATE):
         relative = os.path.relpath(folder, TEMPLATE)
-        names[:] = [n for n in names if os.path.normpath(os.path.join(relative, n)) not in LEFT_OUT
-                    and n not in LEFT_OUT]
+        names[:] = [
+            n for n in names if os.path.normpath(os.path.join(relative, n)) not in LEFT_OUT and n not in LEFT_OUT
+        ]
         for name in files:
             target = os.path.join(dest, relative, name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -225,12 +227,17 @@ def main(argv=None):
     if args.model:
         cls = camel(args.model)
         write(os.path.join(dest, 'model', args.model, f'{args.model}.py'), MODEL_STUB.format(name=args.model, cls=cls))
-        write(os.path.join(dest, 'model', args.model, '__init__.py'),
-              f"from model.{args.model}.{args.model} import {cls}\n\n__all__ = ['{cls}']\n")
+        write(
+            os.path.join(dest, 'model', args.model, '__init__.py'),
+            f"from model.{args.model}.{args.model} import {cls}\n\n__all__ = ['{cls}']\n",
+        )
         register(os.path.join(dest, 'model', 'model_entry.py'), 'MODELS', args.model, f'model.{args.model}:{cls}')
     print(f'new project {name} in {dest}, from {how}')
-    flags = ''.join(f' --{option} {getattr(args, value)}' for option, value in
-                    (('task', 'task'), ('data_type', 'dataset'), ('model_type', 'model')) if getattr(args, value))
+    flags = ''.join(
+        f' --{option} {getattr(args, value)}'
+        for option, value in (('task', 'task'), ('data_type', 'dataset'), ('model_type', 'model'))
+        if getattr(args, value)
+    )
     if args.dataset:
         flags += ' --train_list LIST --val_list LIST'
     print(f'  cd {args.dest} && python3 -m pip install -r requirements.txt && bash scripts/train.sh{flags}')

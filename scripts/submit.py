@@ -11,6 +11,7 @@ submitit asks SLURM for USR2 two minutes before the time limit: the processes sa
 step, then submitit calls `Trainer.checkpoint` and requeues the job, which resumes. A pre-emption's
 TERM makes them save too, and SLURM requeues the job.
 """
+
 import argparse
 import os
 import signal
@@ -27,9 +28,11 @@ class Trainer:
 
     def __call__(self):
         import submitit
+
         sys.path.insert(0, REPO)
         import train
         from utils.stopping import StopSignals
+
         self._export_distributed_environment(submitit.JobEnvironment())
         requeue = signal.getsignal(signal.SIGUSR2)  # submitit's: calls checkpoint() and requeues (on rank 0)
         warned = []
@@ -41,6 +44,7 @@ class Trainer:
                 kiln(signum, frame)
             else:
                 requeue(signum, frame)
+
         signal.signal(signal.SIGUSR2, time_limit_near)
         try:
             run = train.main([*self.argv, '--resume'])
@@ -53,21 +57,29 @@ class Trainer:
     def checkpoint(self):
         """What the requeued job runs: this again (train.py resumes from the run's last checkpoint)."""
         import submitit
+
         return submitit.helpers.DelayedSubmission(self)
 
     @staticmethod
     def _export_distributed_environment(job):
         """The variables torchrun would set, from SLURM's (or the local executor's) task numbers; each
         process then takes the GPU of its LOCAL_RANK among all of the node's."""
-        os.environ.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
-                          LOCAL_WORLD_SIZE=str(job.num_tasks // job.num_nodes))
+        os.environ.update(
+            RANK=str(job.global_rank),
+            WORLD_SIZE=str(job.num_tasks),
+            LOCAL_RANK=str(job.local_rank),
+            LOCAL_WORLD_SIZE=str(job.num_tasks // job.num_nodes),
+        )
         os.environ.setdefault('MASTER_ADDR', job.hostnames[0])
         os.environ.setdefault('MASTER_PORT', str(20000 + int(job.raw_job_id) % 20000))
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage='%(prog)s [options] -- [train.py options]')
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage='%(prog)s [options] -- [train.py options]',
+    )
     parser.add_argument('--nodes', type=int, default=1)
     parser.add_argument('--gpus_per_node', type=int, default=1, help='one process per GPU; 0: CPU nodes (with --cpu)')
     parser.add_argument('--nproc', type=int, default=1, help='processes per node on CPU nodes')
@@ -78,7 +90,7 @@ def parse(argv):
     parser.add_argument('--folder', default=os.path.join('checkpoints', 'submitit'), help="submitit's logs and pickles")
     parser.add_argument('--cluster', default=None, choices=['slurm', 'local'], help='default: SLURM if found')
     if '--' in argv:
-        argv, train_argv = argv[:argv.index('--')], argv[argv.index('--') + 1:]
+        argv, train_argv = argv[: argv.index('--')], argv[argv.index('--') + 1 :]
     else:
         train_argv = []
     return parser.parse_args(argv), train_argv
@@ -91,12 +103,18 @@ def main(argv=None):
     except ImportError:
         sys.exit('scripts/submit.py needs submitit: pip install submitit')
     args, train_argv = parse(sys.argv[1:] if argv is None else list(argv))
-    train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []),
-                  *train_argv]
+    train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
     executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
-    executor.update_parameters(name=args.name, nodes=args.nodes, tasks_per_node=args.gpus_per_node or args.nproc,
-                               gpus_per_node=args.gpus_per_node or None, cpus_per_task=args.cpus_per_task,
-                               timeout_min=args.time, slurm_partition=args.partition, slurm_signal_delay_s=120)
+    executor.update_parameters(
+        name=args.name,
+        nodes=args.nodes,
+        tasks_per_node=args.gpus_per_node or args.nproc,
+        gpus_per_node=args.gpus_per_node or None,
+        cpus_per_task=args.cpus_per_task,
+        timeout_min=args.time,
+        slurm_partition=args.partition,
+        slurm_signal_delay_s=120,
+    )
     job = executor.submit(Trainer(train_argv))
     print(f'submitted job {job.job_id}; its output: {job.paths.stdout}', flush=True)
     return job

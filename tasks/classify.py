@@ -1,4 +1,5 @@
 """Image classification: one label per image; accuracy, top-k accuracy, per-class recall."""
+
 from metrics import ClassificationMetrics
 from tasks.task import Task
 from utils.viz import confusion_matrix_image, labeled_grid
@@ -22,8 +23,11 @@ class ClassifyTask(Task):
     def pictures(self, batch, outputs):
         count = min(32, self.count(batch))
         predicted, true = self.to_host(outputs[:count].argmax(1), batch['label'][:count])
-        return {'predictions': labeled_grid(self.display_images(batch, count), predicted.tolist(), true.tolist(),
-                                            self.class_names)}
+        return {
+            'predictions': labeled_grid(
+                self.display_images(batch, count), predicted.tolist(), true.tolist(), self.class_names
+            )
+        }
 
     def result_pictures(self, metrics):
         return {'confusion_matrix': confusion_matrix_image(metrics.confusion, self.class_names)}
@@ -34,8 +38,10 @@ class ClassifyTask(Task):
         confidence, predicted = outputs.softmax(dim=1).max(dim=1)
         labels, predicted, confidence = self.to_host(batch['label'], predicted, confidence)
         names = self.class_names
-        return [[[label, p, f'{c:.4f}', names[label], names[p]]]
-                for label, p, c in zip(labels.tolist(), predicted.tolist(), confidence.tolist())]
+        return [
+            [[label, p, f'{c:.4f}', names[label], names[p]]]
+            for label, p, c in zip(labels.tolist(), predicted.tolist(), confidence.tolist())
+        ]
 
     predict_header = ('image', 'prediction', 'prediction_name', 'confidence')
 

@@ -6,6 +6,7 @@ maps (model/center_net: a per-class centre heatmap, box sizes and centre offsets
 input's resolution), and this file turns them into a loss, into boxes, into mAP, pictures and rows.
 Every tensor has a fixed shape and nothing waits for the GPU until the metrics are computed.
 """
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -15,10 +16,18 @@ from utils.distributed import all_gather_objects
 
 STRIDE = 4  # input pixels per heatmap cell
 MIN_SCORE = 0.3  # detections shown in pictures and written as rows
-IOU_THRESHOLDS = np.linspace(.5, 0.95, int(np.round((0.95 - .5) / .05)) + 1, endpoint=True)  # COCO's, to the bit
-RECALL_THRESHOLDS = np.linspace(.0, 1.00, int(np.round((1.00 - .0) / .01)) + 1, endpoint=True)
-PALETTE = ((255, 64, 64), (64, 200, 255), (255, 200, 0), (80, 230, 80), (230, 80, 230), (255, 140, 40),
-           (150, 120, 255), (0, 180, 160))
+IOU_THRESHOLDS = np.linspace(0.5, 0.95, int(np.round((0.95 - 0.5) / 0.05)) + 1, endpoint=True)  # COCO's, to the bit
+RECALL_THRESHOLDS = np.linspace(0.0, 1.00, int(np.round((1.00 - 0.0) / 0.01)) + 1, endpoint=True)
+PALETTE = (
+    (255, 64, 64),
+    (64, 200, 255),
+    (255, 200, 0),
+    (80, 230, 80),
+    (230, 80, 230),
+    (255, 140, 40),
+    (150, 120, 255),
+    (0, 180, 160),
+)
 
 
 class DetectTask(Task):
@@ -51,8 +60,11 @@ class DetectTask(Task):
         count = min(8, self.count(batch))
         boxes, scores, labels = decode_detections(outputs)
         images = (self.display_images(batch, count) * 255).round().byte()
-        return {'detections': draw_detections(images, boxes, labels, scores, self.class_names, batch['boxes'],
-                                              batch['box_labels'], count=count)}
+        return {
+            'detections': draw_detections(
+                images, boxes, labels, scores, self.class_names, batch['boxes'], batch['box_labels'], count=count
+            )
+        }
 
     eval_header = ('image', 'class', 'class_name', 'score', 'x1', 'y1', 'x2', 'y2')
 
@@ -64,10 +76,14 @@ class DetectTask(Task):
 
     def predict_rows(self, batch, outputs, paths, folder):
         boxes, scores, labels = self.to_host(*decode_detections(outputs))
-        return [[[label, self.class_names[label], f'{score:.4f}', *(f'{v:.1f}' for v in box)]
-                 for box, score, label in zip(image_boxes.tolist(), image_scores.tolist(), image_labels.tolist())
-                 if score >= MIN_SCORE]
-                for image_boxes, image_scores, image_labels in zip(boxes, scores, labels)]
+        return [
+            [
+                [label, self.class_names[label], f'{score:.4f}', *(f'{v:.1f}' for v in box)]
+                for box, score, label in zip(image_boxes.tolist(), image_scores.tolist(), image_labels.tolist())
+                if score >= MIN_SCORE
+            ]
+            for image_boxes, image_scores, image_labels in zip(boxes, scores, labels)
+        ]
 
 
 class DetectionMetrics:
@@ -81,13 +97,16 @@ class DetectionMetrics:
         self.kept.append((*decode_detections(outputs), batch['boxes'], batch['box_labels']))
 
     def compute(self, class_names=None):
-        images = [(boxes[i], scores[i], labels[i], true_boxes[i], true_labels[i])
-                  for boxes, scores, labels, true_boxes, true_labels in
-                  ([t.cpu() for t in kept] for kept in self.kept) for i in range(len(boxes))]
+        images = [
+            (boxes[i], scores[i], labels[i], true_boxes[i], true_labels[i])
+            for boxes, scores, labels, true_boxes, true_labels in ([t.cpu() for t in kept] for kept in self.kept)
+            for i in range(len(boxes))
+        ]
         per_rank = all_gather_objects(images)  # every process has every world_size-th image: restore the order
         images = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
-        return mean_average_precision([image[:3] for image in images], [image[3:] for image in images],
-                                      self.num_classes)
+        return mean_average_precision(
+            [image[:3] for image in images], [image[3:] for image in images], self.num_classes
+        )
 
 
 def _centre_targets(outputs, boxes, box_labels, stride):
@@ -104,8 +123,8 @@ def _centre_targets(outputs, boxes, box_labels, stride):
     # a Gaussian bump per box, elliptical like the box (TTFNet's sigma = 0.54 * side / 6), peaking
     # at exactly 1 on the centre cell: those cells are the focal loss's positives
     sigma = (size * (0.54 / 6)).clamp(min=0.25)
-    gx = torch.exp(-(torch.arange(width, device=boxes.device) - cell[..., :1]) ** 2 / (2 * sigma[..., :1] ** 2))
-    gy = torch.exp(-(torch.arange(height, device=boxes.device) - cell[..., 1:]) ** 2 / (2 * sigma[..., 1:] ** 2))
+    gx = torch.exp(-((torch.arange(width, device=boxes.device) - cell[..., :1]) ** 2) / (2 * sigma[..., :1] ** 2))
+    gy = torch.exp(-((torch.arange(height, device=boxes.device) - cell[..., 1:]) ** 2) / (2 * sigma[..., 1:] ** 2))
     bumps = (gy.unsqueeze(-1) * gx.unsqueeze(-2)).flatten(2) * valid.unsqueeze(-1)  # (B, M, H*W)
     target = boxes.new_zeros(batch, classes, height * width)
     channel = box_labels.clamp(min=0).unsqueeze(-1).expand_as(bumps)
@@ -134,13 +153,19 @@ def detection_loss(outputs, boxes, box_labels, size_weight=0.1, offset_weight=1.
     count = positive.sum(dim=(1, 2)).clamp(min=1)  # per image
     p = logits.sigmoid()
     # focal loss with CenterNet's exponents (2 on the prediction, 4 on the distance to a centre)
-    heat = (-(positive * (1 - p) ** 2 * F.logsigmoid(logits)
-              + (1 - positive) * (1 - target) ** 4 * p ** 2 * F.logsigmoid(-logits)).sum(dim=(1, 2)) / count).mean()
+    heat = (
+        -(
+            positive * (1 - p) ** 2 * F.logsigmoid(logits)
+            + (1 - positive) * (1 - target) ** 4 * p**2 * F.logsigmoid(-logits)
+        ).sum(dim=(1, 2))
+        / count
+    ).mean()
     boxes_count = valid.sum(dim=1).clamp(min=1)
     weights = valid.unsqueeze(-1)
     size_loss = (((_at(outputs['size'].float(), index) - size).abs() * weights).sum(dim=(1, 2)) / boxes_count).mean()
-    offset_loss = (((_at(outputs['offset'].float(), index) - offset).abs() * weights).sum(dim=(1, 2))
-                   / boxes_count).mean()
+    offset_loss = (
+        ((_at(outputs['offset'].float(), index) - offset).abs() * weights).sum(dim=(1, 2)) / boxes_count
+    ).mean()
     total = heat + size_weight * size_loss + offset_weight * offset_loss
     if parts:
         return total, {'heatmap': heat.detach(), 'size': size_loss.detach(), 'offset': offset_loss.detach()}
@@ -162,8 +187,13 @@ def decode_detections(outputs, k=50, stride=STRIDE):
     size = _at(outputs['size'].float(), cell).clamp(min=0)
     centre = torch.stack([cell % width, cell // width], dim=-1) + _at(outputs['offset'].float(), cell)
     limit = centre.new_tensor([width, height]) * stride
-    boxes = torch.cat([torch.maximum((centre - size / 2) * stride, centre.new_zeros(2)),
-                       torch.minimum((centre + size / 2) * stride, limit)], dim=-1)
+    boxes = torch.cat(
+        [
+            torch.maximum((centre - size / 2) * stride, centre.new_zeros(2)),
+            torch.minimum((centre + size / 2) * stride, limit),
+        ],
+        dim=-1,
+    )
     return boxes, scores, labels
 
 
@@ -201,9 +231,16 @@ def mean_average_precision(predictions, targets, num_classes, max_detections=100
     classes that have true boxes (-1 when none has, as COCO reports).
     """
     as_array = lambda tensor, dtype: torch.as_tensor(tensor).detach().cpu().numpy().astype(dtype)  # noqa: E731
-    images = [(as_array(pb, np.float64).reshape(-1, 4), as_array(ps, np.float64).reshape(-1),
-               as_array(pl, np.int64).reshape(-1), as_array(tb, np.float64).reshape(-1, 4),
-               as_array(tl, np.int64).reshape(-1)) for (pb, ps, pl), (tb, tl) in zip(predictions, targets)]
+    images = [
+        (
+            as_array(pb, np.float64).reshape(-1, 4),
+            as_array(ps, np.float64).reshape(-1),
+            as_array(pl, np.int64).reshape(-1),
+            as_array(tb, np.float64).reshape(-1, 4),
+            as_array(tl, np.int64).reshape(-1),
+        )
+        for (pb, ps, pl), (tb, tl) in zip(predictions, targets)
+    ]
     precision = []  # per class with true boxes: (T, R)
     for c in range(num_classes):
         scores, hits, true_count = [], [], 0
@@ -233,8 +270,19 @@ def mean_average_precision(predictions, targets, num_classes, max_detections=100
     return {'map50': float(precision[:, 0].mean()), 'map': float(precision.mean())}
 
 
-def draw_detections(images_uint8, boxes, labels, scores, class_names, true_boxes, true_labels,
-                    min_score=0.3, count=8, columns=4, scale=4):
+def draw_detections(
+    images_uint8,
+    boxes,
+    labels,
+    scores,
+    class_names,
+    true_boxes,
+    true_labels,
+    min_score=0.3,
+    count=8,
+    columns=4,
+    scale=4,
+):
     """An HxWx3 uint8 grid of the first `count` images, enlarged `scale` times, with the predicted
     boxes scoring at least `min_score` in a colour per class, labelled 'class score', and the true
     boxes in thin white. Per-image box lists may be padded (labels -1 are skipped)."""
@@ -253,8 +301,9 @@ def draw_detections(images_uint8, boxes, labels, scores, class_names, true_boxes
         kinds, confidence = labels[i].cpu()[keep].tolist(), scores[i].cpu()[keep].tolist()
         if len(found):
             names = [f'{class_names[k] if class_names else k} {s:.2f}' for k, s in zip(kinds, confidence)]
-            image = draw_bounding_boxes(image, found * scale, labels=names, width=2,
-                                        colors=[PALETTE[k % len(PALETTE)] for k in kinds])
+            image = draw_bounding_boxes(
+                image, found * scale, labels=names, width=2, colors=[PALETTE[k % len(PALETTE)] for k in kinds]
+            )
         tiles.append(image)
     grid = make_grid(torch.stack(tiles), nrow=min(columns, len(tiles)), padding=4, pad_value=255)
     return grid.permute(1, 2, 0).numpy()

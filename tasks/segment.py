@@ -1,4 +1,5 @@
 """Semantic segmentation: a class per pixel; pixel accuracy and mean IoU over the whole split."""
+
 import os
 
 import numpy as np
@@ -28,8 +29,7 @@ class SegmentTask(Task):
     def pictures(self, batch, outputs):
         count = min(8, self.count(batch))
         predicted, true = self.to_host(outputs[:count].argmax(1), batch['mask'][:count])
-        return {'segmentation': segmentation_grid(self.display_images(batch, count), predicted, true,
-                                                  self.num_classes)}
+        return {'segmentation': segmentation_grid(self.display_images(batch, count), predicted, true, self.num_classes)}
 
     def result_pictures(self, metrics):
         return {'confusion_matrix': confusion_matrix_image(metrics.confusion, self.class_names)}
@@ -37,7 +37,7 @@ class SegmentTask(Task):
     eval_header = ('image', 'pixel_accuracy')
 
     def eval_rows(self, batch, outputs):
-        accuracy, = self.to_host((outputs.argmax(dim=1) == batch['mask']).flatten(1).double().mean(dim=1))
+        (accuracy,) = self.to_host((outputs.argmax(dim=1) == batch['mask']).flatten(1).double().mean(dim=1))
         return [[[f'{a:.4f}']] for a in accuracy.tolist()]
 
     predict_header = ('image', 'mask')
@@ -45,7 +45,7 @@ class SegmentTask(Task):
     def predict_rows(self, batch, outputs, paths, folder):
         """Write each predicted mask (a class index per pixel) as masks/<n>_<image name>.png (numbered,
         so images of the same name in different folders keep their own); the row names the file."""
-        masks, = self.to_host(outputs.argmax(dim=1))
+        (masks,) = self.to_host(outputs.argmax(dim=1))
         os.makedirs(os.path.join(folder, 'masks'), exist_ok=True)
         rows = []
         for path, mask in zip(paths, masks.numpy()):

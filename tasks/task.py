@@ -12,6 +12,7 @@ A task file (tasks/classify.py, tasks/segment.py, ...) subclasses Task and fills
   for predict.py.
 Register it with one line in tasks/task_entry.py; no loop, option or entry script changes.
 """
+
 import torch
 
 from data.augment import denormalize
@@ -33,6 +34,7 @@ class Task:
     def __init__(self, options, class_names=None):
         """`options` are the run's resolved options (num_classes is set); `class_names` may be None."""
         from loss import select_loss
+
         self.options, self.num_classes = options, options.num_classes
         self.class_names = list(class_names or [str(c) for c in range(self.num_classes)])
         self.criterion = select_loss(options.loss or self.default_loss)
@@ -46,9 +48,11 @@ class Task:
         """Refuse, with one line, a dataset that does not provide this task's targets."""
         provided = tuple(getattr(dataset, 'targets', ('label',)))
         if not set(self.targets) <= set(provided):
-            raise KilnError(f'--task {self.options.task} needs a dataset that gives {", ".join(self.targets)}, but '
-                            f'--data_type {data_type} gives {", ".join(provided)}; use one of this task\'s datasets '
-                            f'(e.g. --data_type {self.default_data[0]}, or {self.default_data[1]} with list files)')
+            raise KilnError(
+                f'--task {self.options.task} needs a dataset that gives {", ".join(self.targets)}, but '
+                f"--data_type {data_type} gives {', '.join(provided)}; use one of this task's datasets "
+                f'(e.g. --data_type {self.default_data[0]}, or {self.default_data[1]} with list files)'
+            )
 
     # the batch contract -------------------------------------------------------------------------
     def collate(self, samples):

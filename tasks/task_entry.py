@@ -3,6 +3,7 @@
 A task is one file in tasks/ with a Task subclass (see tasks/task.py); register it with one line
 here: 'my_task': 'tasks.my_task:MyTask', (nothing heavy is imported: `--help` reads this before torch).
 """
+
 from utils.registry import load_entry
 
 TASKS = {

@@ -10,6 +10,7 @@ The rule under test, for every mistake a user can make on the command line or in
 Every case runs the real scripts in a subprocess on a tiny generated dataset (24 train and
 12 val images), so one training run takes a few seconds.
 """
+
 import hashlib
 import os
 import random
@@ -23,21 +24,34 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-TIMEOUT = 600 * float(os.environ.get("KILN_TEST_TIMEOUT_SCALE", 1))  # only stops hangs
+TIMEOUT = 600 * float(os.environ.get('KILN_TEST_TIMEOUT_SCALE', 1))  # only stops hangs
 FAST = ['--epochs', '1', '--batch_size', '8', '--no-progress_bar']
 
 
 def run(script, *args):
     """Run `python <script> <args>` in the repo root; return the CompletedProcess."""
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT
+    )
 
 
 def train(checkpoints_dir, data, *extra):
     """train.py on the tiny data, writing under `checkpoints_dir`; `extra` flags override the defaults."""
-    return run('train.py', '--checkpoints_dir', checkpoints_dir, '--data_type', 'list',
-               '--train_list', data / 'train.txt', '--val_list', data / 'val.txt', '--num_workers', '0',
-               *FAST, *extra)
+    return run(
+        'train.py',
+        '--checkpoints_dir',
+        checkpoints_dir,
+        '--data_type',
+        'list',
+        '--train_list',
+        data / 'train.txt',
+        '--val_list',
+        data / 'val.txt',
+        '--num_workers',
+        '0',
+        *FAST,
+        *extra,
+    )
 
 
 def evaluate(checkpoint, *extra):
@@ -90,6 +104,7 @@ def write_list(data, name, lines):
 def data(tmp_path_factory):
     """The tiny shapes dataset: images/, train.txt, val.txt and classes.txt (6 classes)."""
     from data.shapes import generate_shapes
+
     root = tmp_path_factory.mktemp('bad_input_data') / 'shapes'
     generate_shapes(str(root), train_size=24, val_size=12)
     return root
@@ -107,10 +122,14 @@ def trained(data, tmp_path_factory):
 
 # 1. unknown names ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('option, bad, valid', [
-    ('--model_type', 'no_such_model', 'small_cnn'),
-    ('--data_type', 'no_such_data', 'shapes'),
-])
+
+@pytest.mark.parametrize(
+    'option, bad, valid',
+    [
+        ('--model_type', 'no_such_model', 'small_cnn'),
+        ('--data_type', 'no_such_data', 'shapes'),
+    ],
+)
 def test_unknown_name_lists_the_valid_ones_and_leaves_no_folder(data, tmp_path, option, bad, valid):
     checkpoints_dir = tmp_path / 'ck'
     result = train(checkpoints_dir, data, option, bad, '--save_prefix', 'retry')
@@ -124,6 +143,7 @@ def test_unknown_name_lists_the_valid_ones_and_leaves_no_folder(data, tmp_path, 
 
 # 2. missing list file ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize('option', ['--train_list', '--val_list'])
 def test_missing_list_file(data, tmp_path, option):
     missing = tmp_path / 'no_such_list.txt'
@@ -134,6 +154,7 @@ def test_missing_list_file(data, tmp_path, option):
 
 # 3. list line naming a missing image ---------------------------------------------------------------
 
+
 def test_list_line_with_missing_image(data, tmp_path):
     listed = write_list(data, 'missing_image.txt', ['images/train/00000.png 0', 'images/train/no_such.png 1'])
     result = train(tmp_path / 'ck', data, '--train_list', listed)
@@ -143,11 +164,16 @@ def test_list_line_with_missing_image(data, tmp_path):
 
 # 4. malformed list lines ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize('line', [
-    'just_one_field',
-    'images/train/00001.png notanumber',
-    'images/train/00001.png \u00b2',  # superscript two: str.isdigit() says yes, int() says no
-], ids=['one_field', 'not_a_number', 'superscript_digit'])
+
+@pytest.mark.parametrize(
+    'line',
+    [
+        'just_one_field',
+        'images/train/00001.png notanumber',
+        'images/train/00001.png \u00b2',  # superscript two: str.isdigit() says yes, int() says no
+    ],
+    ids=['one_field', 'not_a_number', 'superscript_digit'],
+)
 def test_malformed_list_line_names_its_line_number(data, tmp_path, line):
     name = f'malformed_{hashlib.md5(line.encode()).hexdigest()[:8]}.txt'
     listed = write_list(data, name, ['# a comment, then a blank line', '', 'images/train/00000.png 0', line])
@@ -158,26 +184,38 @@ def test_malformed_list_line_names_its_line_number(data, tmp_path, line):
 
 # 5. corrupt image -----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope='module')
 def corrupt_list(data):
     """A training list whose line 3 is a .png file of garbage bytes: (list path, image path)."""
     garbage = data / 'images' / 'garbage.png'
     garbage.write_bytes(random.Random(0).randbytes(600))
-    listed = write_list(data, 'corrupt.txt', [
-        'images/train/00000.png 0', 'images/train/00001.png 1', 'images/garbage.png 2',
-        'images/train/00003.png 3', 'images/train/00004.png 4', 'images/train/00005.png 5'])
+    listed = write_list(
+        data,
+        'corrupt.txt',
+        [
+            'images/train/00000.png 0',
+            'images/train/00001.png 1',
+            'images/garbage.png 2',
+            'images/train/00003.png 3',
+            'images/train/00004.png 4',
+            'images/train/00005.png 5',
+        ],
+    )
     return listed, garbage
 
 
 @pytest.mark.parametrize('data_type, workers', [('list', 0), ('list', 1), ('mem_list', 0)])
 def test_corrupt_image_names_the_image(data, tmp_path, corrupt_list, data_type, workers):
     listed, garbage = corrupt_list
-    result = train(tmp_path / 'ck', data, '--data_type', data_type, '--train_list', listed,
-                   '--num_workers', workers)  # with 1 worker, 'list' fails inside a DataLoader worker
+    result = train(
+        tmp_path / 'ck', data, '--data_type', data_type, '--train_list', listed, '--num_workers', workers
+    )  # with 1 worker, 'list' fails inside a DataLoader worker
     assert_one_error_line(result, garbage, f'{listed}:3')  # mem_list decodes in the main process at startup
 
 
 # 6. label outside the class range -------------------------------------------------------------------
+
 
 def test_label_beyond_classes_txt(data, tmp_path):
     listed = write_list(data, 'label_9.txt', ['images/train/00000.png 0', 'images/train/00001.png 9'])
@@ -195,6 +233,7 @@ def test_label_beyond_num_classes(data, tmp_path):
 
 # 7. missing checkpoint -------------------------------------------------------------------------------
 
+
 def test_eval_missing_checkpoint(tmp_path):
     missing = tmp_path / 'nope.pth'
     assert_one_error_line(evaluate(missing), missing, '--load_model_path')
@@ -209,6 +248,7 @@ def test_train_missing_checkpoint(data, tmp_path):
 
 
 # 8. incompatible checkpoint --------------------------------------------------------------------------
+
 
 def test_eval_checkpoint_of_another_model(trained):
     _, folder = trained
@@ -234,11 +274,16 @@ def test_train_checkpoint_with_other_num_classes(data, trained, tmp_path):
 
 # 9. a file that is not a checkpoint -----------------------------------------------------------------
 
-@pytest.mark.parametrize('content', [
-    random.Random(0).randbytes(3000),
-    b'',
-    b'this is not a checkpoint\n',
-], ids=['random_bytes', 'empty', 'text'])
+
+@pytest.mark.parametrize(
+    'content',
+    [
+        random.Random(0).randbytes(3000),
+        b'',
+        b'this is not a checkpoint\n',
+    ],
+    ids=['random_bytes', 'empty', 'text'],
+)
 def test_eval_file_that_is_not_a_checkpoint(tmp_path, content):
     path = tmp_path / 'x.pth'
     path.write_bytes(content)
@@ -288,9 +333,16 @@ class Exploit:
 
 # 10. non-positive numbers (argparse) ----------------------------------------------------------------
 
-@pytest.mark.parametrize('option, value', [
-    ('--batch_size', '0'), ('--epochs', '0'), ('--lr', '0'), ('--lr', '-1'),
-])
+
+@pytest.mark.parametrize(
+    'option, value',
+    [
+        ('--batch_size', '0'),
+        ('--epochs', '0'),
+        ('--lr', '0'),
+        ('--lr', '-1'),
+    ],
+)
 def test_non_positive_number(data, tmp_path, option, value):
     result = train(tmp_path / 'ck', data, option, value)
     assert_one_error_line(result, option, value)
@@ -299,6 +351,7 @@ def test_non_positive_number(data, tmp_path, option, value):
 
 
 # 11. existing experiment folder ---------------------------------------------------------------------
+
 
 def test_existing_experiment_folder_is_not_touched(data, trained):
     checkpoints_dir, folder = trained
@@ -309,11 +362,13 @@ def test_existing_experiment_folder_is_not_touched(data, trained):
     after = snapshot(folder)
     for name in ('best.pth', 'last.pth', 'args.yaml', 'args.txt'):
         assert after[name] == before[name], f'{name} changed'
-    assert {k: v for k, v in after.items() if not k.startswith('eval')} == \
-        {k: v for k, v in before.items() if not k.startswith('eval')}
+    assert {k: v for k, v in after.items() if not k.startswith('eval')} == {
+        k: v for k, v in before.items() if not k.startswith('eval')
+    }
 
 
 # 12. eval result folder that already holds results ----------------------------------------------------
+
 
 def test_existing_eval_results_are_not_touched(trained):
     _, folder = trained
@@ -329,13 +384,18 @@ def test_existing_eval_results_are_not_touched(trained):
 
 # 13. --config problems ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('content, needle', [
-    (None, None),  # no such file
-    (b'epochs: [1\nlr: 0.1\n', None),  # malformed YAML
-    (b'epochz: 1\n', 'epochz'),  # unknown option
-    (b'- epochs\n- 1\n', None),  # not a mapping
-    (b'\xff\xfe\x00epochs: 1\n', None),  # not text at all
-], ids=['missing', 'malformed_yaml', 'unknown_key', 'not_a_mapping', 'not_utf8'])
+
+@pytest.mark.parametrize(
+    'content, needle',
+    [
+        (None, None),  # no such file
+        (b'epochs: [1\nlr: 0.1\n', None),  # malformed YAML
+        (b'epochz: 1\n', 'epochz'),  # unknown option
+        (b'- epochs\n- 1\n', None),  # not a mapping
+        (b'\xff\xfe\x00epochs: 1\n', None),  # not text at all
+    ],
+    ids=['missing', 'malformed_yaml', 'unknown_key', 'not_a_mapping', 'not_utf8'],
+)
 def test_bad_config_file(data, tmp_path, content, needle):
     config = tmp_path / 'config.yaml'
     if content is not None:
@@ -347,6 +407,7 @@ def test_bad_config_file(data, tmp_path, content, needle):
 
 # 14. --debug shows the traceback ----------------------------------------------------------------------
 
+
 def test_debug_shows_the_traceback(data, tmp_path):
     result = train(tmp_path / 'ck', data, '--model_type', 'no_such_model', '--debug')
     assert result.returncode != 0
@@ -357,6 +418,7 @@ def test_debug_shows_the_traceback(data, tmp_path):
 
 # 15. --gpus without CUDA ----------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a machine without CUDA')
 def test_gpus_without_cuda(data, tmp_path):
     result = train(tmp_path / 'ck', data, '--gpus', '0')
@@ -365,6 +427,7 @@ def test_gpus_without_cuda(data, tmp_path):
 
 
 # more paths that are not what they should be -----------------------------------------------------------
+
 
 def test_checkpoints_dir_that_is_a_file(data, tmp_path):
     not_a_folder = tmp_path / 'a_file'

@@ -1,6 +1,7 @@
 """Outgrowing one machine, tested without a cluster: two torchrun "nodes" on localhost (gloo on the
 CPU), scripts/slurm_train.sh under stand-in SLURM commands (srun, scontrol, scancel, sbatch), and
 scripts/submit.py on submitit's local executor."""
+
 import json
 import os
 import pickle
@@ -15,7 +16,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import REPO, timeout, tiny_run_args
+from conftest import REPO, run_files, timeout, tiny_run_args
 
 TORCHRUN = [sys.executable, '-m', 'utils.torchrun']
 # the linear model has no BatchNorm, whose batch statistics would differ between 1 x 16 and 2 x 8 images
@@ -31,8 +32,13 @@ def _free_port():
 def _start(command, log, env=None):
     """Start `command` in the repository with its output in the file `log`; returns the Popen."""
     with open(log, 'w') as out:
-        return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})})
+        return subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})},
+        )
 
 
 def _finish(process, log):
@@ -63,6 +69,7 @@ def _assert_same_weights(a, b, atol):
 
 # --- two nodes on localhost -----------------------------------------------------------------------
 
+
 @pytest.fixture(scope='module')
 def one_machine_and_two_nodes(tiny_shapes, tmp_path_factory):
     """The same training as 1 process x 16 images, 1 node x 2 processes x 8, and 2 nodes x 1 process x 8,
@@ -70,15 +77,43 @@ def one_machine_and_two_nodes(tiny_shapes, tmp_path_factory):
     root = tmp_path_factory.mktemp('cluster')
     args = {name: tiny_run_args(tiny_shapes, root / name) + LINEAR_SGD for name in ('single', 'one_node', 'two_nodes')}
     port, rdzv_id = _free_port(), uuid.uuid4().hex
-    nodes = ['--nnodes', '2', '--nproc-per-node', '1', '--rdzv-backend', 'c10d', '--rdzv-endpoint',
-             f'127.0.0.1:{port}', '--rdzv-id', rdzv_id]
+    nodes = [
+        '--nnodes',
+        '2',
+        '--nproc-per-node',
+        '1',
+        '--rdzv-backend',
+        'c10d',
+        '--rdzv-endpoint',
+        f'127.0.0.1:{port}',
+        '--rdzv-id',
+        rdzv_id,
+    ]
     runs = {
         'single': [_start([sys.executable, 'train.py', *args['single']], root / 'single.log')],
-        'one_node': [_start([*TORCHRUN, '--standalone', '--nproc-per-node', '2', 'train.py', *args['one_node'],
-                             '--batch_size', '8'], root / 'one_node.log')],
+        'one_node': [
+            _start(
+                [
+                    *TORCHRUN,
+                    '--standalone',
+                    '--nproc-per-node',
+                    '2',
+                    'train.py',
+                    *args['one_node'],
+                    '--batch_size',
+                    '8',
+                ],
+                root / 'one_node.log',
+            )
+        ],
         # both nodes run in the same folder and write to the same checkpoints folder, as on a shared file system
-        'two_nodes': [_start([*TORCHRUN, *nodes, '--node-rank', str(rank), 'train.py', *args['two_nodes'],
-                              '--batch_size', '8'], root / f'node{rank}.log') for rank in (0, 1)],
+        'two_nodes': [
+            _start(
+                [*TORCHRUN, *nodes, '--node-rank', str(rank), 'train.py', *args['two_nodes'], '--batch_size', '8'],
+                root / f'node{rank}.log',
+            )
+            for rank in (0, 1)
+        ],
     }
     outputs = {}
     for name, processes in runs.items():
@@ -102,9 +137,8 @@ def test_only_global_rank_zero_writes(one_machine_and_two_nodes):
     checkpoints, output = one_machine_and_two_nodes['two_nodes']
     single = one_machine_and_two_nodes['single'][0]
     assert os.listdir(checkpoints) == ['linear_list_default']  # one experiment folder
-    names = lambda folder: sorted(n if not n.startswith('events.') else 'events' for n in os.listdir(folder))
-    assert names(_folder(checkpoints)) == names(_folder(single))  # one TensorBoard event file, no per-node copies
-    assert names(_folder(checkpoints)).count('events') == 1
+    assert run_files(_folder(checkpoints)) == run_files(_folder(single))  # one event file, no per-node copies
+    assert run_files(_folder(checkpoints)).count('events') == 1
     with open(os.path.join(_folder(checkpoints), 'reproduce.json')) as f:
         assert len(json.load(f)) == 1
     assert output.count('done after') == 1  # one report, from global rank 0
@@ -114,7 +148,7 @@ def test_only_global_rank_zero_writes(one_machine_and_two_nodes):
 
 STANDINS = {
     # records its arguments, skips its options and runs the command once per node (here: on this machine)
-    'srun': r'''
+    'srun': r"""
 echo "srun $*" >> "$SLURM_STANDIN_LOG"
 while [[ "$1" == -* ]]; do shift; done
 [ -z "${SLURM_STANDIN_DRY:-}" ] || exit 0
@@ -127,28 +161,28 @@ printf '%s\n' "${pids[@]}" > "$SLURM_STANDIN_STEP"
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 exit $status
-''',
+""",
     # scancel --signal=SIG JOB: like SLURM (with proctrack/cgroup), signal every process of the job step
     # (what srun started and everything below it), but not the batch script
-    'scancel': r'''
+    'scancel': r"""
 echo "scancel $*" >> "$SLURM_STANDIN_LOG"
 signal=${1#--signal=}
 tree() { echo "$1"; local child; for child in $(ps -o pid= --ppid "$1"); do tree "$child"; done; }
 for pid in $(cat "$SLURM_STANDIN_STEP"); do
     for p in $(tree "$pid"); do kill -s "$signal" "$p" 2>/dev/null || true; done
 done
-''',
-    'scontrol': r'''
+""",
+    'scontrol': r"""
 echo "scontrol $*" >> "$SLURM_STANDIN_LOG"
 if [ "$1 $2" = "show hostnames" ]; then tr ',' '\n' <<< "$3"; fi
-''',
+""",
     # runs the job at once, in the foreground, as the batch shell (so its PID is the job script's)
-    'sbatch': r'''
+    'sbatch': r"""
 echo "sbatch $*" >> "$SLURM_STANDIN_LOG"
 while [[ "$1" == -* ]]; do shift; done
 export SLURM_SUBMIT_DIR=$PWD
 exec bash "$@"
-''',
+""",
 }
 
 
@@ -166,12 +200,20 @@ class StandInSlurm:
 
     def env(self, job_id, name, **extra):
         env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'SRUN_'))}
-        return {**env, 'PATH': f'{self.folder / "bin"}{os.pathsep}{env["PATH"]}', 'PYTHON': sys.executable,
-                'OMP_NUM_THREADS': '1', 'RDZV_PORT': str(_free_port()),
-                'SLURM_STANDIN_LOG': str(self.folder / f'{job_id}.log'),
-                'SLURM_STANDIN_STEP': str(self.folder / f'{job_id}.step'),
-                'SLURM_JOB_ID': str(job_id), 'SLURM_JOB_NAME': name, 'SLURM_JOB_NODELIST': '127.0.0.1',
-                'SLURM_JOB_NUM_NODES': '1', **extra}
+        return {
+            **env,
+            'PATH': f'{self.folder / "bin"}{os.pathsep}{env["PATH"]}',
+            'PYTHON': sys.executable,
+            'OMP_NUM_THREADS': '1',
+            'RDZV_PORT': str(_free_port()),
+            'SLURM_STANDIN_LOG': str(self.folder / f'{job_id}.log'),
+            'SLURM_STANDIN_STEP': str(self.folder / f'{job_id}.step'),
+            'SLURM_JOB_ID': str(job_id),
+            'SLURM_JOB_NAME': name,
+            'SLURM_JOB_NODELIST': '127.0.0.1',
+            'SLURM_JOB_NUM_NODES': '1',
+            **extra,
+        }
 
     def submit(self, name, args, job_id=None, **extra_env):
         """`sbatch scripts/slurm_train.sh ARGS` (the same job_id again: a requeue); returns the Job."""
@@ -181,8 +223,9 @@ class StandInSlurm:
         env = self.env(job_id, name, **extra_env)
         output = self.folder / f'{job_id}.{name}.{time.monotonic_ns()}.out'
         with open(output, 'w') as out:
-            process = subprocess.Popen(['sbatch', 'scripts/slurm_train.sh', *args], cwd=REPO, stdout=out,
-                                       stderr=subprocess.STDOUT, env=env)
+            process = subprocess.Popen(
+                ['sbatch', 'scripts/slurm_train.sh', *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env
+            )
         return Job(self, job_id, process, output, env)
 
     def commands(self, job_id):
@@ -196,8 +239,12 @@ class Job:
         self.slurm, self.id, self.process, self.output, self.env = slurm, job_id, process, output, env
 
     def scancel(self, signame):
-        subprocess.run([str(self.slurm.folder / 'bin' / 'scancel'), f'--signal={signame}', str(self.id)],
-                       env=self.env, check=True, timeout=timeout(60))
+        subprocess.run(
+            [str(self.slurm.folder / 'bin' / 'scancel'), f'--signal={signame}', str(self.id)],
+            env=self.env,
+            check=True,
+            timeout=timeout(60),
+        )
 
     def wait_for(self, path):
         deadline = time.time() + timeout(300)
@@ -237,8 +284,11 @@ STEPS = 40
 def _job_args(shapes, checkpoints):
     """Tiny training options for a job: 40 steps of 8 images, a checkpoint after every step (which also
     makes each step slow enough to be interrupted in the middle of the run); the script adds --cpu."""
-    return [a for a in tiny_run_args(shapes, checkpoints) if a != '--cpu'] + LINEAR_SGD + [
-        '--batch_size', '8', '--max_iteration', str(STEPS), '--save_interval', '1', '--loggers', 'csv']
+    return (
+        [a for a in tiny_run_args(shapes, checkpoints) if a != '--cpu']
+        + LINEAR_SGD
+        + ['--batch_size', '8', '--max_iteration', str(STEPS), '--save_interval', '1', '--loggers', 'csv']
+    )
 
 
 @pytest.fixture(scope='module')
@@ -305,22 +355,30 @@ def test_slurm_job_trains_into_its_experiment_folder(slurm, whole_job):
     assert commands[1] == 'scontrol show hostnames 127.0.0.1'
     srun = commands[2]
     assert srun.startswith('srun ') and len(commands) == 3  # no scancel, no requeue
-    for part in ('-m utils.torchrun --nnodes=1 --nproc-per-node=1 --rdzv-backend=c10d',
-                 f'--rdzv-endpoint=127.0.0.1:{job.env["RDZV_PORT"]} --rdzv-id={job.id} --max-restarts=',
-                 'train.py --save_prefix slurm_whole --resume --cpu --data_type list'):
+    for part in (
+        '-m utils.torchrun --nnodes=1 --nproc-per-node=1 --rdzv-backend=c10d',
+        f'--rdzv-endpoint=127.0.0.1:{job.env["RDZV_PORT"]} --rdzv-id={job.id} --max-restarts=',
+        'train.py --save_prefix slurm_whole --resume --cpu --data_type list',
+    ):
         assert part in srun, srun
 
 
-@pytest.mark.parametrize('gpus, nproc, processes, cpu', [
-    (None, None, 1, True),  # a CPU node: one process, gloo on the CPU
-    (None, '3', 3, True),
-    ('4', None, 4, False),
-    ('a100:2', None, 2, False),
-    ('0', None, 1, True),
-])
+@pytest.mark.parametrize(
+    'gpus, nproc, processes, cpu',
+    [
+        (None, None, 1, True),  # a CPU node: one process, gloo on the CPU
+        (None, '3', 3, True),
+        ('4', None, 4, False),
+        ('a100:2', None, 2, False),
+        ('0', None, 1, True),
+    ],
+)
 def test_slurm_script_picks_the_processes_per_node(slurm, gpus, nproc, processes, cpu):
-    extra = {'SLURM_STANDIN_DRY': '1', **({'SLURM_GPUS_PER_NODE': gpus} if gpus else {}),
-             **({'NPROC': nproc} if nproc else {})}
+    extra = {
+        'SLURM_STANDIN_DRY': '1',
+        **({'SLURM_GPUS_PER_NODE': gpus} if gpus else {}),
+        **({'NPROC': nproc} if nproc else {}),
+    }
     job = slurm.submit('dry', ['--epochs', '1'], **extra)  # srun only records what it would run
     job.finish()
     srun = slurm.commands(job.id)[-1]
@@ -329,9 +387,14 @@ def test_slurm_script_picks_the_processes_per_node(slurm, gpus, nproc, processes
 
 # --- scripts/submit.py with submitit's local executor ------------------------------------------------
 
+
 def _children(pid):
-    return [int(child) for child in subprocess.run(['ps', '-o', 'pid=', '--ppid', str(pid)], capture_output=True,
-                                                   text=True).stdout.split()]
+    return [
+        int(child)
+        for child in subprocess.run(
+            ['ps', '-o', 'pid=', '--ppid', str(pid)], capture_output=True, text=True
+        ).stdout.split()
+    ]
 
 
 def _alive(pid):
@@ -349,9 +412,25 @@ def test_submitit_job_saves_and_requeues_itself_before_the_time_limit(whole_job,
     pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
     jobs = tmp_path / 'jobs'
     # (the output to a file: the local job's controller keeps the submitting process's stdout open)
-    submit = _start([sys.executable, 'scripts/submit.py', '--cluster', 'local', '--gpus_per_node', '0',
-                     '--name', 'test', '--folder', str(jobs), '--time', '30', '--',
-                     *_job_args(tiny_shapes, tmp_path / 'ck')], tmp_path / 'submit.log')
+    submit = _start(
+        [
+            sys.executable,
+            'scripts/submit.py',
+            '--cluster',
+            'local',
+            '--gpus_per_node',
+            '0',
+            '--name',
+            'test',
+            '--folder',
+            str(jobs),
+            '--time',
+            '30',
+            '--',
+            *_job_args(tiny_shapes, tmp_path / 'ck'),
+        ],
+        tmp_path / 'submit.log',
+    )
     controller = int(_finish(submit, tmp_path / 'submit.log').split('submitted job ', 1)[1].split(';')[0])
     folder = _folder(tmp_path / 'ck', 'submitit_test')  # the local job's id is its controller's PID
     try:
@@ -379,12 +458,20 @@ def test_submitit_job_saves_and_requeues_itself_before_the_time_limit(whole_job,
 
 def test_submitit_processes_get_torchruns_variables(monkeypatch):
     import importlib.util
+
     spec = importlib.util.spec_from_file_location('kiln_submit', os.path.join(REPO, 'scripts', 'submit.py'))
     submit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(submit)
     monkeypatch.setattr(os, 'environ', {})
-    job = types.SimpleNamespace(global_rank=5, num_tasks=8, local_rank=1, num_nodes=2, hostnames=['n1', 'n2'],
-                                raw_job_id='123')
+    job = types.SimpleNamespace(
+        global_rank=5, num_tasks=8, local_rank=1, num_nodes=2, hostnames=['n1', 'n2'], raw_job_id='123'
+    )
     submit.Trainer._export_distributed_environment(job)
-    assert os.environ == {'RANK': '5', 'WORLD_SIZE': '8', 'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '4',
-                          'MASTER_ADDR': 'n1', 'MASTER_PORT': '20123'}
+    assert os.environ == {
+        'RANK': '5',
+        'WORLD_SIZE': '8',
+        'LOCAL_RANK': '1',
+        'LOCAL_WORLD_SIZE': '4',
+        'MASTER_ADDR': 'n1',
+        'MASTER_PORT': '20123',
+    }

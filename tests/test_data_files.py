@@ -1,4 +1,5 @@
 """Unit tests for data/image_io.py (decoding every image mode, checking files) and data/list_file.py."""
+
 import codecs
 import os
 import re
@@ -49,6 +50,7 @@ def gradient16(width=256):
 
 # ---- image modes ---------------------------------------------------------------------------------
 
+
 def test_mode_1(tmp_path):
     bits = np.indices((8, 8)).sum(0) % 2 == 0
     out = decoded(save(Image.fromarray(bits), tmp_path / 'a.png'))
@@ -63,8 +65,8 @@ def test_mode_l(tmp_path):
 
 def test_mode_la_over_white(tmp_path):
     image = Image.new('LA', (4, 4), (0, 255))
-    image.putpixel((0, 0), (0, 0))      # transparent black: white
-    image.putpixel((1, 0), (0, 128))    # half-transparent black: mid gray
+    image.putpixel((0, 0), (0, 0))  # transparent black: white
+    image.putpixel((1, 0), (0, 128))  # half-transparent black: mid gray
     out = decoded(save(image, tmp_path / 'a.png'))
     assert_close(out[0, 0], WHITE)
     assert_close(out[0, 1], (127, 127, 127), 1)
@@ -107,9 +109,9 @@ def test_mode_rgb(tmp_path):
 
 def test_mode_rgba_over_white(tmp_path):
     pixels = np.zeros((4, 4, 4), np.uint8)
-    pixels[..., 0], pixels[..., 3] = 255, 255      # opaque red
-    pixels[0, 0] = (255, 0, 0, 0)                  # transparent red: white
-    pixels[0, 1] = (0, 0, 0, 128)                  # half-transparent black: gray
+    pixels[..., 0], pixels[..., 3] = 255, 255  # opaque red
+    pixels[0, 0] = (255, 0, 0, 0)  # transparent red: white
+    pixels[0, 1] = (0, 0, 0, 128)  # half-transparent black: gray
     out = decoded(save(Image.fromarray(pixels), tmp_path / 'a.png'))
     assert_close(out[0, 0], WHITE)
     assert_close(out[0, 1], (127, 127, 127), 1)
@@ -127,7 +129,7 @@ def test_mode_rgba_premultiplied():
 @pytest.mark.parametrize('fmt', ['TIFF', 'JPEG'])
 def test_mode_cmyk(tmp_path, fmt):
     image = Image.new('CMYK', (8, 8), (0, 255, 255, 0))  # red
-    image.paste((0, 0, 0, 255), (0, 0, 8, 4))         # top half black
+    image.paste((0, 0, 0, 255), (0, 0, 8, 4))  # top half black
     out = decoded(save(image, tmp_path / f'a.{fmt.lower()}', quality=95))
     assert_close(out[6, 4], RED, 8)
     assert_close(out[1, 4], BLACK, 8)
@@ -142,9 +144,9 @@ def test_mode_ycbcr(tmp_path):
 
 
 def test_mode_lab(tmp_path):
-    image = Image.new('LAB', (8, 8), (255, 128, 128))   # L=100, a=b=0: white
-    image.paste((0, 128, 128), (0, 0, 4, 8))           # L=0: black
-    image.paste((138, 209, 198), (0, 0, 8, 2))         # sRGB red in CIELAB
+    image = Image.new('LAB', (8, 8), (255, 128, 128))  # L=100, a=b=0: white
+    image.paste((0, 128, 128), (0, 0, 4, 8))  # L=0: black
+    image.paste((138, 209, 198), (0, 0, 8, 2))  # sRGB red in CIELAB
     out = decoded(save(image, tmp_path / 'a.tif'))
     assert_close(out[4, 6], WHITE, 3)
     assert_close(out[4, 1], BLACK, 3)
@@ -152,8 +154,8 @@ def test_mode_lab(tmp_path):
 
 
 def test_mode_hsv():
-    image = Image.new('HSV', (2, 1), (0, 255, 255))   # red
-    image.putpixel((1, 0), (85, 255, 255))          # hue 120 degrees: green
+    image = Image.new('HSV', (2, 1), (0, 255, 255))  # red
+    image.putpixel((1, 0), (85, 255, 255))  # hue 120 degrees: green
     out = rgb_of(image)
     assert_close(out[0, 0], RED, 1)
     assert_close(out[0, 1], GREEN, 3)
@@ -216,12 +218,12 @@ def test_mode_f_out_of_range_is_refused(tmp_path, bad):
 
 def test_exif_rotated_jpeg_comes_out_upright(tmp_path):
     stored = Image.new('RGB', (40, 20), BLUE)
-    stored.paste(RED, (0, 0, 20, 20))           # stored: left half red
+    stored.paste(RED, (0, 0, 20, 20))  # stored: left half red
     exif = Image.Exif()
-    exif[0x0112] = 6                            # orientation 6: turn 90 degrees clockwise to view
+    exif[0x0112] = 6  # orientation 6: turn 90 degrees clockwise to view
     out = decoded(save(stored, tmp_path / 'a.jpg', exif=exif, quality=95), size=40)
-    assert_close(out[5, 20], RED, 10)           # viewed: top half red
-    assert_close(out[35, 20], BLUE, 10)         # and bottom half blue
+    assert_close(out[5, 20], RED, 10)  # viewed: top half red
+    assert_close(out[35, 20], BLUE, 10)  # and bottom half blue
 
 
 @pytest.mark.parametrize('fmt', ['GIF', 'TIFF'])
@@ -253,7 +255,7 @@ def truncated(tmp_path, name, **options):
     path = tmp_path / name
     Image.fromarray(pixels).save(path, **options)
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2])
+    path.write_bytes(data[: len(data) // 2])
     return str(path)
 
 
@@ -262,14 +264,18 @@ def written(tmp_path, name, data):
     return str(tmp_path / name)
 
 
-@pytest.mark.parametrize('make', [
-    lambda tmp: truncated(tmp, 'cut.png'),
-    lambda tmp: truncated(tmp, 'cut.jpg', quality=95),
-    lambda tmp: written(tmp, 'text.png', b'not an image\n'),
-    lambda tmp: written(tmp, 'zero.jpg', b''),
-    lambda tmp: written(tmp, 'sig.png', b'\x89PNG\r\n\x1a\n' + bytes(range(64))),
-    lambda tmp: str(tmp / 'missing.png'),
-], ids=['truncated-png', 'truncated-jpeg', 'text', 'empty', 'garbage-after-signature', 'missing'])
+@pytest.mark.parametrize(
+    'make',
+    [
+        lambda tmp: truncated(tmp, 'cut.png'),
+        lambda tmp: truncated(tmp, 'cut.jpg', quality=95),
+        lambda tmp: written(tmp, 'text.png', b'not an image\n'),
+        lambda tmp: written(tmp, 'zero.jpg', b''),
+        lambda tmp: written(tmp, 'sig.png', b'\x89PNG\r\n\x1a\n' + bytes(range(64))),
+        lambda tmp: str(tmp / 'missing.png'),
+    ],
+    ids=['truncated-png', 'truncated-jpeg', 'text', 'empty', 'garbage-after-signature', 'missing'],
+)
 def test_bad_files_give_one_line_error(tmp_path, make):
     path = make(tmp_path)
     with pytest.raises(KilnError) as caught:
@@ -302,6 +308,7 @@ def test_check_images(tmp_path):
 
 # ---- list files ----------------------------------------------------------------------------------
 
+
 def list_file(tmp_path, content, name='list.txt'):
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -310,13 +317,23 @@ def list_file(tmp_path, content, name='list.txt'):
 
 def test_plain_lines(tmp_path):
     path = list_file(tmp_path, 'images/001.png 3\nimg.png mask.png\nimg.png 2,3,20,21,0 5,5,10,12,3\n')
-    assert read_list_file(path) == [(1, ['images/001.png', '3']), (2, ['img.png', 'mask.png']),
-                                    (3, ['img.png', '2,3,20,21,0', '5,5,10,12,3'])]
+    assert read_list_file(path) == [
+        (1, ['images/001.png', '3']),
+        (2, ['img.png', 'mask.png']),
+        (3, ['img.png', '2,3,20,21,0', '5,5,10,12,3']),
+    ]
 
 
-@pytest.mark.parametrize('bom,encoding', [
-    (codecs.BOM_UTF8, 'utf-8'), (codecs.BOM_UTF16_LE, 'utf-16-le'), (codecs.BOM_UTF16_BE, 'utf-16-be'),
-    (codecs.BOM_UTF32_LE, 'utf-32-le'), (codecs.BOM_UTF32_BE, 'utf-32-be')])
+@pytest.mark.parametrize(
+    'bom,encoding',
+    [
+        (codecs.BOM_UTF8, 'utf-8'),
+        (codecs.BOM_UTF16_LE, 'utf-16-le'),
+        (codecs.BOM_UTF16_BE, 'utf-16-be'),
+        (codecs.BOM_UTF32_LE, 'utf-32-le'),
+        (codecs.BOM_UTF32_BE, 'utf-32-be'),
+    ],
+)
 def test_byte_order_marks(tmp_path, bom, encoding):
     path = list_file(tmp_path, bom + 'café.png 3\r\nb.png 4\r\n'.encode(encoding))
     assert read_list_file(path, columns=2) == [(1, ['café.png', '3']), (2, ['b.png', '4'])]
@@ -347,16 +364,20 @@ def test_line_endings_and_blank_lines(tmp_path, ending):
 
 
 def test_comments(tmp_path):
-    path = list_file(tmp_path, '# a header comment\na.png 1  # why\nimg#1.png 3\n   # indented\n'
-                               'b.png 2 #tight\n"c #2.png" 4\n')
-    assert read_list_file(path) == [(2, ['a.png', '1']), (3, ['img#1.png', '3']),
-                                    (5, ['b.png', '2']), (6, ['c #2.png', '4'])]
+    path = list_file(
+        tmp_path, '# a header comment\na.png 1  # why\nimg#1.png 3\n   # indented\nb.png 2 #tight\n"c #2.png" 4\n'
+    )
+    assert read_list_file(path) == [
+        (2, ['a.png', '1']),
+        (3, ['img#1.png', '3']),
+        (5, ['b.png', '2']),
+        (6, ['c #2.png', '4']),
+    ]
 
 
 def test_tabs(tmp_path):
     path = list_file(tmp_path, 'my image.png\t3\na b.png\t\t4  # note\n  c.png \t 5 \n')
-    assert read_list_file(path, columns=2) == [(1, ['my image.png', '3']), (2, ['a b.png', '4']),
-                                               (3, ['c.png', '5'])]
+    assert read_list_file(path, columns=2) == [(1, ['my image.png', '3']), (2, ['a b.png', '4']), (3, ['c.png', '5'])]
 
 
 def test_quotes(tmp_path):
@@ -375,8 +396,11 @@ def test_bad_quotes(tmp_path, line):
 
 def test_unquoted_spaces_with_columns(tmp_path):
     path = list_file(tmp_path, 'my image.png 3\nmy  big image.png 4\nplain.png 5\n')
-    assert read_list_file(path, columns=2) == [(1, ['my image.png', '3']), (2, ['my  big image.png', '4']),
-                                               (3, ['plain.png', '5'])]
+    assert read_list_file(path, columns=2) == [
+        (1, ['my image.png', '3']),
+        (2, ['my  big image.png', '4']),
+        (3, ['plain.png', '5']),
+    ]
     assert read_list_file(path)[0] == (1, ['my', 'image.png', '3'])  # no columns: no joining
 
 
@@ -393,10 +417,15 @@ def test_too_many_quoted_fields(tmp_path):
         read_list_file(path, columns=2)
 
 
-@pytest.mark.parametrize('content', ['image,label\na.png,1\n"b, c.png",2\n',
-                                     'Image_Path;label\r\na.png;1\r\nb, c.png;2\r\n',
-                                     '# exported\nFILENAME , label\na.png, 1,,\n\n"b, c.png" ,2\n'],
-                         ids=['comma', 'semicolon-crlf', 'spaces-comment-trailing'])
+@pytest.mark.parametrize(
+    'content',
+    [
+        'image,label\na.png,1\n"b, c.png",2\n',
+        'Image_Path;label\r\na.png;1\r\nb, c.png;2\r\n',
+        '# exported\nFILENAME , label\na.png, 1,,\n\n"b, c.png" ,2\n',
+    ],
+    ids=['comma', 'semicolon-crlf', 'spaces-comment-trailing'],
+)
 def test_csv_with_header(tmp_path, content):
     rows = read_list_file(list_file(tmp_path, content, 'list.csv'), columns=2)
     assert [fields for _, fields in rows] == [['a.png', '1'], ['b, c.png', '2']]

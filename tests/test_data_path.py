@@ -1,6 +1,7 @@
 """The data path: uint8 batches augmented per batch on the device, with random parameters fixed by
 (seed, epoch, sample position), so batches come out the same from memory or from disk, with any
 number of workers or processes, and after a resume; masks and boxes move with their pixels."""
+
 import argparse
 import os
 
@@ -16,8 +17,14 @@ CPU = torch.device('cpu')
 
 
 def _args(shapes_dir, **overrides):
-    values = dict(train_list=os.path.join(shapes_dir, 'train.txt'), val_list=os.path.join(shapes_dir, 'val.txt'),
-                  img_size=32, num_classes=None, data_type='list', data_root=None)
+    values = dict(
+        train_list=os.path.join(shapes_dir, 'train.txt'),
+        val_list=os.path.join(shapes_dir, 'val.txt'),
+        img_size=32,
+        num_classes=None,
+        data_type='list',
+        data_root=None,
+    )
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -47,8 +54,12 @@ def test_augmentation_varies_per_sample_and_depends_only_on_seed_epoch_and_posit
     shifts = RandomCrop(32).draw(96, torch.Generator().manual_seed(0))['shift']
     assert len({tuple(s) for s in shifts.tolist()}) > 10
     # another batch size, a start part-way (a resume) and another epoch
-    whole = torch.cat([b['image'] for b in _epoch(Batches(dataset, CPU, batch_size=8, shuffle=True, seed=5,
-                                                          augment=('crop', 'hflip')), 2)])
+    whole = torch.cat(
+        [
+            b['image']
+            for b in _epoch(Batches(dataset, CPU, batch_size=8, shuffle=True, seed=5, augment=('crop', 'hflip')), 2)
+        ]
+    )
     halves = _epoch(Batches(dataset, CPU, batch_size=16, shuffle=True, seed=5, augment=('crop', 'hflip')), 2)
     assert torch.equal(whole, torch.cat([b['image'] for b in halves]))
     resumed = _epoch(Batches(dataset, CPU, batch_size=16, shuffle=True, seed=5, augment=('crop', 'hflip')), 2, start=3)
@@ -59,6 +70,7 @@ def test_augmentation_varies_per_sample_and_depends_only_on_seed_epoch_and_posit
 
 def test_two_processes_see_the_halves_of_one_process_batches(tiny_shapes, monkeypatch):
     import data.loader as loader
+
     dataset = MemListDataset(_args(tiny_shapes), 'train')
     one = _epoch(Batches(dataset, CPU, batch_size=16, shuffle=True, seed=1, augment=('crop', 'hflip')), 0)
     ranks = []
@@ -76,15 +88,19 @@ def test_the_crop_is_torchvision_s_reflect_padded_random_crop():
     out = RandomCrop(32).apply({'image': image.clone()}, {'shift': shift})['image']
     padded = torch.nn.functional.pad(image.float(), (2, 2, 2, 2), mode='reflect')
     for i, (dy, dx) in enumerate(shift.tolist()):
-        assert torch.equal(out[i].float(), padded[i, :, 2 + dy:10 + dy, 2 + dx:10 + dx])
+        assert torch.equal(out[i].float(), padded[i, :, 2 + dy : 10 + dy, 2 + dx : 10 + dx])
     assert _reflect(torch.tensor([-2, -1, 0, 7, 8, 9]), 8).tolist() == [2, 1, 0, 7, 6, 5]
 
 
 def test_masks_and_boxes_move_with_their_pixels():
     image = torch.zeros(1, 3, 32, 32, dtype=torch.uint8)
     image[0, :, 4:10, 20:30] = 255  # one bright box at x 20..30, y 4..10
-    batch = {'image': image, 'mask': (image[:, 0] > 0).to(torch.uint8),
-             'boxes': torch.tensor([[[20., 4., 30., 10.], [0., 0., 0., 0.]]]), 'box_labels': torch.tensor([[3, -1]])}
+    batch = {
+        'image': image,
+        'mask': (image[:, 0] > 0).to(torch.uint8),
+        'boxes': torch.tensor([[[20.0, 4.0, 30.0, 10.0], [0.0, 0.0, 0.0, 0.0]]]),
+        'box_labels': torch.tensor([[3, -1]]),
+    }
     transform = BatchTransform(('crop', 'hflip'), 32)
     params = {(0, 'shift'): torch.tensor([[1, -2]]), (1, 'flip'): torch.tensor([True])}
     out = transform(batch, params)
@@ -98,15 +114,20 @@ def test_masks_and_boxes_move_with_their_pixels():
 
 
 def test_a_box_pushed_out_of_the_picture_is_dropped():
-    batch = {'image': torch.zeros(1, 3, 32, 32, dtype=torch.uint8), 'boxes': torch.tensor([[[0., 0., 1.5, 1.5]]]),
-             'box_labels': torch.tensor([[2]])}
+    batch = {
+        'image': torch.zeros(1, 3, 32, 32, dtype=torch.uint8),
+        'boxes': torch.tensor([[[0.0, 0.0, 1.5, 1.5]]]),
+        'box_labels': torch.tensor([[2]]),
+    }
     out = RandomCrop(32).apply(batch, {'shift': torch.tensor([[2, 2]])})
     assert out['box_labels'].tolist() == [[-1]]
 
 
 def test_pad_collate_pads_variable_length_targets():
-    samples = [{'image': torch.zeros(3, 4, 4, dtype=torch.uint8), 'boxes': torch.ones(n, 4),
-                'box_labels': torch.arange(n)} for n in (2, 0, 3)]
+    samples = [
+        {'image': torch.zeros(3, 4, 4, dtype=torch.uint8), 'boxes': torch.ones(n, 4), 'box_labels': torch.arange(n)}
+        for n in (2, 0, 3)
+    ]
     batch = pad_collate(samples)
     assert batch['image'].shape == (3, 3, 4, 4) and batch['boxes'].shape == (3, 3, 4)
     assert batch['box_labels'].tolist() == [[0, 1, -1], [-1, -1, -1], [0, 1, 2]]

@@ -1,6 +1,7 @@
 """The third example task, object detection, through the real entry points: train.py learns to find the
 generated shapes within the CI budget, eval.py reports mAP, predict.py writes a row per box; and the
 task is one file plus registry lines, with its dataset and model files, mentioned nowhere else."""
+
 import csv
 import io
 import json
@@ -27,17 +28,41 @@ def _ok(result):
 def boxes(tmp_path_factory):
     """A small generated detection set: 512 train and 128 val images of 64 pixels."""
     from data.shapes import generate_shape_boxes
+
     return generate_shape_boxes(str(tmp_path_factory.mktemp('det') / 'boxes'), train_size=512, val_size=128, seed=1)
 
 
 @pytest.mark.slow
 def test_detection_trains_evaluates_and_predicts(boxes, tmp_path):
     checkpoints = tmp_path / 'ck'
-    trained = _ok(run_script('train.py', '--task', 'detect', '--data_type', 'det_list', '--train_list',
-                             os.path.join(boxes, 'train.txt'), '--val_list', os.path.join(boxes, 'val.txt'),
-                             '--checkpoints_dir', str(checkpoints), '--epochs', '10', '--batch_size', '32',
-                             '--lr', '6e-3', '--warmup_steps', '30', '--cpu', '--no-progress_bar', '--print_freq',
-                             '1000', env={'OMP_NUM_THREADS': '1'}))
+    trained = _ok(
+        run_script(
+            'train.py',
+            '--task',
+            'detect',
+            '--data_type',
+            'det_list',
+            '--train_list',
+            os.path.join(boxes, 'train.txt'),
+            '--val_list',
+            os.path.join(boxes, 'val.txt'),
+            '--checkpoints_dir',
+            str(checkpoints),
+            '--epochs',
+            '10',
+            '--batch_size',
+            '32',
+            '--lr',
+            '6e-3',
+            '--warmup_steps',
+            '30',
+            '--cpu',
+            '--no-progress_bar',
+            '--print_freq',
+            '1000',
+            env={'OMP_NUM_THREADS': '1'},
+        )
+    )
     folder = checkpoints / 'center_net_det_list_default'  # the task chose the model; the image size is 64
     with open(folder / 'history.json') as f:
         history = json.load(f)['metrics']
@@ -52,8 +77,17 @@ def test_detection_trains_evaluates_and_predicts(boxes, tmp_path):
     assert 0 <= metrics['map'] <= metrics['map50'] and 'map50' in evaluated.stdout
     assert (result / 'detections_batch0000.png').is_file()
 
-    _ok(run_script('predict.py', '--load_model_path', str(folder), '--input', os.path.join(boxes, 'val.txt'),
-                   '--cpu', '--no-progress_bar'))
+    _ok(
+        run_script(
+            'predict.py',
+            '--load_model_path',
+            str(folder),
+            '--input',
+            os.path.join(boxes, 'val.txt'),
+            '--cpu',
+            '--no-progress_bar',
+        )
+    )
     with open(folder / 'predict' / 'best_val_default' / 'predictions.csv') as f:
         rows = list(csv.DictReader(f))
     assert rows and set(rows[0]) == {'image', 'class', 'class_name', 'score', 'x1', 'y1', 'x2', 'y2'}
@@ -69,8 +103,12 @@ def _tracked_files():
 def test_detection_is_one_task_file_and_registry_lines():
     """No code outside tasks/, data/ and model/ (docs, packaging and tests aside) mentions detection, and
     the registries name it in one line each for the task, its two datasets and its model."""
-    outside = [path for path in _tracked_files() if not path.startswith(('tasks/', 'data/', 'model/', 'tests/'))
-               and path.endswith(('.py', '.sh', '.xml', '.json', 'run'))]
+    outside = [
+        path
+        for path in _tracked_files()
+        if not path.startswith(('tasks/', 'data/', 'model/', 'tests/'))
+        and path.endswith(('.py', '.sh', '.xml', '.json', 'run'))
+    ]
     assert 'train.py' in outside and 'utils/evaluation.py' in outside
     mentions = [path for path in outside if DETECTION_NAMES.search(open(os.path.join(REPO, path)).read())]
     assert mentions == []
@@ -89,8 +127,12 @@ def test_kiln_without_the_detection_files_still_works(tmp_path):
     for registry in ('tasks/task_entry.py', 'data/data_entry.py', 'model/model_entry.py'):
         lines = open(tmp_path / registry).read().splitlines(keepends=True)
         open(tmp_path / registry, 'w').write(''.join(line for line in lines if not DETECTION_NAMES.search(line)))
-    probe = ('import train, eval, predict, options\n'
-             'from tasks.task_entry import TASKS\n'
-             'print(sorted(TASKS), train.hparams_metric_names(options.parse_args(options.parse_train_args, [])))')
-    result = subprocess.run([sys.executable, '-c', probe], cwd=tmp_path, capture_output=True, text=True, timeout=timeout())
+    probe = (
+        'import train, eval, predict, options\n'
+        'from tasks.task_entry import TASKS\n'
+        'print(sorted(TASKS), train.hparams_metric_names(options.parse_args(options.parse_train_args, [])))'
+    )
+    result = subprocess.run(
+        [sys.executable, '-c', probe], cwd=tmp_path, capture_output=True, text=True, timeout=timeout()
+    )
     assert result.returncode == 0 and "['classify', 'segment']" in result.stdout, result.stderr

@@ -1,5 +1,6 @@
 """The parts of the detection task: box data generator, dataset, CenterNet model, loss, decoding,
 mAP (checked against torchmetrics/pycocotools) and pictures, plus one short training run."""
+
 import os
 import subprocess
 import sys
@@ -13,12 +14,19 @@ from PIL import Image
 
 import data.shapes_det_dataset as shapes_det_dataset
 from conftest import REPO, timeout
-from data.shapes import CLASS_NAMES, generate_shape_boxes, main as shapes_main
 from data.det_list_dataset import DetListDataset
+from data.shapes import CLASS_NAMES, generate_shape_boxes, main as shapes_main
 from data.shapes_det_dataset import ShapesDetDataset
 from model.center_net import CenterNet
-from tasks.detect import (IOU_THRESHOLDS, RECALL_THRESHOLDS, STRIDE, decode_detections, detection_loss,
-                          draw_detections, mean_average_precision)
+from tasks.detect import (
+    IOU_THRESHOLDS,
+    RECALL_THRESHOLDS,
+    STRIDE,
+    decode_detections,
+    detection_loss,
+    draw_detections,
+    mean_average_precision,
+)
 from utils.errors import KilnError
 
 
@@ -34,8 +42,11 @@ def _read_lines(root, split):
 
 
 def _files(root):
-    return {os.path.relpath(os.path.join(folder, name), root): open(os.path.join(folder, name), 'rb').read()
-            for folder, _, names in os.walk(root) for name in names}
+    return {
+        os.path.relpath(os.path.join(folder, name), root): open(os.path.join(folder, name), 'rb').read()
+        for folder, _, names in os.walk(root)
+        for name in names
+    }
 
 
 def _args(**overrides):
@@ -66,10 +77,10 @@ def test_box_generator_is_deterministic_and_its_boxes_fit_the_pixels(tiny_boxes,
         for x1, y1, x2, y2, label in boxes:
             assert 0 <= x1 < x2 <= 64 and 0 <= y1 < y2 <= 64 and label in range(len(CLASS_NAMES))
             assert 10 <= max(x2 - x1, y2 - y1) <= 29  # sides of roughly 12-28 px
-            outside[int(y1):int(np.ceil(y2)), int(x1):int(np.ceil(x2))] = False
+            outside[int(y1) : int(np.ceil(y2)), int(x1) : int(np.ceil(x2))] = False
         background = np.median(image[outside].astype(int), axis=0)  # noise and a little clutter: the median holds
         for x1, y1, x2, y2, label in boxes:
-            inside = image[int(y1):int(np.ceil(y2)), int(x1):int(np.ceil(x2))].astype(int)
+            inside = image[int(y1) : int(np.ceil(y2)), int(x1) : int(np.ceil(x2))].astype(int)
             differs = np.abs(inside - background).sum(-1) > 60
             assert differs.mean() > 0.15  # the shape fills a good part of its box
             # tight: the shape reaches each side (within its anti-aliased edge pixels)
@@ -157,15 +168,18 @@ def test_boxes_dataset_generates_its_default_copy_and_checks_lines(tmp_path, mon
 
 
 def test_parts_do_not_import_torchvision():
-    probe = ('import sys, data.shapes_det_dataset, model.center_net, tasks.detect\n'
-             'print("TORCHVISION" if "torchvision" in sys.modules else "CLEAN")')
+    probe = (
+        'import sys, data.shapes_det_dataset, model.center_net, tasks.detect\n'
+        'print("TORCHVISION" if "torchvision" in sys.modules else "CLEAN")'
+    )
     result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=timeout())
     assert result.stdout.strip() == 'CLEAN', result.stderr
 
 
 # two images: three boxes, and one box; the second image's list is padded with label -1
-BOXES = torch.tensor([[[4., 6, 22, 26], [30, 30, 58, 50], [40, 2, 60, 20]],
-                      [[10, 12, 30, 40], [0, 0, 0, 0], [0, 0, 0, 0]]])
+BOXES = torch.tensor(
+    [[[4.0, 6, 22, 26], [30, 30, 58, 50], [40, 2, 60, 20]], [[10, 12, 30, 40], [0, 0, 0, 0], [0, 0, 0, 0]]]
+)
 LABELS = torch.tensor([[0, 3, 3], [5, -1, -1]])
 
 
@@ -277,8 +291,8 @@ def _random_case(seed, num_classes=4, images=10):
 
 def _hand_made_cases():
     """(predictions, targets, expected {'map50', 'map'} or None) for edge cases."""
-    box, other = torch.tensor([[10., 10, 30, 30]]), torch.tensor([[40., 40, 60, 60]])
-    half = torch.tensor([[10., 10, 30, 50]])  # IoU exactly 0.5 with `box`
+    box, other = torch.tensor([[10.0, 10, 30, 30]]), torch.tensor([[40.0, 40, 60, 60]])
+    half = torch.tensor([[10.0, 10, 30, 50]])  # IoU exactly 0.5 with `box`
     one = lambda *v: torch.tensor(v)  # noqa: E731
     empty = (torch.zeros(0, 4), torch.zeros(0), torch.zeros(0, dtype=torch.int64))
     return [
@@ -290,22 +304,35 @@ def _hand_made_cases():
         # IoU 0.5 matches at the 0.5 threshold only
         ([(half, one(0.7), one(2))], [(box, one(2))], {'map50': 1.0, 'map': 0.1}),
         # an image with no predictions: recall stops at 1/2
-        ([(box, one(0.9), one(0)), empty], [(box, one(0)), (other, one(0))],
-         {'map50': 51 / 101, 'map': 51 / 101}),
+        ([(box, one(0.9), one(0)), empty], [(box, one(0)), (other, one(0))], {'map50': 51 / 101, 'map': 51 / 101}),
         # a class with predictions but no truth is not averaged in; a class with truth but none found counts 0
-        ([(torch.cat([box, other]), one(0.9, 0.9), one(0, 3))], [(torch.cat([box, other]), one(0, 1))],
-         {'map50': 0.5, 'map': 0.5}),
+        (
+            [(torch.cat([box, other]), one(0.9, 0.9), one(0, 3))],
+            [(torch.cat([box, other]), one(0, 1))],
+            {'map50': 0.5, 'map': 0.5},
+        ),
         # no truth anywhere: -1, as COCO reports
-        ([(box, one(0.5), one(0))], [(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64))],
-         {'map50': -1.0, 'map': -1.0}),
+        (
+            [(box, one(0.5), one(0))],
+            [(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64))],
+            {'map50': -1.0, 'map': -1.0},
+        ),
         # a detection equally close (IoU 0.6) to two true boxes takes the last, as COCO does, which frees the
         # first for the next detection
-        ([(torch.tensor([[5., 0, 25, 20], [0, 0, 20, 20]]), one(0.9, 0.8), one(2, 2))],
-         [(torch.tensor([[0., 0, 20, 20], [10, 0, 30, 20]]), one(2, 2))], None),
+        (
+            [(torch.tensor([[5.0, 0, 25, 20], [0, 0, 20, 20]]), one(0.9, 0.8), one(2, 2))],
+            [(torch.tensor([[0.0, 0, 20, 20], [10, 0, 30, 20]]), one(2, 2))],
+            None,
+        ),
         # equal scores across images, two classes, duplicates in several images
-        ([(torch.cat([box, box, other]), one(0.5, 0.5, 0.5), one(0, 0, 1)),
-          (torch.cat([other, half]), one(0.5, 0.5), one(1, 0))],
-         [(torch.cat([box, other]), one(0, 1)), (half, one(0))], None),
+        (
+            [
+                (torch.cat([box, box, other]), one(0.5, 0.5, 0.5), one(0, 0, 1)),
+                (torch.cat([other, half]), one(0.5, 0.5), one(1, 0)),
+            ],
+            [(torch.cat([box, other]), one(0, 1)), (half, one(0))],
+            None,
+        ),
     ]
 
 
@@ -316,16 +343,21 @@ def test_mean_average_precision_hand_made_cases():
 
 
 def test_mean_average_precision_agrees_with_torchmetrics():
-    detection = pytest.importorskip('torchmetrics.detection', reason='torchmetrics (with pycocotools) is a test-only '
-                                    'dependency: pip install torchmetrics pycocotools')
+    detection = pytest.importorskip(
+        'torchmetrics.detection',
+        reason='torchmetrics (with pycocotools) is a test-only dependency: pip install torchmetrics pycocotools',
+    )
     cases = [(p, t) for p, t, _ in _hand_made_cases()] + [_random_case(seed) for seed in range(16)]
     for predictions, targets in cases:
         # COCO's own float64 thresholds: torchmetrics' default ones are float32 values, a hair off 0.55, 0.3, ...,
         # which moves results by ~1e-3 where an IoU or recall lands exactly on a threshold
-        reference = detection.MeanAveragePrecision(iou_type='bbox', iou_thresholds=IOU_THRESHOLDS.tolist(),
-                                                   rec_thresholds=RECALL_THRESHOLDS.tolist())
-        reference.update([{'boxes': b, 'scores': s, 'labels': l} for b, s, l in predictions],
-                         [{'boxes': b, 'labels': l} for b, l in targets])
+        reference = detection.MeanAveragePrecision(
+            iou_type='bbox', iou_thresholds=IOU_THRESHOLDS.tolist(), rec_thresholds=RECALL_THRESHOLDS.tolist()
+        )
+        reference.update(
+            [{'boxes': b, 'scores': s, 'labels': c} for b, s, c in predictions],
+            [{'boxes': b, 'labels': c} for b, c in targets],
+        )
         expected = reference.compute()
         mine = mean_average_precision(predictions, targets, num_classes=4)
         assert mine['map50'] == pytest.approx(float(expected['map_50']), abs=1e-6)
@@ -374,7 +406,7 @@ def test_center_net_learns_the_shapes_on_a_cpu(tmp_path, one_thread):
     model.eval()
     with torch.no_grad():
         boxes, scores, labels = decode_detections(model(normalize(val['image'])))
-    targets = [(b[l >= 0], l[l >= 0]) for b, l in zip(val['boxes'], val['box_labels'])]
+    targets = [(b[c >= 0], c[c >= 0]) for b, c in zip(val['boxes'], val['box_labels'])]
     result = mean_average_precision(list(zip(boxes, scores, labels)), targets, num_classes=6)
     print(f'{steps} steps in {time.time() - start:.1f}s: {result}')
     assert result['map50'] > 0.4 and result['map'] > 0.2

@@ -8,6 +8,7 @@ Everything is offline: W&B writes offline runs, MLflow a local SQLite store, bot
 Every run uses one torch thread: on CPUs shared with other work, a second thread mostly spins
 (measured: the --overfit_batches run took 42 s of CPU with two threads, 7 s with one).
 """
+
 import contextlib
 import json
 import os
@@ -33,14 +34,18 @@ EXPERIMENT = 'small_cnn_list_default'
 INSTALL_LINE = "error: --loggers wandb needs the wandb package: python3 -m pip install -e '.[trackers]'"
 
 # Every task's final and best metric names: what each run declares in TensorBoard's HParams tab
-TASK_METRICS = {'classify': ['loss', 'acc', 'top3'], 'segment': ['loss', 'pixel_acc', 'miou'],
-                'detect': ['loss', 'map50', 'map']}
+TASK_METRICS = {
+    'classify': ['loss', 'acc', 'top3'],
+    'segment': ['loss', 'pixel_acc', 'miou'],
+    'detect': ['loss', 'map50', 'map'],
+}
 MONITORS = {'classify': 'val/acc', 'segment': 'val/miou', 'detect': 'val/map50'}
 
 
 def final_names(task):
-    return {f'final/{split}/{name}' for split in ('train', 'val') for name in TASK_METRICS[task]} | \
-        {f'best/{MONITORS[task]}'}
+    return {f'final/{split}/{name}' for split in ('train', 'val') for name in TASK_METRICS[task]} | {
+        f'best/{MONITORS[task]}'
+    }
 
 
 # --- running train.py ----------------------------------------------------------------------------
@@ -50,7 +55,7 @@ def final_names(task):
 # KILN_TEST_PAUSE_AT=S stops the run while the checkpoint of optimizer step S is assembled (after
 # its points were logged and the trackers' state taken, before the file is written): it writes
 # KILN_TEST_MARKER and sleeps until the test SIGKILLs it, a kill at an exact moment.
-WRAPPER = textwrap.dedent('''\
+WRAPPER = textwrap.dedent("""\
     import importlib.abc
     import os
     import runpy
@@ -89,7 +94,7 @@ WRAPPER = textwrap.dedent('''\
         trackers.Trackers.log_metrics, trackers.Trackers.state_dict = logged, assembled
     sys.argv = [os.path.join(REPO, 'train.py'), *sys.argv[1:]]
     runpy.run_path(sys.argv[0], run_name='__main__')
-''')
+""")
 
 
 @pytest.fixture(scope='module')
@@ -113,16 +118,32 @@ def offline_env(home):
     (and one torch thread, like the runs in this process)."""
     env = {k: v for k, v in os.environ.items() if k not in ('WANDB_API_KEY', 'WANDB_BASE_URL', 'MLFLOW_TRACKING_URI')}
     env['OMP_NUM_THREADS'] = '1'
-    env.update({name: str(home / name.lower()) for name in
-                ('WANDB_DIR', 'WANDB_CACHE_DIR', 'WANDB_CONFIG_DIR', 'WANDB_DATA_DIR', 'WANDB_ARTIFACT_DIR')})
-    env.update(NETRC=str(home / '.netrc'), WANDB_MODE='offline', WANDB_SILENT='true', WANDB_ERROR_REPORTING='false',
-               MLFLOW_DISABLE_TELEMETRY='true', DO_NOT_TRACK='true')
+    env.update(
+        {
+            name: str(home / name.lower())
+            for name in ('WANDB_DIR', 'WANDB_CACHE_DIR', 'WANDB_CONFIG_DIR', 'WANDB_DATA_DIR', 'WANDB_ARTIFACT_DIR')
+        }
+    )
+    env.update(
+        NETRC=str(home / '.netrc'),
+        WANDB_MODE='offline',
+        WANDB_SILENT='true',
+        WANDB_ERROR_REPORTING='false',
+        MLFLOW_DISABLE_TELEMETRY='true',
+        DO_NOT_TRACK='true',
+    )
     return env
 
 
 def train_py(args, env, *, script='train.py', code=0, **extra_env):
-    result = subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True,
-                            env={**env, **extra_env}, timeout=timeout(600))
+    result = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**env, **extra_env},
+        timeout=timeout(600),
+    )
     assert result.returncode == code, result.stdout + result.stderr
     return result
 
@@ -159,15 +180,34 @@ def tracker_runs(tiny_shapes, tmp_path_factory, wrapper):
     base = tmp_path_factory.mktemp('trackers')
     env = offline_env(base / 'home')
     uri = f'sqlite:///{base / "mlflow.db"}'  # one store for both runs, given by --mlflow_uri
-    extra = ['--valid_interval', '2', '--save_interval', '1', '--deterministic', '--print_freq', '100',
-             '--loggers', 'tensorboard', 'csv', 'wandb', 'mlflow', '--mlflow_uri', uri]
+    extra = [
+        '--valid_interval',
+        '2',
+        '--save_interval',
+        '1',
+        '--deterministic',
+        '--print_freq',
+        '100',
+        '--loggers',
+        'tensorboard',
+        'csv',
+        'wandb',
+        'mlflow',
+        '--mlflow_uri',
+        uri,
+    ]
     whole, killed = (tiny_run_args(tiny_shapes, base / name) + extra for name in ('whole', 'killed'))
     train_py(whole, env)
 
     marker = base / 'paused'
-    process = subprocess.Popen([sys.executable, wrapper, *killed], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True,
-                               env={**env, 'KILN_TEST_PAUSE_AT': str(KILL_AT), 'KILN_TEST_MARKER': str(marker)})
+    process = subprocess.Popen(
+        [sys.executable, wrapper, *killed],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, 'KILN_TEST_PAUSE_AT': str(KILL_AT), 'KILN_TEST_MARKER': str(marker)},
+    )
     try:
         deadline = time.time() + timeout(600)
         while not marker.exists():
@@ -181,9 +221,11 @@ def tracker_runs(tiny_shapes, tmp_path_factory, wrapper):
     folder = folder_of(killed)
     # what the killed run left: its checkpoint of step KILL_AT - 1, and points of step KILL_AT that
     # TensorBoard and metrics.csv already hold and that the resumed run must not show twice
-    left = {'checkpoint': load(os.path.join(folder, 'last.pth')),
-            'tensorboard': [e.step for e in read_events(folder).Scalars('val/acc')],
-            'csv': sorted(read_metrics_csv(os.path.join(folder, 'metrics.csv'))[1]['val/acc'])}
+    left = {
+        'checkpoint': load(os.path.join(folder, 'last.pth')),
+        'tensorboard': [e.step for e in read_events(folder).Scalars('val/acc')],
+        'csv': sorted(read_metrics_csv(os.path.join(folder, 'metrics.csv'))[1]['val/acc']),
+    }
     resumed = train_py([*killed, '--resume'], env)
     return {'whole': folder_of(whole), 'killed': folder, 'left': left, 'resumed_stdout': resumed.stdout, 'uri': uri}
 
@@ -205,6 +247,7 @@ def test_the_killed_run_left_points_after_its_checkpoint(tracker_runs):
 
 def hparams_plugin(events):
     from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
     content = events.PluginTagToContent('hparams')
     experiment = HParamsPluginData.FromString(content['_hparams_/experiment']).experiment
     session = HParamsPluginData.FromString(content['_hparams_/session_start_info']).session_start_info
@@ -244,15 +287,20 @@ def test_metrics_csv_has_every_row_once(tracker_runs):
 def mlflow_run(client, folder):
     """The one MLflow run of the experiment folder `folder` (by the tag Kiln gives it)."""
     from utils.trackers.mlflow_tracker import EXPERIMENT as MLFLOW_EXPERIMENT
+
     experiment = client.get_experiment_by_name(MLFLOW_EXPERIMENT)
-    runs = [run for run in client.search_runs([experiment.experiment_id])
-            if run.data.tags.get('kiln.folder') == os.path.abspath(folder)]
+    runs = [
+        run
+        for run in client.search_runs([experiment.experiment_id])
+        if run.data.tags.get('kiln.folder') == os.path.abspath(folder)
+    ]
     assert len(runs) == 1, [run.info.run_id for run in runs]
     return runs[0]
 
 
 def test_mlflow_has_one_run_with_every_point_once(tracker_runs):
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(tracking_uri=tracker_runs['uri'])
     whole, killed = mlflow_run(client, tracker_runs['whole']), mlflow_run(client, tracker_runs['killed'])
     assert killed.info.run_id == tracker_runs['left']['checkpoint']['trackers']['mlflow']['run_id']
@@ -268,11 +316,13 @@ def test_mlflow_has_one_run_with_every_point_once(tracker_runs):
     def picture_steps(run):
         paths = [a.path for a in client.list_artifacts(run.info.run_id, 'images') if a.path.endswith('.png')]
         return sorted(int(re.search(r'\Wstep\W(\d+)\W', path).group(1)) for path in paths)
+
     assert picture_steps(killed) == picture_steps(whole) == [2, 4, 6, 8, 10, 12]
     assert killed.data.params == whole.data.params
     tensorboard_values = hparams_plugin(read_events(tracker_runs['killed']))[1]
     assert {name: killed.data.params[name] for name in tensorboard_values} == {
-        name: str(value) for name, value in wandb_config(tracker_runs['killed']).items() if name in tensorboard_values}
+        name: str(value) for name, value in wandb_config(tracker_runs['killed']).items() if name in tensorboard_values
+    }
     assert killed.data.params['task'] == 'classify' and killed.data.params['lr'] == '0.003'
 
 
@@ -299,8 +349,12 @@ def read_wandb(folder):
                 updates = record.run.config.update if kind == 'run' else record.config.update
                 config.update({item.key: json.loads(item.value_json) for item in updates})
             elif kind == 'summary':
-                summary.update({item.key or '/'.join(item.nested_key): json.loads(item.value_json)
-                                for item in record.summary.update})
+                summary.update(
+                    {
+                        item.key or '/'.join(item.nested_key): json.loads(item.value_json)
+                        for item in record.summary.update
+                    }
+                )
     return ids, history, config, summary
 
 
@@ -330,8 +384,10 @@ def test_wandb_has_one_run_with_every_point_once(tracker_runs):
     assert config == {name: value for name, value in whole_config.items() if not name.startswith('_')}
     assert config['task'] == 'classify' and config['lr'] == 3e-3 and config['deterministic'] is True
     tensorboard_values = hparams_plugin(read_events(tracker_runs['killed']))[1]
-    assert {name: float(config[name]) if isinstance(config[name], (bool, int, float)) else config[name]
-            for name in tensorboard_values} == tensorboard_values
+    assert {
+        name: float(config[name]) if isinstance(config[name], (bool, int, float)) else config[name]
+        for name in tensorboard_values
+    } == tensorboard_values
 
 
 def test_wandb_has_committed_points_on_disk_within_a_moment(tmp_path, monkeypatch):
@@ -342,10 +398,12 @@ def test_wandb_has_committed_points_on_disk_within_a_moment(tmp_path, monkeypatc
     from types import SimpleNamespace
 
     from utils.trackers import build_trackers
+
     for name, value in offline_env(tmp_path / 'home').items():
         monkeypatch.setenv(name, value)
-    trackers = build_trackers(['wandb'], tmp_path / 'run', 'run',
-                              options=SimpleNamespace(wandb_project='kiln', checkpoints_dir=str(tmp_path)))
+    trackers = build_trackers(
+        ['wandb'], tmp_path / 'run', 'run', options=SimpleNamespace(wandb_project='kiln', checkpoints_dir=str(tmp_path))
+    )
     try:
         trackers.log_metrics({'train/loss': 0.5}, 1, 0)
         trackers.state_dict()
@@ -356,9 +414,13 @@ def test_wandb_has_committed_points_on_disk_within_a_moment(tmp_path, monkeypatc
         while not steps and time.monotonic() < committed + 3:  # W&B's default would take up to 15 s
             time.sleep(0.05)
             with contextlib.suppress(Exception):  # a record being written
-                steps = [json.loads(item.value_json) for record in wandb_records(log)
-                         if record.WhichOneof('record_type') == 'history'
-                         for item in record.history.item if [item.key] == ['_step'] or item.nested_key == ['_step']]
+                steps = [
+                    json.loads(item.value_json)
+                    for record in wandb_records(log)
+                    if record.WhichOneof('record_type') == 'history'
+                    for item in record.history.item
+                    if [item.key] == ['_step'] or item.nested_key == ['_step']
+                ]
         assert steps == [1], f'not in {log} {time.monotonic() - committed:.1f}s after the commit'
     finally:
         trackers.close()
@@ -374,12 +436,14 @@ def test_a_missing_tracker_package_is_one_line_naming_the_pip_command(tiny_shape
 
 # --- 2. debugging options ------------------------------------------------------------------------
 
+
 @pytest.fixture
 def watched(monkeypatch):
     """Watch an in-process run: `losses` gets ('train' or 'val', images, labels) for every batch whose
     loss is computed, and `validations` the number of samples each validation counted."""
     import train
     from tasks.task import Task
+
     losses, validations = [], []
     task_loss, evaluate = Task.loss, train.evaluate
 
@@ -392,6 +456,7 @@ def watched(monkeypatch):
         evaluation = evaluate(*args, **kwargs)
         validations.append(int(evaluation.metric_object.confusion.sum()))
         return evaluation
+
     monkeypatch.setattr(Task, 'loss', loss)
     monkeypatch.setattr(train, 'evaluate', counted)
     yield losses, validations
@@ -401,6 +466,7 @@ def watched(monkeypatch):
 def train_in_process(argv):
     """train.py's main in this process (what `python train.py ARGV` does, less the exit code)."""
     import train
+
     return train.main(argv)
 
 
@@ -445,8 +511,17 @@ OVERFIT_LOSS = 0.25  # more than twice the 0.105 measured, and 1/7 of ln(6) = 1.
 
 def test_overfit_batches_drives_the_train_loss_to_about_zero_on_the_same_batches(tiny_shapes, tmp_path, watched):
     losses, validations = watched
-    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--overfit_batches', '2', '--epochs', '30', '--lr', '3e-3',
-                                                          '--no-log_images', '--loggers', 'csv']
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + [
+        '--overfit_batches',
+        '2',
+        '--epochs',
+        '30',
+        '--lr',
+        '3e-3',
+        '--no-log_images',
+        '--loggers',
+        'csv',
+    ]
     run = train_in_process(args)
     with open(os.path.join(run.options.model_dir, 'history.json')) as f:
         history = json.load(f)['metrics']
@@ -481,8 +556,18 @@ def test_limit_batches_as_counts_and_fractions(tiny_shapes, tmp_path, watched, l
     losses, validations = watched
     steps, images = LIMITS[limits]
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + [
-        '--batch_size', '10', '--epochs', '2', '--limit_train_batches', limits[0], '--limit_val_batches', limits[1],
-        '--no-log_images', '--loggers', 'csv']
+        '--batch_size',
+        '10',
+        '--epochs',
+        '2',
+        '--limit_train_batches',
+        limits[0],
+        '--limit_val_batches',
+        limits[1],
+        '--no-log_images',
+        '--loggers',
+        'csv',
+    ]
     run = train_in_process(args)
     with open(os.path.join(run.options.model_dir, 'run_config.json')) as f:
         config = json.load(f)
@@ -497,8 +582,17 @@ def test_limit_batches_as_counts_and_fractions(tiny_shapes, tmp_path, watched, l
 
 def test_profile_writes_a_trace_and_prints_the_top_operators(tiny_shapes, tmp_path, capsys):
     import train
-    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--profile', '--epochs', '1', '--batch_size', '8',
-                                                          '--no-log_images', '--loggers', 'csv']
+
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + [
+        '--profile',
+        '--epochs',
+        '1',
+        '--batch_size',
+        '8',
+        '--no-log_images',
+        '--loggers',
+        'csv',
+    ]
     run = train.start(args)
     train.run_training(run)  # 12 steps: 2 waiting, 2 warm-up, 6 recorded
     out = capsys.readouterr().out
@@ -514,7 +608,7 @@ def test_profile_writes_a_trace_and_prints_the_top_operators(tiny_shapes, tmp_pa
     # the table: the 12 operators that took the most CPU time themselves, most first
     lines = out.splitlines()
     rules = [i for i, line in enumerate(lines) if line.startswith('-----')]
-    header, rows = lines[rules[0] + 1], lines[rules[1] + 1:rules[2]]
+    header, rows = lines[rules[0] + 1], lines[rules[1] + 1 : rules[2]]
     assert header.split()[:3] == ['Name', 'Self', 'CPU'] and 'Self CPU %' in header
     assert len(rows) == 12 and lines[rules[2] + 1].startswith('Self CPU time total')
     percents = [float(re.search(r'\s(\d+\.\d+)%', row).group(1)) for row in rows]  # the Self CPU % column
@@ -524,6 +618,7 @@ def test_profile_writes_a_trace_and_prints_the_top_operators(tiny_shapes, tmp_pa
 def test_detect_anomaly_names_the_operation_whose_backward_made_a_nan(tiny_shapes, tmp_path, monkeypatch, watched):
     import train
     from tasks.task import Task
+
     anomaly_mode = []
     loss = Task.loss  # `watched`'s
 
@@ -531,6 +626,7 @@ def test_detect_anomaly_names_the_operation_whose_backward_made_a_nan(tiny_shape
         anomaly_mode.append(torch.is_anomaly_enabled())
         # finite forward (0 * 0), NaN backward: sqrt's gradient at 0 is inf, times the 0 from above
         return loss(self, outputs, batch) + 0 * torch.sqrt(outputs - outputs).sum()
+
     monkeypatch.setattr(Task, 'loss', nan_in_backward)
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--max_iteration', '2', '--no-log_images', '--loggers', 'csv']
     run = train.start(args + ['--save_prefix', 'anomaly', '--detect_anomaly'])
@@ -546,6 +642,7 @@ def test_detect_anomaly_names_the_operation_whose_backward_made_a_nan(tiny_shape
     def watch_mode(self, outputs, batch):
         anomaly_mode.append(torch.is_anomaly_enabled())
         return loss(self, outputs, batch)
+
     monkeypatch.setattr(Task, 'loss', watch_mode)
     train.run_training(train.start(args + ['--save_prefix', 'plain']))
     assert anomaly_mode[1:] and not any(anomaly_mode[1:])  # off again without the flag, in the same process
@@ -553,16 +650,40 @@ def test_detect_anomaly_names_the_operation_whose_backward_made_a_nan(tiny_shape
 
 # --- 3. TensorBoard's HParams view across tasks --------------------------------------------------
 
+
 def test_hparams_rows_of_a_classify_and_a_segment_run_in_one_logdir(tiny_shapes, tmp_path):
-    common = ['--checkpoints_dir', str(tmp_path / 'ck'), '--epochs', '1', '--batch_size', '16', '--no-progress_bar',
-              '--num_workers', '0', '--cpu', '--no-log_images']
+    common = [
+        '--checkpoints_dir',
+        str(tmp_path / 'ck'),
+        '--epochs',
+        '1',
+        '--batch_size',
+        '16',
+        '--no-progress_bar',
+        '--num_workers',
+        '0',
+        '--cpu',
+        '--no-log_images',
+    ]
     classify = train_in_process(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1', '--no-log_images'])
-    segment = train_in_process(common + [
-        '--task', 'segment', '--data_type', 'seg_list', '--model_type', 'seg_net',
-        '--train_list', os.path.join(tiny_shapes, 'seg_train.txt'),
-        '--val_list', os.path.join(tiny_shapes, 'seg_val.txt')])
-    assert sorted(os.listdir(tmp_path / 'ck')) == sorted(os.path.basename(run.options.model_dir)
-                                                         for run in (classify, segment))
+    segment = train_in_process(
+        common
+        + [
+            '--task',
+            'segment',
+            '--data_type',
+            'seg_list',
+            '--model_type',
+            'seg_net',
+            '--train_list',
+            os.path.join(tiny_shapes, 'seg_train.txt'),
+            '--val_list',
+            os.path.join(tiny_shapes, 'seg_val.txt'),
+        ]
+    )
+    assert sorted(os.listdir(tmp_path / 'ck')) == sorted(
+        os.path.basename(run.options.model_dir) for run in (classify, segment)
+    )
     every_task = set().union(*map(final_names, TASK_METRICS))
     rows = {}
     for run in (classify, segment):
@@ -576,4 +697,3 @@ def test_hparams_rows_of_a_classify_and_a_segment_run_in_one_logdir(tiny_shapes,
     assert set(rows) == {'classify', 'segment'}
     assert {'final/val/miou', 'final/val/pixel_acc', 'best/val/miou'} <= rows['segment']
     assert 'final/val/acc' in rows['classify'] and not rows['segment'] & {'final/val/acc', 'best/val/acc'}
-

@@ -1,6 +1,7 @@
 """Faults injected on purpose: kills at chosen moments (KILN_KILL_AT), a full disk, a read-only file
 system, corrupt files, racing runs, interrupted start-ups, dead parents. Each must end in one line
 or a clean recovery, and nothing a user has may be lost."""
+
 import contextlib
 import json
 import os
@@ -41,13 +42,22 @@ def _ok(result):
 
 
 def _snapshot(folder):
-    return {name: open(os.path.join(folder, name), 'rb').read() for name in sorted(os.listdir(folder))
-            if os.path.isfile(os.path.join(folder, name))}
+    return {
+        name: open(os.path.join(folder, name), 'rb').read()
+        for name in sorted(os.listdir(folder))
+        if os.path.isfile(os.path.join(folder, name))
+    }
 
 
 def _start(args, *extra, env=None):
-    return subprocess.Popen([sys.executable, 'train.py', *args, *extra], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, 'train.py', *args, *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _wait_for(condition, process=None, seconds=300):
@@ -60,6 +70,7 @@ def _wait_for(condition, process=None, seconds=300):
 
 # kills at chosen moments ------------------------------------------------------------------------------
 
+
 def test_a_kill_between_the_checkpoint_and_last_pth_does_not_block_resume(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     killed = run_script('train.py', *args, env={'KILN_KILL_AT': 'checkpoint_written'})
@@ -71,7 +82,9 @@ def test_a_kill_between_the_checkpoint_and_last_pth_does_not_block_resume(tiny_s
     with open(os.path.join(_folder(args), 'checkpoints.json')) as f:
         record = json.load(f)
     assert record['last'] == 'epoch002_step0000012.pth' and set(record['files']) <= {
-        'epoch001_step0000006.pth', 'epoch002_step0000012.pth'}
+        'epoch001_step0000006.pth',
+        'epoch002_step0000012.pth',
+    }
 
 
 def test_a_kill_inside_a_write_leaves_a_temporary_file_that_the_next_start_removes(tiny_shapes, tmp_path):
@@ -110,8 +123,9 @@ def test_flipped_bytes_in_a_checkpoint_are_detected(saved_often):
     with open(newest, 'r+b') as f:  # last.pth is the same file (a hard link)
         f.seek(os.path.getsize(newest) // 2)
         f.write(bytes(16))
-    evaluated = run_script('eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--no-progress_bar',
-                           '--cpu')
+    evaluated = run_script(
+        'eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--no-progress_bar', '--cpu'
+    )
     _one_error_line(evaluated, 'corrupt', 'last.pth')
     resumed = _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
     assert 'skipping' in resumed.stdout and 'epoch002_step0000012.pth' in resumed.stdout
@@ -121,13 +135,26 @@ def test_flipped_bytes_in_a_checkpoint_are_detected(saved_often):
 
 # resumes that must be refused ------------------------------------------------------------------------
 
-@pytest.mark.parametrize('change, needle', [(['--batch_size', '64'], '--batch_size 64 (the run has 16)'),
-                                            (['--optimizer', 'sgd'], '--optimizer sgd (the run has adamw)')])
+
+@pytest.mark.parametrize(
+    'change, needle',
+    [
+        (['--batch_size', '64'], '--batch_size 64 (the run has 16)'),
+        (['--optimizer', 'sgd'], '--optimizer sgd (the run has adamw)'),
+    ],
+)
 def test_a_resume_that_would_change_the_run_is_refused_before_any_file_changes(saved_often, change, needle):
     folder = _folder(saved_often)
     before = _snapshot(folder)
-    result = run_script('train.py', *saved_often, '--resume', os.path.join(folder, 'epoch001_step0000010.pth'),
-                        *change, '--max_iteration', '12')
+    result = run_script(
+        'train.py',
+        *saved_often,
+        '--resume',
+        os.path.join(folder, 'epoch001_step0000010.pth'),
+        *change,
+        '--max_iteration',
+        '12',
+    )
     _one_error_line(result, needle, '--epochs')  # and it names what may change
     assert _snapshot(folder) == before
 
@@ -146,17 +173,25 @@ def test_two_runs_of_one_folder_are_refused(tiny_shapes, tmp_path):
 
 # full disks, read-only folders, interrupted start-ups -------------------------------------------------
 
+
 def _file_size_limit(limit):
     def apply():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return apply
 
 
 def test_a_full_disk_at_the_start_is_one_line_and_leaves_nothing(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    result = subprocess.run([sys.executable, 'train.py', *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=timeout(), preexec_fn=_file_size_limit(100))
+    result = subprocess.run(
+        [sys.executable, 'train.py', *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+        preexec_fn=_file_size_limit(100),
+    )
     _one_error_line(result)
     assert os.listdir(tmp_path / 'ck') == []  # no half-made folder blocks the same command later
     _ok(run_script('train.py', *args, '--epochs', '1'))
@@ -186,9 +221,14 @@ def test_a_read_only_file_system_at_resume_is_one_line(tiny_shapes, tmp_path):
 
 def test_ctrl_c_during_start_up_is_one_line(tiny_shapes, tmp_path):
     # as from a terminal: a shell's background jobs inherit an ignored SIGINT, which Python keeps
-    process = subprocess.Popen([sys.executable, 'train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck')], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [sys.executable, 'train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck')],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     time.sleep(0.5)  # still importing torch
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=timeout(60))
@@ -205,25 +245,31 @@ def test_checks_before_training(tiny_shapes, tmp_path):
 
 def test_a_nonfinite_loss_before_any_save_names_no_missing_file(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    line = _one_error_line(run_script('train.py', *args, '--optimizer', 'sgd', '--lr', '1e30', '--print_freq', '1'),
-                           'non-finite loss at step')
+    line = _one_error_line(
+        run_script('train.py', *args, '--optimizer', 'sgd', '--lr', '1e30', '--print_freq', '1'),
+        'non-finite loss at step',
+    )
     assert 'nothing was saved' in line and 'last.pth' not in line
 
 
 def test_a_refused_prediction_leaves_no_folder(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1']
     _ok(run_script('train.py', *args))
-    result = run_script('predict.py', '--load_model_path', _folder(args), '--input', str(tmp_path / 'nothing'),
-                        '--cpu')  # an experiment folder means its best.pth, as in eval.py and train.py
+    result = run_script(
+        'predict.py', '--load_model_path', _folder(args), '--input', str(tmp_path / 'nothing'), '--cpu'
+    )  # an experiment folder means its best.pth, as in eval.py and train.py
     _one_error_line(result, 'nothing')
     assert not os.path.exists(os.path.join(_folder(args), 'predict'))
 
 
 # processes that lose their parent --------------------------------------------------------------------
 
+
 def _children(pid):
-    return [int(p) for p in subprocess.run(['ps', '-o', 'pid=', '--ppid', str(pid)], capture_output=True,
-                                           text=True).stdout.split()]
+    return [
+        int(p)
+        for p in subprocess.run(['ps', '-o', 'pid=', '--ppid', str(pid)], capture_output=True, text=True).stdout.split()
+    ]
 
 
 def _running(pid):
@@ -237,7 +283,7 @@ def _running(pid):
 
 def test_dataloader_workers_exit_when_the_main_process_is_killed(tiny_shapes, tmp_path):
     args = [a for a in tiny_run_args(tiny_shapes, tmp_path / 'ck') if a != '0'] + ['--epochs', '500']
-    args[args.index('--num_workers') + 1:args.index('--num_workers') + 1] = ['2']
+    args[args.index('--num_workers') + 1 : args.index('--num_workers') + 1] = ['2']
     process = _start(args)
     _wait_for(lambda: len(_children(process.pid)) >= 2, process)
     workers = _children(process.pid)
@@ -254,9 +300,15 @@ LINEAR = ['--model_type', 'linear', '--optimizer', 'sgd', '--lr', '0.05', '--bat
 
 
 def _torchrun(args, *extra):
-    return subprocess.Popen([*TORCHRUN, 'train.py', *args, *LINEAR, *extra], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'},
-                            start_new_session=True)
+    return subprocess.Popen(
+        [*TORCHRUN, 'train.py', *args, *LINEAR, *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, 'OMP_NUM_THREADS': '1'},
+        start_new_session=True,
+    )
 
 
 def test_sigterm_to_torchrun_is_agreed_within_a_step_and_ends_with_143(tiny_shapes, tmp_path):

@@ -1,5 +1,6 @@
 """Fine-tuning: partial loading with a saved report, safe loading (.pth and .safetensors), layer
 freezing and gradual unfreezing through resume, discriminative learning rates, pretrained nets."""
+
 import json
 import os
 import pickle
@@ -26,8 +27,9 @@ def _three_class_lists(shapes_dir, folder):
     for split in ('train', 'val'):
         with open(os.path.join(shapes_dir, f'{split}.txt')) as source:
             lines = [line.split() for line in source if line.strip()]
-        (folder / f'{split}.txt').write_text(''.join(f'{os.path.join(shapes_dir, path)} {label}\n'
-                                                     for path, label in lines if int(label) < 3))
+        (folder / f'{split}.txt').write_text(
+            ''.join(f'{os.path.join(shapes_dir, path)} {label}\n' for path, label in lines if int(label) < 3)
+        )
     names = open(os.path.join(shapes_dir, 'classes.txt')).read().split()[:3]
     (folder / 'classes.txt').write_text('\n'.join(names) + '\n')
     return folder
@@ -57,10 +59,32 @@ def finetuned(tiny_shapes, tmp_path_factory):
     _run(base, '--epochs', '1', '--save_prefix', 'base')
     base_folder = str(root / 'ck' / 'small_cnn_list_base')
     three = _three_class_lists(tiny_shapes, root / 'three')
-    options = ['--train_list', str(three / 'train.txt'), '--val_list', str(three / 'val.txt'), '--epochs', '3',
-               '--load_model_path', os.path.join(base_folder, 'last.pth'), '--load_not_strict',
-               '--freeze_to', '-2', '--unfreeze_at_epoch', '2', '--head_lr', '1e-2', '--backbone_lr', '1e-3',
-               '--unfrozen_lr_scale', '0.5', '--keep_last', '5', '--deterministic', '--save_prefix', 'ft']
+    options = [
+        '--train_list',
+        str(three / 'train.txt'),
+        '--val_list',
+        str(three / 'val.txt'),
+        '--epochs',
+        '3',
+        '--load_model_path',
+        os.path.join(base_folder, 'last.pth'),
+        '--load_not_strict',
+        '--freeze_to',
+        '-2',
+        '--unfreeze_at_epoch',
+        '2',
+        '--head_lr',
+        '1e-2',
+        '--backbone_lr',
+        '1e-3',
+        '--unfrozen_lr_scale',
+        '0.5',
+        '--keep_last',
+        '5',
+        '--deterministic',
+        '--save_prefix',
+        'ft',
+    ]
     tune = tiny_run_args(tiny_shapes, root / 'ck')
     _run(tune, *options)
     return base_folder, tune, str(root / 'ck' / 'small_cnn_list_ft'), options
@@ -99,7 +123,9 @@ def test_unfrozen_layers_train_at_their_own_rate_and_resume_exactly(finetuned):
     assert frozen <= set(after_3['optimizer']['state'])  # trained once unfrozen
 
     # continue a copy of the run from the end of epoch 2 (unfrozen): it must end where the run ended
-    resumed = tune[:tune.index('--checkpoints_dir') + 1] + [folder + '_copy'] + tune[tune.index('--checkpoints_dir') + 2:]
+    resumed = (
+        tune[: tune.index('--checkpoints_dir') + 1] + [folder + '_copy'] + tune[tune.index('--checkpoints_dir') + 2 :]
+    )
     copy = folder + '_copy'
     os.makedirs(copy)
     os.link(os.path.join(folder, 'args.yaml'), os.path.join(copy, 'args.yaml'))
@@ -180,6 +206,7 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     class Payload:
         def __reduce__(self):
             return os.system, (f'touch {marker}',)
+
     path = tmp_path / 'evil.pth'
     path.write_bytes(pickle.dumps({'model': Payload()}))
     with pytest.raises(KilnError, match='safe loading does not allow'):
@@ -193,6 +220,7 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
 @pytest.mark.parametrize('name', ['tv_resnet18', 'tv_mobilenet_v3_small', 'tv_efficientnet_b0'])
 def test_pretrained_nets_load_local_weights_and_get_a_new_head(tmp_path, name):
     from model.torchvision_nets import TORCHVISION_NETS
+
     imagenet = TORCHVISION_NETS[name][0](weights=None)  # stands in for a downloaded weights file
     path = tmp_path / f'{name}.safetensors'
     save_file({k: v.contiguous() for k, v in imagenet.state_dict().items()}, str(path))
@@ -205,7 +233,13 @@ def test_pretrained_nets_load_local_weights_and_get_a_new_head(tmp_path, name):
 
 def test_missing_pretrained_weights_say_how_to_get_them(tiny_shapes, tmp_path):
     missing = tmp_path / 'resnet18.pth'
-    result = run_script('train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--model_type', 'tv_resnet18',
-                        '--pretrained_path', str(missing))
+    result = run_script(
+        'train.py',
+        *tiny_run_args(tiny_shapes, tmp_path / 'ck'),
+        '--model_type',
+        'tv_resnet18',
+        '--pretrained_path',
+        str(missing),
+    )
     assert result.returncode == 2 and 'Traceback' not in result.stderr
     assert str(missing) in result.stderr and 'never downloads' in result.stderr and "weights='DEFAULT'" in result.stderr

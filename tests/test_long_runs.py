@@ -1,5 +1,6 @@
 """Long runs: exact resume after SIGKILL, clean stops on signals, crash-safe checkpoints, run history,
 early stopping, non-finite losses and iteration mode, with real processes and real files."""
+
 import errno
 import json
 import os
@@ -57,8 +58,9 @@ def _saved_step(folder):
 
 
 def _start(args, *extra):
-    return subprocess.Popen([sys.executable, 'train.py', *args, *extra], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, 'train.py', *args, *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _wait_for_save(process, folder, step, seconds=600):
@@ -73,8 +75,18 @@ def _wait_for_save(process, folder, step, seconds=600):
 # with mid-run validation and a plateau schedule (whose state lives in the checkpoint too).
 RESUME_CONFIGS = {
     'epochs': ['--epochs', '4', '--batch_size', '8', '--num_workers', '1'],
-    'iterations': ['--max_iteration', '40', '--valid_interval', '7', '--batch_size', '8', '--scheduler', 'plateau',
-                   '--lr_patience', '0'],
+    'iterations': [
+        '--max_iteration',
+        '40',
+        '--valid_interval',
+        '7',
+        '--batch_size',
+        '8',
+        '--scheduler',
+        'plateau',
+        '--lr_patience',
+        '0',
+    ],
 }
 
 
@@ -150,6 +162,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
 
         def failing_fsync(fd, error=error):
             raise OSError(error, os.strerror(error))
+
         with monkeypatch.context() as patch:
             patch.setattr(os, 'fsync', failing_fsync)
             with pytest.raises(KilnError, match='could not write checkpoint .*previous checkpoints are intact'):
@@ -171,8 +184,11 @@ def test_keeper_keeps_newest_and_best_across_restarts(tmp_path):
     assert _load(tmp_path / 'best.pth')['step'] == 2 and _load(tmp_path / 'last.pth')['step'] == 5
     with open(tmp_path / 'checkpoints.json') as f:
         record = json.load(f)
-    assert record['last'] == name(5) and record['best'] == name(2) and sorted(record['files']) == [name(2), name(4),
-                                                                                                 name(5)]
+    assert (
+        record['last'] == name(5)
+        and record['best'] == name(2)
+        and sorted(record['files']) == [name(2), name(4), name(5)]
+    )
 
     restarted = CheckpointKeeper(str(tmp_path), keep_last=2, keep_best=2, mode='max')
     restarted.save({'step': 6}, 0, 6, metric=0.95, is_best=True)
@@ -198,12 +214,14 @@ def test_nonfinite_loss_is_named_exactly_without_syncing_each_step(tiny_shapes, 
     import train
     from tasks.classify import ClassifyTask
     from utils.stopping import StopReason
+
     calls = []
 
     def nan_at_step_five(self, outputs, batch):
         calls.append(1)
         loss = self.criterion(outputs, batch['label'])
         return loss * float('nan') if len(calls) == 5 else loss  # the 5th step (one batch per step)
+
     monkeypatch.setattr(ClassifyTask, 'loss', nan_at_step_five)
     run = train.start(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4', '--epochs', '3'])
     stop = train.train(run)
@@ -255,7 +273,11 @@ def test_resume_options(tiny_shapes, tmp_path):
     torch.save(_load(os.path.join(_folder(args), 'last.pth'))['model'], weights_only)
     (tmp_path / 'args.yaml').write_text((tmp_path / 'ck' / EXPERIMENT / 'args.yaml').read_text())
     plain = run_script('train.py', *args, '--resume', str(weights_only))
-    assert plain.returncode == 2 and 'not a full training checkpoint' in plain.stderr and '--load_model_path' in plain.stderr
+    assert (
+        plain.returncode == 2
+        and 'not a full training checkpoint' in plain.stderr
+        and '--load_model_path' in plain.stderr
+    )
 
 
 def test_reproducibility_record(tiny_shapes, tmp_path):
@@ -288,6 +310,7 @@ def test_run_history():
 def test_schedulers_by_name():
     from options import parse_args, parse_train_args
     from train import SCHEDULERS
+
     model = torch.nn.Linear(2, 2)
     args = parse_args(parse_train_args, ['--warmup_steps', '4', '--lr', '1.0'])
     optimizer = torch.optim.SGD(model.parameters(), 1.0)

@@ -1,5 +1,6 @@
 """A new task in minutes: the project generator, the segmentation example (through the same
 Trainer/Evaluator design), predict.py, comparing checkpoints and TensorBoard hparams."""
+
 import csv
 import json
 import os
@@ -32,23 +33,59 @@ def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_pa
     dest = tmp_path / 'glaze'
     _ok(run_script('scripts/new_task.py', str(dest), '--name', 'Glaze', '--dataset', 'leaves', '--model', 'leaf_net'))
     files = {os.path.relpath(os.path.join(folder, name), dest) for folder, _, names in os.walk(dest) for name in names}
-    assert not any(f.startswith(('.git/', 'data/generated/')) or '__pycache__' in f or '.pytest_cache' in f
-                   for f in files)
+    assert not any(
+        f.startswith(('.git/', 'data/generated/')) or '__pycache__' in f or '.pytest_cache' in f for f in files
+    )
     assert [f for f in files if f.startswith('checkpoints/')] == ['checkpoints/.gitkeep']
-    assert {'train.py', 'eval.py', 'predict.py', 'README.md', '.ci/run', '.run/train.run.xml', 'tests/conftest.py',
-            'data/leaves.py', 'model/leaf_net/leaf_net.py', 'model/leaf_net/__init__.py'} <= files
+    assert {
+        'train.py',
+        'eval.py',
+        'predict.py',
+        'README.md',
+        '.ci/run',
+        '.run/train.run.xml',
+        'tests/conftest.py',
+        'data/leaves.py',
+        'model/leaf_net/leaf_net.py',
+        'model/leaf_net/__init__.py',
+    } <= files
     readme = (dest / 'README.md').read_text()
     assert readme.startswith('# Glaze') and not re.search(r'\bKiln\b', readme)  # KilnError is code, kept
     assert "'leaves': 'data.leaves:LeavesDataset'," in (dest / 'data' / 'data_entry.py').read_text()
     assert "'leaf_net': 'model.leaf_net:LeafNet'," in (dest / 'model' / 'model_entry.py').read_text()
 
     # its own tests (the fast ones here; the whole suite is the template's) and its train.sh with the stubs
-    _ok(subprocess.run([sys.executable, '-m', 'pytest', '-q', 'tests/test_units.py'], cwd=dest, capture_output=True,
-                       text=True, timeout=timeout()))
-    trained = subprocess.run(['bash', 'scripts/train.sh', '--data_type', 'leaves', '--model_type', 'leaf_net',
-                              '--train_list', os.path.join(tiny_shapes, 'train.txt'), '--val_list',
-                              os.path.join(tiny_shapes, 'val.txt'), '--no-progress_bar', '--batch_size', '16'],
-                             cwd=dest, capture_output=True, text=True, timeout=timeout(), env={**os.environ, 'EPOCHS': '1'})
+    _ok(
+        subprocess.run(
+            [sys.executable, '-m', 'pytest', '-q', 'tests/test_units.py'],
+            cwd=dest,
+            capture_output=True,
+            text=True,
+            timeout=timeout(),
+        )
+    )
+    trained = subprocess.run(
+        [
+            'bash',
+            'scripts/train.sh',
+            '--data_type',
+            'leaves',
+            '--model_type',
+            'leaf_net',
+            '--train_list',
+            os.path.join(tiny_shapes, 'train.txt'),
+            '--val_list',
+            os.path.join(tiny_shapes, 'val.txt'),
+            '--no-progress_bar',
+            '--batch_size',
+            '16',
+        ],
+        cwd=dest,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+        env={**os.environ, 'EPOCHS': '1'},
+    )
     _ok(trained)
     assert (dest / 'checkpoints' / 'leaf_net_leaves_default' / 'best.pth').is_file()
 
@@ -64,8 +101,14 @@ def test_generator_refuses_a_non_empty_destination(tmp_path):
 def segmented(tiny_shapes, tmp_path_factory):
     """A 2-epoch segmentation run through scripts/train_seg.sh on the tiny shapes' masks: its folder."""
     args = _seg_args(tiny_shapes, tmp_path_factory.mktemp('seg'))
-    result = subprocess.run(['bash', 'scripts/train_seg.sh', *args[2:]], cwd=REPO, capture_output=True, text=True,
-                            timeout=timeout(), env={**os.environ, 'EPOCHS': '2', 'BATCH_SIZE': '16', 'DATA_TYPE': 'seg_list'})
+    result = subprocess.run(
+        ['bash', 'scripts/train_seg.sh', *args[2:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+        env={**os.environ, 'EPOCHS': '2', 'BATCH_SIZE': '16', 'DATA_TYPE': 'seg_list'},
+    )
     _ok(result)
     assert 'val/miou' in result.stdout
     return os.path.join(args[args.index('--checkpoints_dir') + 1], 'seg_net_seg_list_default')
@@ -81,8 +124,11 @@ def test_segmentation_trains_and_logs_masks(segmented):
 
 
 def test_segmentation_eval_writes_exact_iou_and_pictures(segmented):
-    result = _ok(run_script('eval.py', '--load_model_path', os.path.join(segmented, 'best.pth'), '--no-progress_bar',
-                            '--viz_freq', '1'))  # the task, model and data come from the checkpoint
+    result = _ok(
+        run_script(
+            'eval.py', '--load_model_path', os.path.join(segmented, 'best.pth'), '--no-progress_bar', '--viz_freq', '1'
+        )
+    )  # the task, model and data come from the checkpoint
     folder = os.path.join(segmented, 'eval', 'best_val_default')
     with open(os.path.join(folder, 'result.json')) as f:
         saved = json.load(f)
@@ -99,8 +145,14 @@ def test_segmentation_eval_writes_exact_iou_and_pictures(segmented):
 
 
 def test_segment_task_needs_masks(tiny_shapes, tmp_path):
-    result = run_script('train.py', *tiny_run_args(tiny_shapes, tmp_path), '--task', 'segment', '--model_type', 'seg_net')
-    assert result.returncode == 2 and 'needs a dataset that gives mask' in result.stderr and 'Traceback' not in result.stderr
+    result = run_script(
+        'train.py', *tiny_run_args(tiny_shapes, tmp_path), '--task', 'segment', '--model_type', 'seg_net'
+    )
+    assert (
+        result.returncode == 2
+        and 'needs a dataset that gives mask' in result.stderr
+        and 'Traceback' not in result.stderr
+    )
     assert os.listdir(tmp_path) == []
 
 
@@ -110,8 +162,18 @@ def classified(tiny_shapes, tmp_path_factory):
     root = tmp_path_factory.mktemp('cls')
     folders = []
     for seed in ('0', '1'):
-        _ok(run_script('train.py', *tiny_run_args(tiny_shapes, root), '--epochs', '1', '--seed', seed,
-                       '--save_prefix', f'seed{seed}'))
+        _ok(
+            run_script(
+                'train.py',
+                *tiny_run_args(tiny_shapes, root),
+                '--epochs',
+                '1',
+                '--seed',
+                seed,
+                '--save_prefix',
+                f'seed{seed}',
+            )
+        )
         folders.append(str(root / f'small_cnn_list_seed{seed}'))
     return folders
 
@@ -122,8 +184,14 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
     for name in ('00000.png', '00001.png', '00002.png'):
         os.link(os.path.join(tiny_shapes, 'images', 'val', name), images / name)
     (images / 'broken.png').write_bytes(b'not an image')
-    result = run_script('predict.py', '--load_model_path', os.path.join(classified[0], 'best.pth'),
-                        '--input', str(images), '--no-progress_bar')
+    result = run_script(
+        'predict.py',
+        '--load_model_path',
+        os.path.join(classified[0], 'best.pth'),
+        '--input',
+        str(images),
+        '--no-progress_bar',
+    )
     assert result.returncode == 2 and '1 of 4 images could not be read' in result.stderr
     folder = os.path.join(classified[0], 'predict', 'best_images_default')
     with open(os.path.join(folder, 'predictions.csv')) as f:
@@ -134,8 +202,16 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
 
 
 def test_predict_segmentation_writes_masks(tiny_shapes, segmented):
-    _ok(run_script('predict.py', '--load_model_path', os.path.join(segmented, 'best.pth'),
-                   '--input', os.path.join(tiny_shapes, 'seg_val.txt'), '--no-progress_bar'))
+    _ok(
+        run_script(
+            'predict.py',
+            '--load_model_path',
+            os.path.join(segmented, 'best.pth'),
+            '--input',
+            os.path.join(tiny_shapes, 'seg_val.txt'),
+            '--no-progress_bar',
+        )
+    )
     folder = os.path.join(segmented, 'predict', 'best_seg_val_default')
     with open(os.path.join(folder, 'predictions.csv')) as f:
         rows = list(csv.DictReader(f))
@@ -146,8 +222,18 @@ def test_predict_segmentation_writes_masks(tiny_shapes, segmented):
 
 def test_eval_compares_several_checkpoints(classified, tmp_path):
     pattern = os.path.join(os.path.dirname(classified[0]), '*_seed*')  # experiment folders: their best.pth
-    result = _ok(run_script('eval.py', '--load_model_path', pattern, '--no-progress_bar', '--save_prefix', 'cmp',
-                            '--checkpoints_dir', str(tmp_path)))
+    result = _ok(
+        run_script(
+            'eval.py',
+            '--load_model_path',
+            pattern,
+            '--no-progress_bar',
+            '--save_prefix',
+            'cmp',
+            '--checkpoints_dir',
+            str(tmp_path),
+        )
+    )
     folder = tmp_path / 'comparisons' / 'val_cmp'
     with open(folder / 'comparison.csv') as f:
         rows = list(csv.DictReader(f))
@@ -156,8 +242,12 @@ def test_eval_compares_several_checkpoints(classified, tmp_path):
         with open(os.path.join(experiment, 'eval', 'best_val_cmp', 'result.json')) as f:
             assert float(row['acc']) == pytest.approx(json.load(f)['metrics']['acc'], abs=1e-6)
     table = (folder / 'comparison.txt').read_text().splitlines()
-    assert table[0].split() == ['checkpoint', 'loss', 'acc', 'top3'] and len(table) == 3 and 'checkpoint' in result.stdout
-    again = run_script('eval.py', '--load_model_path', pattern, '--save_prefix', 'cmp', '--checkpoints_dir', str(tmp_path))
+    assert (
+        table[0].split() == ['checkpoint', 'loss', 'acc', 'top3'] and len(table) == 3 and 'checkpoint' in result.stdout
+    )
+    again = run_script(
+        'eval.py', '--load_model_path', pattern, '--save_prefix', 'cmp', '--checkpoints_dir', str(tmp_path)
+    )
     assert again.returncode == 2 and 'already exists' in again.stderr
 
 

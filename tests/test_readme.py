@@ -1,6 +1,7 @@
 """The README tells the truth: its first screen gives exactly the two commands, its "Start a new task"
 steps work word for word on a fresh copy of Kiln, and every train/eval/predict command it shows is
 accepted by that script's options."""
+
 import io
 import os
 import re
@@ -19,14 +20,16 @@ FENCED = re.compile(r'^```(\w+)\n(.*?)^```', re.M | re.S)
 def _section(title):
     start = README.index(f'\n## {title}\n')
     end = README.find('\n## ', start + 1)
-    return README[start:end if end > 0 else None]
+    return README[start : end if end > 0 else None]
 
 
 def test_the_first_screen_says_what_kiln_is_and_gives_two_commands():
-    first_screen = README[:README.index('\n---\n')]
+    first_screen = README[: README.index('\n---\n')]
     commands = [line.strip() for line in first_screen.splitlines() if line.startswith('    ')]
-    assert commands == ['python3 -m pip install -r requirements.txt && bash scripts/quickstart.sh',
-                        'python3 -m pip install -r requirements-dev.txt && python3 -m pytest tests']
+    assert commands == [
+        'python3 -m pip install -r requirements.txt && bash scripts/quickstart.sh',
+        'python3 -m pip install -r requirements-dev.txt && python3 -m pytest tests',
+    ]
     assert 'Kiln is a small PyTorch project template' in first_screen
     with open(os.path.join(REPO, '.ci', 'run')) as f:
         assert commands[1] in f.read()  # CI runs the README's test command
@@ -61,13 +64,19 @@ def test_the_start_a_new_task_steps_work_word_for_word(tmp_path):
             _apply(block, tmp_path)
             continue
         for command in filter(None, block.splitlines()):
-            result = subprocess.run(['bash', '-c', command], cwd=tmp_path, capture_output=True, text=True,
-                                    timeout=timeout())
+            result = subprocess.run(
+                ['bash', '-c', command], cwd=tmp_path, capture_output=True, text=True, timeout=timeout()
+            )
             assert result.returncode == 0, f'{command}\n{result.stdout}\n{result.stderr}'
     result_txt = tmp_path / 'checkpoints' / 'my_net_my_dataset_first' / 'eval' / 'best_val_default' / 'result.txt'
     assert 'acc: ' in result_txt.read_text()
-    typo = subprocess.run(['python3', 'train.py', '--data_type', 'my_dataset', '--model_type', 'my_nett'],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=timeout())
+    typo = subprocess.run(
+        ['python3', 'train.py', '--data_type', 'my_dataset', '--model_type', 'my_nett'],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+    )
     assert typo.returncode == 2 and 'my_net' in typo.stderr and len(typo.stderr.strip().splitlines()) == 1
 
 
@@ -83,6 +92,7 @@ def _readme_commands():
 
 def test_every_readme_command_is_accepted_by_its_script():
     from options import parse_args, parse_predict_args, parse_test_args, parse_train_args
+
     parsers = {'train': parse_train_args, 'eval': parse_test_args, 'predict': parse_predict_args}
     commands = list(_readme_commands())
     assert len(commands) > 10

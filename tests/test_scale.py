@@ -1,5 +1,6 @@
 """Scale and speed: DDP under torchrun on CPU (gloo, 2 processes), mixed precision, gradient
 accumulation, clipping, compile, channels-last, and a training loop with no hidden host syncs."""
+
 import json
 import os
 import signal
@@ -10,14 +11,20 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, run_script, timeout, tiny_run_args
+from conftest import REPO, run_files, run_script, timeout, tiny_run_args
 
 TORCHRUN = [sys.executable, '-m', 'utils.torchrun', '--standalone', '--nproc-per-node=2']
 
 
 def _torchrun(script, *args):
-    result = subprocess.run([*TORCHRUN, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                            timeout=timeout(), env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    result = subprocess.run(
+        [*TORCHRUN, script, *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+        env={**os.environ, 'OMP_NUM_THREADS': '1'},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -75,8 +82,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(one_and_two_pro
 
 def test_only_rank_zero_writes(one_and_two_processes):
     one, two = one_and_two_processes
-    names = lambda folder: sorted(n if not n.startswith('events.') else 'events' for n in os.listdir(folder))
-    assert names(_folder(two, 'linear')) == names(_folder(one, 'linear'))  # one event file, no per-rank copies
+    assert run_files(_folder(two, 'linear')) == run_files(_folder(one, 'linear'))  # one event file, no per-rank copies
     with open(os.path.join(_folder(two, 'linear'), 'reproduce.json')) as f:
         assert len(json.load(f)) == 1
 
@@ -87,7 +93,11 @@ def test_eval_under_two_processes_equals_one(one_and_two_processes):
     run_script('eval.py', '--load_model_path', checkpoint, '--save_prefix', 'one', '--no-progress_bar')
     _torchrun('eval.py', '--load_model_path', checkpoint, '--save_prefix', 'two', '--no-progress_bar')
     results = os.path.join(_folder(one, 'linear'), 'eval')
-    read = lambda name, file: open(os.path.join(results, name, file)).read()
+
+    def read(name, file):
+        with open(os.path.join(results, name, file)) as f:
+            return f.read()
+
     assert json.loads(read('last_val_one', 'result.json'))['samples'] == 48
     for file in ('result.txt', 'predictions.csv'):  # no sample counted twice or left out
         assert read('last_val_two', file) == read('last_val_one', file), file
@@ -110,8 +120,9 @@ def test_resume_under_two_processes(tiny_shapes, tmp_path):
 
 def test_a_shared_error_stops_every_rank_with_one_line(one_and_two_processes):
     _, two = one_and_two_processes
-    result = subprocess.run([*TORCHRUN, 'train.py', *two, *LINEAR_SGD], cwd=REPO, capture_output=True, text=True,
-                            timeout=timeout())
+    result = subprocess.run(
+        [*TORCHRUN, 'train.py', *two, *LINEAR_SGD], cwd=REPO, capture_output=True, text=True, timeout=timeout()
+    )
     assert result.returncode != 0
     assert result.stderr.count('error: ') == 1 and 'already exists' in result.stderr
 
@@ -119,8 +130,9 @@ def test_a_shared_error_stops_every_rank_with_one_line(one_and_two_processes):
 def _worker_pids(launcher):
     deadline = time.time() + timeout(120)
     while time.time() < deadline:
-        children = subprocess.run(['ps', '-o', 'pid=', '--ppid', str(launcher.pid)], capture_output=True,
-                                  text=True).stdout.split()
+        children = subprocess.run(
+            ['ps', '-o', 'pid=', '--ppid', str(launcher.pid)], capture_output=True, text=True
+        ).stdout.split()
         if len(children) == 2:
             return [int(pid) for pid in children]
         time.sleep(0.1)
@@ -138,9 +150,26 @@ def _wait_for_checkpoint(folder, launcher):
 @pytest.mark.parametrize('target, signame', [('one worker', 'SIGUSR1'), ('torchrun', 'SIGTERM')])
 def test_a_signal_stops_all_ranks_at_the_same_step(tiny_shapes, tmp_path, target, signame):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    launcher = subprocess.Popen([*TORCHRUN, 'train.py', *args, *LINEAR_SGD, '--batch_size', '8', '--epochs', '500',
-                                 '--print_freq', '3', '--save_interval', '6'], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [
+            *TORCHRUN,
+            'train.py',
+            *args,
+            *LINEAR_SGD,
+            '--batch_size',
+            '8',
+            '--epochs',
+            '500',
+            '--print_freq',
+            '3',
+            '--save_interval',
+            '6',
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     workers = _worker_pids(launcher)
     _wait_for_checkpoint(_folder(args, 'linear'), launcher)
     # to one worker: only that one hears it; to torchrun (as SLURM or a Ctrl-C does): it passes it on
@@ -153,9 +182,13 @@ def test_a_signal_stops_all_ranks_at_the_same_step(tiny_shapes, tmp_path, target
 
 def test_a_crashed_rank_ends_the_job(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    launcher = subprocess.Popen([*TORCHRUN, 'train.py', *args, *LINEAR_SGD, '--batch_size', '8', '--epochs', '500',
-                                 '--save_interval', '6'], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    launcher = subprocess.Popen(
+        [*TORCHRUN, 'train.py', *args, *LINEAR_SGD, '--batch_size', '8', '--epochs', '500', '--save_interval', '6'],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     workers = _worker_pids(launcher)
     _wait_for_checkpoint(_folder(args, 'linear'), launcher)
     os.kill(max(workers), signal.SIGKILL)
@@ -173,7 +206,8 @@ def test_gradient_accumulation_equals_a_bigger_batch(tiny_shapes, tmp_path):
     _assert_same_weights(big_state, accumulated_state, atol=1e-5)
     # the logged loss is the loss of the batches, not divided by the accumulation steps
     assert accumulated_state['history']['metrics']['train/loss'] == pytest.approx(
-        big_state['history']['metrics']['train/loss'], rel=1e-4)
+        big_state['history']['metrics']['train/loss'], rel=1e-4
+    )
 
 
 def test_accumulation_with_a_short_last_group(tiny_shapes, tmp_path):
@@ -198,9 +232,30 @@ def test_mixed_precision_on_cpu_and_its_scaler_resumes(tiny_shapes, tmp_path, am
 
 def test_clipping_bounds_the_update(tiny_shapes, tmp_path):
     import train
-    run = train.start(tiny_run_args(tiny_shapes, tmp_path / 'ck') + [
-        '--model_type', 'linear', '--optimizer', 'sgd', '--momentum', '0', '--weight_decay', '0', '--lr', '1',
-        '--scheduler', 'none', '--clip_grad_norm', '0.001', '--max_iteration', '1', '--loggers', 'csv'])
+
+    run = train.start(
+        tiny_run_args(tiny_shapes, tmp_path / 'ck')
+        + [
+            '--model_type',
+            'linear',
+            '--optimizer',
+            'sgd',
+            '--momentum',
+            '0',
+            '--weight_decay',
+            '0',
+            '--lr',
+            '1',
+            '--scheduler',
+            'none',
+            '--clip_grad_norm',
+            '0.001',
+            '--max_iteration',
+            '1',
+            '--loggers',
+            'csv',
+        ]
+    )
     before = [p.detach().clone() for p in run.setup.model.parameters()]
     train.train(run)
     change = torch.cat([(p.detach() - b).flatten() for p, b in zip(run.setup.model.parameters(), before)])
@@ -226,6 +281,7 @@ def _record_iterations(run):
     def noting_forward(model, batch):
         iterations.append((model.training, run.position.step, []))
         return forward(model, batch)
+
     run.task.forward = noting_forward
     return iterations
 
@@ -234,6 +290,7 @@ def _record_iterations(run):
 def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, tmp_path, monkeypatch, data_type):
     """Count the host-syncing tensor calls that Kiln's own code makes, step by step, through the real loop."""
     import train
+
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4']
     args[args.index('--data_type') + 1] = data_type
     run = train.start(args)
@@ -246,7 +303,9 @@ def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, t
             if iterations and caller.startswith(REPO) and '/tests/' not in caller:
                 iterations[-1][2].append(f'{name} in {os.path.relpath(caller, REPO)}:{sys._getframe(1).f_lineno}')
             return originals[name](tensor, *a, **k)
+
         return call
+
     for name in SYNCS:
         monkeypatch.setattr(torch.Tensor, name, counted(name))
     train.train(run)
@@ -265,6 +324,7 @@ def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, t
 @pytest.mark.parametrize('data_type', ['list', 'mem_list'])
 def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, data_type):
     import train
+
     args = [a for a in tiny_run_args(tiny_shapes, tmp_path / 'ck') if a != '--cpu'] + ['--print_freq', '4']
     args[args.index('--data_type') + 1] = data_type
     run = train.start(args)
@@ -280,6 +340,7 @@ def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, da
     def unchecked_after_update(run):  # validation and saving read results: they may sync
         torch.cuda.set_sync_debug_mode(0)
         after_update(run)
+
     run.task.forward = checked_forward
     monkeypatch.setattr(train, 'after_update', unchecked_after_update)
     try:
@@ -290,10 +351,17 @@ def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, da
 
 def test_tensorboard_is_imported_only_when_logging_is_on(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    code = ('import sys, train; train.main(sys.argv[1:]); '
-            'print("tensorboard imported:", "torch.utils.tensorboard" in sys.modules)')
-    off = subprocess.run([sys.executable, '-c', code, *args, '--epochs', '1', '--loggers', 'csv'], cwd=REPO,
-                         capture_output=True, text=True, timeout=timeout())
+    code = (
+        'import sys, train; train.main(sys.argv[1:]); '
+        'print("tensorboard imported:", "torch.utils.tensorboard" in sys.modules)'
+    )
+    off = subprocess.run(
+        [sys.executable, '-c', code, *args, '--epochs', '1', '--loggers', 'csv'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+    )
     assert 'tensorboard imported: False' in off.stdout, off.stderr
     assert not any(name.startswith('events.') for name in os.listdir(_folder(args)))
     assert os.path.isfile(os.path.join(_folder(args), 'metrics.csv'))
@@ -304,7 +372,10 @@ def test_loader_defaults(tiny_shapes, monkeypatch):
     from data.loader import Batches
     from data.mem_list_dataset import MemListDataset
     from options import parse_args, parse_train_args
-    args = parse_args(parse_train_args, tiny_run_args(tiny_shapes, 'unused')[:6] + ['--img_size', '32'])  # workers unset
+
+    args = parse_args(
+        parse_train_args, tiny_run_args(tiny_shapes, 'unused')[:6] + ['--img_size', '32']
+    )  # workers unset
     monkeypatch.setattr(os, 'cpu_count', lambda: 8)
     monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
     cpu = torch.device('cpu')

@@ -1,25 +1,29 @@
 """sweep.py: grid and random sweeps of real train.py runs on tiny data; finished runs skipped, interrupted
 ones resumed, failures reported, mistakes refused before any run, SLURM job arrays, the comparison table."""
+
 import argparse
 import csv
 import json
 import os
 import shlex
 import subprocess
-import sys
 
 import pytest
 import yaml
 
-from conftest import run_script, tiny_run_args, timeout
+from conftest import run_script, timeout, tiny_run_args
 from options import parse_args, parse_train_args
 
 # one epoch, a checkpoint every 2 steps and the newest 2 kept, so a run can be cut back to an earlier one;
 # the model named, so that the sweep finds the folders without loading torch for the task's default
 FAST = ['--model_type', 'small_cnn', '--epochs', '1', '--save_interval', '2', '--keep_last', '2', '--no-log_images']
 GRID = ['--grid', 'lr=1e-3,3e-3', 'batch_size=16,32']
-RUNS = {'sweep_lr0.001_bs16': (0.001, 16), 'sweep_lr0.001_bs32': (0.001, 32),
-        'sweep_lr0.003_bs16': (0.003, 16), 'sweep_lr0.003_bs32': (0.003, 32)}
+RUNS = {
+    'sweep_lr0.001_bs16': (0.001, 16),
+    'sweep_lr0.001_bs32': (0.001, 32),
+    'sweep_lr0.003_bs16': (0.003, 16),
+    'sweep_lr0.003_bs32': (0.003, 32),
+}
 
 
 def _sweep(*args, code=0, env=None):
@@ -100,10 +104,15 @@ def test_rerun_skips_finished_runs(grid):
     assert f'comparison: {checkpoints}/comparisons/val_sweep/comparison.txt' in output  # nothing new to compare
     # asked to go longer (--epochs 2), a finished run is not finished any more: the sweep resumes it
     import sweep
+
     for epochs, expected in (('1', 'step 3/3'), ('2', None)):
         argv = [*train, '--lr', '1e-3', '--batch_size', '32', '--epochs', epochs, '--save_prefix', 'sweep_lr0.001_bs32']
-        run = argparse.Namespace(prefix='sweep_lr0.001_bs32', argv=argv, options=parse_args(parse_train_args, argv),
-                                 folder=_folder(checkpoints, 'sweep_lr0.001_bs32'))
+        run = argparse.Namespace(
+            prefix='sweep_lr0.001_bs32',
+            argv=argv,
+            options=parse_args(parse_train_args, argv),
+            folder=_folder(checkpoints, 'sweep_lr0.001_bs32'),
+        )
         assert sweep.finished(run, {}) == expected
 
 
@@ -120,14 +129,17 @@ def test_failed_run_is_reported_and_the_others_resume_and_run(grid):
     assert result.stdout.index('[1/2] sweep_lr1e30_bs16') < result.stdout.index('[2/2] sweep_lr0.001_bs16')
 
 
-@pytest.mark.parametrize('grid_args, message', [
-    (['lrr=1e-3,3e-3'], "'lrr' is not a train.py option; did you mean lr?"),
-    (['lr=1e-3,-1'], 'argument --lr: must be a positive number, got -1'),
-    (['lr=1e-3', 'optimizer=sgd,adamx'], "argument --optimizer: invalid choice: 'adamx'"),
-    (['save_prefix=a,b'], '--save_prefix cannot be swept'),
-    (['lr=1e-4:1e-2'], 'lr is a range: ranges need --sampler random'),
-    (['deterministic=true,maybe'], '--deterministic is a switch'),
-])
+@pytest.mark.parametrize(
+    'grid_args, message',
+    [
+        (['lrr=1e-3,3e-3'], "'lrr' is not a train.py option; did you mean lr?"),
+        (['lr=1e-3,-1'], 'argument --lr: must be a positive number, got -1'),
+        (['lr=1e-3', 'optimizer=sgd,adamx'], "argument --optimizer: invalid choice: 'adamx'"),
+        (['save_prefix=a,b'], '--save_prefix cannot be swept'),
+        (['lr=1e-4:1e-2'], 'lr is a range: ranges need --sampler random'),
+        (['deterministic=true,maybe'], '--deterministic is a switch'),
+    ],
+)
 def test_mistakes_are_refused_in_one_line_before_any_run(tiny_shapes, tmp_path, grid_args, message):
     checkpoints = tmp_path / 'ck'
     result = _sweep('--grid', *grid_args, '--', *tiny_run_args(tiny_shapes, checkpoints), code=2)
@@ -152,8 +164,10 @@ def test_random_search_is_reproducible_and_stays_in_its_ranges(tiny_shapes, tmp_
     first = _sweep('--sampler', 'random', '--trials', '6', '--seed', '3', *ranges, '--dry_run', *train).stdout
     assert first == _sweep('--sampler', 'random', '--trials', '6', '--seed', '3', *ranges, '--dry_run', *train).stdout
     config = tmp_path / 'sweep.yaml'
-    config.write_text('random: {lr: {log_uniform: [1e-4, 1e-2]}, weight_decay: {uniform: [0, 1e-3]}, '
-                      'batch_size: {choice: [16, 32]}, warmup_steps: {uniform: [0, 5]}}\ntrials: 6\nseed: 3\n')
+    config.write_text(
+        'random: {lr: {log_uniform: [1e-4, 1e-2]}, weight_decay: {uniform: [0, 1e-3]}, '
+        'batch_size: {choice: [16, 32]}, warmup_steps: {uniform: [0, 5]}}\ntrials: 6\nseed: 3\n'
+    )
     assert _sweep('--config', str(config), '--dry_run', *train).stdout == first  # the same rules, spelled in YAML
     trials = _trials(first)
     assert len(trials) == 6 and not (tmp_path / 'ck').exists()
@@ -161,7 +175,9 @@ def test_random_search_is_reproducible_and_stays_in_its_ranges(tiny_shapes, tmp_
         lr, decay, warmup = float(options['--lr']), float(options['--weight_decay']), options['--warmup_steps']
         assert 1e-4 <= lr <= 1e-2 and 0 <= decay <= 1e-3 and options['--batch_size'] in ('16', '32')
         assert warmup.isdigit() and 0 <= int(warmup) <= 5
-        assert prefix.startswith(f'sweep_lr{lr:g}_wd') and prefix.endswith(f'_bs{options["--batch_size"]}_warmup{warmup}')
+        assert prefix.startswith(f'sweep_lr{lr:g}_wd') and prefix.endswith(
+            f'_bs{options["--batch_size"]}_warmup{warmup}'
+        )
     other = _trials(_sweep('--sampler', 'random', '--trials', '6', '--seed', '4', *ranges, '--dry_run', *train).stdout)
     assert other.keys() != trials.keys()
 
@@ -187,18 +203,32 @@ def test_slurm_writes_a_job_array_and_submits_it(tiny_shapes, tmp_path):
     echo = bin_dir / 'echo_python'
     echo.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     echo.chmod(0o755)
-    task = subprocess.run(['bash', str(script)], capture_output=True, text=True, timeout=timeout(60),
-                          env={**os.environ, 'SLURM_ARRAY_TASK_ID': '2', 'PYTHON': str(echo)})
+    task = subprocess.run(
+        ['bash', str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout(60),
+        env={**os.environ, 'SLURM_ARRAY_TASK_ID': '2', 'PYTHON': str(echo)},
+    )
     assert task.returncode == 0, task.stderr
     argv = task.stdout.splitlines()
-    assert argv[0].endswith('train.py') and argv[1:] == [*train, '--lr', '3e-3', '--batch_size', '16',
-                                                        '--save_prefix', 'sweep_lr0.003_bs16', '--resume']
+    assert argv[0].endswith('train.py') and argv[1:] == [
+        *train,
+        '--lr',
+        '3e-3',
+        '--batch_size',
+        '16',
+        '--save_prefix',
+        'sweep_lr0.003_bs16',
+        '--resume',
+    ]
     dry = _sweep('--config', str(config), '--slurm', '--dry_run', '--name', 'other', '--', *train, env=env)
     assert '#SBATCH --array=0-3' in dry.stdout and not (checkpoints / 'sweeps' / 'other').exists()
 
 
 def test_random_ranges_are_log_uniform_over_a_decade_else_uniform():
     import sweep
+
     specs = sweep.load_specs(sweep.sweep_args(['--grid', 'lr=1e-4:1e-2', 'weight_decay=0:1e-3', 'epochs=1:3']))[0]
     trials = [dict(trial) for trial in sweep.combinations(specs, 'random', 2000, 0)]
     assert 0.45 < sum(float(t['lr']) < 1e-3 for t in trials) / len(trials) < 0.55  # uniform would give 0.09
@@ -208,8 +238,11 @@ def test_random_ranges_are_log_uniform_over_a_decade_else_uniform():
 
 def test_folder_names_follow_the_task_defaults(tmp_path):
     import sweep
+
     options = parse_args(parse_train_args, ['--checkpoints_dir', str(tmp_path), '--save_prefix', 'sweep_lr0.1'])
     assert sweep.experiment_folder(options) == os.path.join(tmp_path, 'small_cnn_shapes_sweep_lr0.1')
-    options = parse_args(parse_train_args, ['--checkpoints_dir', str(tmp_path), '--save_prefix', 'x', '--task', 'segment',
-                                            '--val_list', 'v.txt'])
+    options = parse_args(
+        parse_train_args,
+        ['--checkpoints_dir', str(tmp_path), '--save_prefix', 'x', '--task', 'segment', '--val_list', 'v.txt'],
+    )
     assert sweep.experiment_folder(options) == os.path.join(tmp_path, 'seg_net_seg_list_x')

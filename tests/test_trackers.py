@@ -3,6 +3,7 @@ exactly the points of a run never interrupted, read back through each library's 
 
 Everything runs in this process and offline: W&B writes offline runs, MLflow a local SQLite store.
 """
+
 import csv
 import json
 import re
@@ -36,8 +37,10 @@ def acc(step):
 
 FINAL = {'final/train/loss': loss(LAST_STEP), 'final/val/acc': acc(LAST_STEP), 'best/val/acc': acc(LAST_STEP)}
 # what a run never interrupted logs: train/loss from step 1, val/acc (a column added later) from step 3
-EXPECTED = {'train/loss': {step: loss(step) for step in range(1, LAST_STEP + 1)},
-            'val/acc': {step: acc(step) for step in range(3, LAST_STEP + 1)}}
+EXPECTED = {
+    'train/loss': {step: loss(step) for step in range(1, LAST_STEP + 1)},
+    'val/acc': {step: acc(step) for step in range(3, LAST_STEP + 1)},
+}
 
 
 def log_step(trackers, step):
@@ -69,8 +72,9 @@ def kill_and_resume(names, folder, options, kill='after_commit', on_kill=lambda:
             log_step(first, step)
         first.state_dict()  # the checkpoint of step 7 is never written
     on_kill()
-    second = build_trackers(names, folder, folder.name, METRIC_NAMES, resume_step=RESUME_STEP, states=saved,
-                            options=options)
+    second = build_trackers(
+        names, folder, folder.name, METRIC_NAMES, resume_step=RESUME_STEP, states=saved, options=options
+    )
     second.log_hparams(HPARAMS)
     second.log_text('args', '    lr: 0.01', RESUME_STEP)
     for step in range(RESUME_STEP + 1, LAST_STEP + 1):
@@ -112,9 +116,11 @@ def steps_and_values(points):
 
 # --- TensorBoard -------------------------------------------------------------------------------
 
+
 def read_events(folder):
     """Everything TensorBoard shows of `folder`, through its own EventAccumulator."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(folder), size_guidance={'scalars': 0, 'images': 0, 'tensors': 0})
     events.Reload()
     return events
@@ -123,10 +129,16 @@ def read_events(folder):
 @pytest.mark.parametrize('kill', ['after_commit', 'before_commit'])
 def test_tensorboard_resume_has_every_point_once(tmp_path, kill):
     from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
     folder = tmp_path / 'run'
     left = []  # what the killed run left on disk: with 'after_commit', steps 6 and 7 that the resume must hide
-    kill_and_resume(['tensorboard'], folder, options(tmp_path), kill,
-                    on_kill=lambda: left.append(read_events(folder).Scalars('train/loss')[-1].step))
+    kill_and_resume(
+        ['tensorboard'],
+        folder,
+        options(tmp_path),
+        kill,
+        on_kill=lambda: left.append(read_events(folder).Scalars('train/loss')[-1].step),
+    )
     assert left == [7 if kill == 'after_commit' else RESUME_STEP]
     events = read_events(folder)
     for name, expected in EXPECTED.items():
@@ -158,6 +170,7 @@ def test_tensorboard_is_imported_only_when_something_is_written(tmp_path, monkey
 
 # --- CSV ---------------------------------------------------------------------------------------
 
+
 def read_metrics_csv(path):
     """{column: {step: value}} read with pandas when it is installed, else with the csv module."""
     try:
@@ -171,8 +184,7 @@ def read_metrics_csv(path):
     else:
         frame = pandas.read_csv(path)
         columns = list(frame.columns)
-        table = {c: {int(s): float(v) for s, v in zip(frame['step'], frame[c]) if not pandas.isna(v)}
-                 for c in columns}
+        table = {c: {int(s): float(v) for s, v in zip(frame['step'], frame[c]) if not pandas.isna(v)} for c in columns}
         steps = frame['step'].tolist()
     assert len(steps) == len(set(steps)), f'duplicate rows in {steps}'
     return columns, table
@@ -182,8 +194,13 @@ def read_metrics_csv(path):
 def test_csv_resume_has_every_row_once(tmp_path, kill):
     folder = tmp_path / 'run'
     left = []  # what the killed run left: with 'after_commit', rows 6 and 7 that the resume must drop
-    kill_and_resume(['csv'], folder, options(tmp_path), kill,
-                    on_kill=lambda: left.append(max(read_metrics_csv(folder / 'metrics.csv')[1]['train/loss'])))
+    kill_and_resume(
+        ['csv'],
+        folder,
+        options(tmp_path),
+        kill,
+        on_kill=lambda: left.append(max(read_metrics_csv(folder / 'metrics.csv')[1]['train/loss'])),
+    )
     assert left == [7 if kill == 'after_commit' else RESUME_STEP]
     columns, table = read_metrics_csv(folder / 'metrics.csv')
     assert columns == ['step', 'epoch', 'train/loss', 'val/acc']
@@ -195,11 +212,12 @@ def test_csv_resume_has_every_row_once(tmp_path, kill):
 
 # --- MLflow ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope='module')
 def mlflow_checkpoints(tmp_path_factory):
     """One checkpoints folder, so one local MLflow store, for this module (creating it takes seconds)."""
     for module in ('mlflow', 'sqlalchemy', 'alembic'):
-        pytest.importorskip(module, reason=f'{module} is not installed (python3 -m pip install -e \'.[trackers]\')')
+        pytest.importorskip(module, reason=f"{module} is not installed (python3 -m pip install -e '.[trackers]')")
     return tmp_path_factory.mktemp('checkpoints')
 
 
@@ -208,6 +226,7 @@ def test_mlflow_resume_has_every_point_once_in_one_run(tmp_path, mlflow_checkpoi
     from mlflow.tracking import MlflowClient
 
     from utils.trackers.mlflow_tracker import EXPERIMENT, local_store
+
     folder = tmp_path / f'run_{kill}'
     _, saved, last = kill_and_resume(['mlflow'], folder, options(mlflow_checkpoints), kill)
     run_id = saved['mlflow']['run_id']
@@ -233,8 +252,14 @@ def test_mlflow_resume_has_every_point_once_in_one_run(tmp_path, mlflow_checkpoi
 
 def test_mlflow_resume_needs_the_store_of_its_run(tmp_path, mlflow_checkpoints):
     with pytest.raises(KilnError, match=f'the MLflow run {"0" * 32} of this checkpoint is not in sqlite:///'):
-        build_trackers(['mlflow'], tmp_path / 'run', 'run', resume_step=5, states={'mlflow': {'run_id': '0' * 32}},
-                       options=options(mlflow_checkpoints))
+        build_trackers(
+            ['mlflow'],
+            tmp_path / 'run',
+            'run',
+            resume_step=5,
+            states={'mlflow': {'run_id': '0' * 32}},
+            options=options(mlflow_checkpoints),
+        )
 
 
 def test_mlflow_needs_sqlalchemy_for_its_local_store(tmp_path, monkeypatch):
@@ -246,20 +271,22 @@ def test_mlflow_needs_sqlalchemy_for_its_local_store(tmp_path, monkeypatch):
 
 # --- W&B ---------------------------------------------------------------------------------------
 
+
 def wandb_records(path):
     """The records of a .wandb transaction log: a 7-byte header (':W&B', magic, version), then
     LevelDB-log chunks (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) in 32 KiB blocks,
     each record a wandb_internal_pb2.Record."""
     from wandb.proto.wandb_internal_pb2 import Record
+
     data, position, record = path.read_bytes(), 7, b''
     assert data[:4] == b':W&B'
     while position + 7 <= len(data):
         left = 32768 - position % 32768
-        _, length, kind = struct.unpack('<IHB', data[position:position + 7]) if left >= 7 else (0, 0, 0)
+        _, length, kind = struct.unpack('<IHB', data[position : position + 7]) if left >= 7 else (0, 0, 0)
         if kind == 0:  # the zero padding at a block's end
             position += left
             continue
-        record += data[position + 7:position + 7 + length]
+        record += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):
             yield Record.FromString(record)
@@ -293,8 +320,9 @@ def read_offline_runs(folder, run_id):
             updates = record.run.config.update if kind == 'run' else record.config.update
             config.update({item.key: json.loads(item.value_json) for item in updates})
         elif kind == 'summary':
-            summary.update({item.key or '/'.join(item.nested_key): json.loads(item.value_json)
-                            for item in record.summary.update})
+            summary.update(
+                {item.key or '/'.join(item.nested_key): json.loads(item.value_json) for item in record.summary.update}
+            )
     return history, config, summary
 
 
@@ -330,6 +358,7 @@ def test_wandb_goes_offline_without_a_login(tmp_path, monkeypatch):
 
 
 # --- all trackers ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize('name, module, package', [('wandb', 'wandb', 'wandb'), ('mlflow', 'mlflow', 'mlflow-skinny')])
 def test_a_missing_package_names_the_install_command(tmp_path, monkeypatch, name, module, package):

@@ -1,4 +1,5 @@
 """End to end: train.py, eval.py and the bash scripts run as a user runs them, on tiny data."""
+
 import csv
 import json
 import os
@@ -8,7 +9,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, run_script, tiny_run_args
+from conftest import run_script, tiny_run_args
 
 
 def _train(tiny_args, *extra):
@@ -60,8 +61,18 @@ def test_training_writes_args_checkpoints_and_tensorboard(trained):
 def test_eval_writes_results_that_match_the_predictions(trained):
     folder, _ = trained
     checkpoint = os.path.join(folder, 'best.pth')
-    result = run_script('eval.py', '--load_model_path', checkpoint, '--batch_size', '16', '--viz_freq', '2',
-                        '--no-progress_bar', '--num_workers', '0')
+    result = run_script(
+        'eval.py',
+        '--load_model_path',
+        checkpoint,
+        '--batch_size',
+        '16',
+        '--viz_freq',
+        '2',
+        '--no-progress_bar',
+        '--num_workers',
+        '0',
+    )
     assert result.returncode == 0, result.stderr
     out = os.path.join(folder, 'eval', 'best_val_default')
     assert out in result.stdout
@@ -83,19 +94,30 @@ def test_eval_writes_results_that_match_the_predictions(trained):
     best = torch.load(checkpoint, weights_only=True, map_location='cpu')
     assert best['monitor']['best'] == pytest.approx(correct / 48, abs=1e-6)
     # so is the validation loss: result.txt has it
-    assert float(lines['loss']) == pytest.approx(best['history']['metrics']['val/loss'][best['position']['epoch'] - 1],
-                                                 abs=1e-4)
+    assert float(lines['loss']) == pytest.approx(
+        best['history']['metrics']['val/loss'][best['position']['epoch'] - 1], abs=1e-4
+    )
     # 48 images / 16 = 3 batches, a picture for batches 0 and 2
     assert sorted(f for f in os.listdir(out) if f.startswith('predictions_batch')) == [
-        'predictions_batch0000.png', 'predictions_batch0002.png']
+        'predictions_batch0000.png',
+        'predictions_batch0002.png',
+    ]
     assert os.path.getsize(os.path.join(out, 'confusion_matrix.png')) > 0
 
 
 def test_eval_on_another_list_names_the_result_folder_after_it(trained, tiny_shapes):
     folder, _ = trained
-    result = run_script('eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--val_list',
-                        os.path.join(tiny_shapes, 'train.txt'), '--save_prefix', 'again', '--no-save_viz',
-                        '--no-progress_bar')
+    result = run_script(
+        'eval.py',
+        '--load_model_path',
+        os.path.join(folder, 'last.pth'),
+        '--val_list',
+        os.path.join(tiny_shapes, 'train.txt'),
+        '--save_prefix',
+        'again',
+        '--no-save_viz',
+        '--no-progress_bar',
+    )
     assert result.returncode == 0, result.stderr
     out = os.path.join(folder, 'eval', 'last_train_again')
     with open(os.path.join(out, 'result.txt')) as f:
@@ -106,12 +128,14 @@ def test_eval_on_another_list_names_the_result_folder_after_it(trained, tiny_sha
 def test_saved_args_given_back_with_config_reproduce_the_run(trained, tmp_path):
     folder, _ = trained
     ck = str(tmp_path)
-    result = run_script('train.py', '--config', os.path.join(folder, 'args.yaml'), '--save_prefix', 'replay',
-                        '--checkpoints_dir', ck)
+    result = run_script(
+        'train.py', '--config', os.path.join(folder, 'args.yaml'), '--save_prefix', 'replay', '--checkpoints_dir', ck
+    )
     assert result.returncode == 0, result.stderr
     first = torch.load(os.path.join(folder, 'last.pth'), weights_only=True, map_location='cpu')['model']
-    second = torch.load(os.path.join(ck, 'small_cnn_list_replay', 'last.pth'), weights_only=True,
-                        map_location='cpu')['model']
+    second = torch.load(os.path.join(ck, 'small_cnn_list_replay', 'last.pth'), weights_only=True, map_location='cpu')[
+        'model'
+    ]
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 
@@ -126,8 +150,18 @@ def test_command_line_overrides_config(tiny_args, tmp_path):
 
 def test_load_not_strict_reuses_a_checkpoint_with_another_head(trained, tiny_args):
     folder, _ = trained
-    result = _train(tiny_args, '--epochs', '1', '--num_classes', '8', '--save_prefix', 'eight',
-                    '--load_model_path', os.path.join(folder, 'best.pth'), '--load_not_strict')
+    result = _train(
+        tiny_args,
+        '--epochs',
+        '1',
+        '--num_classes',
+        '8',
+        '--save_prefix',
+        'eight',
+        '--load_model_path',
+        os.path.join(folder, 'best.pth'),
+        '--load_not_strict',
+    )
     assert 'skipped 2 for shape' in result.stdout
     assert 'head.weight (6, 64) in file vs (8, 64) in model' in result.stdout
 

@@ -1,4 +1,5 @@
 """Unit tests of the pieces: options, data, models, metrics, recorder, loading and checkpoint files."""
+
 import argparse
 import hashlib
 import os
@@ -16,18 +17,19 @@ from data.shapes import generate_shapes
 from metrics import accuracy_from_confusion, confusion_matrix, topk_accuracy
 from model.submodules import ConvBNReLU, UpBlock
 from options import parse_args, parse_test_args, parse_train_args
-from utils.checkpoint import load_checkpoint, save_checkpoint
+from utils.checkpoint import load_checkpoint, load_match_dict, load_weights, save_checkpoint, unwrap_model
 from utils.errors import KilnError
-from utils.checkpoint import load_match_dict, load_weights, unwrap_model
 from utils.recorder import Recorder
 
 
 @pytest.mark.parametrize('script', ['train.py', 'eval.py'])
 def test_help_answers_without_importing_torch(script):
-    probe = ("import atexit, runpy, sys\n"
-             "atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'))\n"
-             f"sys.argv = ['{script}', '--help']\n"
-             f"runpy.run_path('{script}', run_name='__main__')\n")
+    probe = (
+        'import atexit, runpy, sys\n'
+        "atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'))\n"
+        f"sys.argv = ['{script}', '--help']\n"
+        f"runpy.run_path('{script}', run_name='__main__')\n"
+    )
     result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=timeout())
     assert '--load_model_path' in result.stdout
     assert result.stdout.strip().endswith('NO-TORCH')
@@ -37,8 +39,17 @@ def test_train_and_test_share_the_common_options():
     train = parse_args(parse_train_args, [])
     test = parse_args(parse_test_args, [])
     shared = set(vars(train)) & set(vars(test))
-    assert {'model_type', 'data_type', 'save_prefix', 'load_model_path', 'load_not_strict', 'val_list', 'gpus',
-            'batch_size', 'num_classes'} <= shared
+    assert {
+        'model_type',
+        'data_type',
+        'save_prefix',
+        'load_model_path',
+        'load_not_strict',
+        'val_list',
+        'gpus',
+        'batch_size',
+        'num_classes',
+    } <= shared
     assert test.model_type is None and train.model_type is None  # eval: from the checkpoint; train: the task's
 
 
@@ -120,7 +131,7 @@ def test_conv_bn_relu_keeps_size_and_up_block_doubles_it():
 
 
 def test_metrics():
-    logits = torch.tensor([[3., 2., 1.], [1., 3., 2.], [1., 2., 3.], [3., 1., 2.]])
+    logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 3.0, 2.0], [1.0, 2.0, 3.0], [3.0, 1.0, 2.0]])
     targets = torch.tensor([0, 2, 0, 1])
     assert topk_accuracy(logits, targets, 1).item() == pytest.approx(0.25)
     assert topk_accuracy(logits, targets, 2).item() == pytest.approx(0.5)
@@ -186,6 +197,7 @@ def test_checkpoint_write_failure_keeps_the_previous_file(tmp_path, monkeypatch)
 
     def full_disk(*args):
         raise OSError(28, 'No space left on device')
+
     monkeypatch.setattr(os, 'replace', full_disk)
     with pytest.raises(OSError, match='No space left'):
         save_checkpoint({'step': torch.tensor(2)}, path)
@@ -195,9 +207,15 @@ def test_checkpoint_write_failure_keeps_the_previous_file(tmp_path, monkeypatch)
 
 def test_sampler_counts_batches_without_drawing_an_order():
     from data.sampler import ResumableBatchSampler
-    for length, batch_size, shuffle, world_size, limit in [(96, 16, True, 1, None), (100, 7, False, 3, None),
-                                                           (5, 16, True, 2, None), (48, 16, True, 2, 0.5),
-                                                           (48, 8, False, 2, 2), (1, 4, False, 3, None)]:
+
+    for length, batch_size, shuffle, world_size, limit in [
+        (96, 16, True, 1, None),
+        (100, 7, False, 3, None),
+        (5, 16, True, 2, None),
+        (48, 16, True, 2, 0.5),
+        (48, 8, False, 2, 2),
+        (1, 4, False, 3, None),
+    ]:
         for rank in range(world_size):
             sampler = ResumableBatchSampler(length, batch_size, shuffle, 0, rank, world_size, limit)
             assert sampler.num_batches() == len(sampler.batches()), (length, batch_size, shuffle, world_size, limit)
@@ -207,6 +225,7 @@ def test_sampler_counts_batches_without_drawing_an_order():
 
 def test_monitor_never_takes_a_nonfinite_value_as_best_and_counts_patience_from_real_gains():
     from utils.monitor import Monitor
+
     monitor = Monitor('val/loss', 'min', patience=2, min_delta=0.1)
     assert monitor.update(1.0) and monitor.best == 1.0
     assert not monitor.update(float('nan')) and not monitor.update(float('inf'))
@@ -218,7 +237,8 @@ def test_monitor_never_takes_a_nonfinite_value_as_best_and_counts_patience_from_
 
 
 def test_a_nonfinite_model_statistic_stops_the_run_and_names_it():
-    from utils.stopping import StopReason, Stopper
+    from utils.stopping import Stopper, StopReason
+
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     stopper = Stopper(torch.device('cpu'))
     assert stopper.check_finite(model) and stopper.stop is None
@@ -235,6 +255,7 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
 
     def out_of_memory(argv):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
     for main, needle in ((full_disk, 'No space left on device'), (out_of_memory, 'out of memory')):
         with pytest.raises(SystemExit) as exit_info:
             run_cli(main, [])
@@ -244,6 +265,7 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
 
 def test_an_in_memory_dataset_too_big_for_memory_is_refused(tiny_shapes, monkeypatch):
     import data.mem_list_dataset as mem
+
     monkeypatch.setattr(mem, 'available_memory', lambda: 10_000)
     dataset = MemListDataset(_dataset_args(val_list=os.path.join(tiny_shapes, 'val.txt'), img_size=512), 'val')
     with pytest.raises(KilnError, match='need .* GiB in memory'):
@@ -263,8 +285,9 @@ def test_every_checkpoint_is_loaded_onto_the_cpu(tmp_path, monkeypatch):
 
 
 def test_registry_mistakes_are_one_line_naming_the_file(tmp_path, monkeypatch):
-    from data.data_entry import DATASETS, dataset_class
     import options
+    from data.data_entry import DATASETS, dataset_class
+
     monkeypatch.setitem(DATASETS, 'digits', 'data.digits:DigitsDataset')  # registered, but no such file
     with pytest.raises(KilnError, match=r"data/data_entry.py: the entry 'digits' cannot import data.digits"):
         dataset_class('digits')
@@ -279,10 +302,12 @@ def test_registry_mistakes_are_one_line_naming_the_file(tmp_path, monkeypatch):
 
 
 def test_unknown_names_are_answered_before_torch_loads():
-    probe = ("import atexit, runpy, sys\n"
-             "atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'))\n"
-             "sys.argv = ['train.py', '--model_type', 'small_cn']\n"
-             "runpy.run_path('train.py', run_name='__main__')\n")
+    probe = (
+        'import atexit, runpy, sys\n'
+        "atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'))\n"
+        "sys.argv = ['train.py', '--model_type', 'small_cn']\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
     result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=timeout())
     assert "unknown --model_type 'small_cn'" in result.stderr and 'small_cnn' in result.stderr
     assert result.stdout.strip().endswith('NO-TORCH')
@@ -290,6 +315,7 @@ def test_unknown_names_are_answered_before_torch_loads():
 
 def test_more_processes_than_gpus_is_one_line_naming_both_counts_and_the_fixes(monkeypatch):
     from utils import distributed
+
     monkeypatch.setenv('WORLD_SIZE', '2')
     monkeypatch.setenv('LOCAL_WORLD_SIZE', '2')
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)

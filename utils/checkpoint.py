@@ -4,6 +4,7 @@ A checkpoint is a dict of tensors and plain Python values, written to a temporar
 fsynced and renamed; it is always read with `weights_only=True` onto the CPU (`map_location`), so
 a file cannot run code when loaded and a checkpoint written on a GPU loads on any machine.
 """
+
 import hashlib
 import io
 import json
@@ -65,28 +66,34 @@ def load_checkpoint(path, map_location='cpu'):
     if path.endswith('.safetensors'):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
+
         try:
             return load_file(path, device=str(map_location))
         except (SafetensorError, OSError, ValueError) as error:
             raise KilnError(f'{path} is not a readable safetensors file ({error})') from None
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - every failure of torch.load becomes one line
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         blocked = re.search(r'GLOBAL ([\w.]+)', str(error))
         if isinstance(error, pickle.UnpicklingError) and blocked:
-            raise KilnError(f'refusing to load {path}: it holds the Python object {blocked.group(1)}, which could run '
-                            f'code and which safe loading does not allow; re-save it as a plain state dict') from None
+            raise KilnError(
+                f'refusing to load {path}: it holds the Python object {blocked.group(1)}, which could run '
+                f'code and which safe loading does not allow; re-save it as a plain state dict'
+            ) from None
         reason = lines[0] if lines else type(error).__name__
         if isinstance(error, pickle.UnpicklingError):
             with open(path, 'rb') as f:
                 if f.read(1) == b'\x80':  # a pickle's PROTO opcode: a plain pickle, not torch.save's zip
-                    raise KilnError(f'refusing to load {path}: it is a plain pickle, which could run code and which '
-                                    f'safe loading does not allow; re-save it with torch.save as a state dict') \
-                        from None
+                    raise KilnError(
+                        f'refusing to load {path}: it is a plain pickle, which could run code and which '
+                        f'safe loading does not allow; re-save it with torch.save as a state dict'
+                    ) from None
             reason = 'not a torch.save file'
-        raise KilnError(f'{path} is not a readable PyTorch checkpoint ({reason}); '
-                        f'check that the file is complete and was written by torch.save') from None
+        raise KilnError(
+            f'{path} is not a readable PyTorch checkpoint ({reason}); '
+            f'check that the file is complete and was written by torch.save'
+        ) from None
 
 
 def checksum(path):
@@ -127,10 +134,10 @@ def state_dict_of(checkpoint, prefix_map=None):
             stripped = False
             for prefix in WRAPPER_PREFIXES:
                 if name.startswith(prefix):
-                    name, stripped = name[len(prefix):], True
+                    name, stripped = name[len(prefix) :], True
         for old, new in (prefix_map or {}).items():
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         weights[name] = value
     return weights
@@ -139,6 +146,7 @@ def state_dict_of(checkpoint, prefix_map=None):
 @dataclass
 class LoadReport:
     """What loading did: names loaded, skipped for shape, missing from, unexpected in the file."""
+
     loaded: list = field(default_factory=list)
     shape_mismatched: list = field(default_factory=list)  # (name, shape in file, shape in model)
     missing: list = field(default_factory=list)
@@ -146,9 +154,14 @@ class LoadReport:
 
     def to_dict(self):
         """The report as plain data, for JSON."""
-        return {'loaded': self.loaded, 'missing': self.missing, 'unexpected': self.unexpected,
-                'shape_mismatched': [{'name': n, 'in_file': list(a), 'in_model': list(b)}
-                                     for n, a, b in self.shape_mismatched]}
+        return {
+            'loaded': self.loaded,
+            'missing': self.missing,
+            'unexpected': self.unexpected,
+            'shape_mismatched': [
+                {'name': n, 'in_file': list(a), 'in_model': list(b)} for n, a, b in self.shape_mismatched
+            ],
+        }
 
     def fits(self):
         """Whether every tensor of the model was in the file with its shape, and nothing else was."""
@@ -156,17 +169,22 @@ class LoadReport:
 
     def first_problems(self, count=3):
         """The first few mismatches, for a one-line message."""
-        problems = [f'{n} is {tuple(a)} in the file but {tuple(b)} in the model'
-                    for n, a, b in self.shape_mismatched[:count]]
+        problems = [
+            f'{n} is {tuple(a)} in the file but {tuple(b)} in the model' for n, a, b in self.shape_mismatched[:count]
+        ]
         problems += [f'{n} is missing from the file' for n in self.missing[:count]]
         problems += [f'{n} is not in the model' for n in self.unexpected[:count]]
         more = len(self.shape_mismatched) + len(self.missing) + len(self.unexpected) - len(problems[:count])
         return '; '.join(problems[:count]) + (f'; and {more} more' if more > 0 else '')
 
     def __str__(self):
-        lines = [f'loaded {len(self.loaded)} tensors, skipped {len(self.shape_mismatched)} for shape, '
-                 f'{len(self.missing)} missing from the checkpoint, {len(self.unexpected)} unexpected']
-        lines += [f'  shape mismatch: {n} {tuple(a)} in file vs {tuple(b)} in model' for n, a, b in self.shape_mismatched]
+        lines = [
+            f'loaded {len(self.loaded)} tensors, skipped {len(self.shape_mismatched)} for shape, '
+            f'{len(self.missing)} missing from the checkpoint, {len(self.unexpected)} unexpected'
+        ]
+        lines += [
+            f'  shape mismatch: {n} {tuple(a)} in file vs {tuple(b)} in model' for n, a, b in self.shape_mismatched
+        ]
         lines += [f'  missing: {n}' for n in self.missing]
         lines += [f'  unexpected: {n}' for n in self.unexpected]
         return '\n'.join(lines)
@@ -219,7 +237,9 @@ def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None):
         return report
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
     if not report.fits():
-        raise KilnError(f'{source} does not fit this model ({report.first_problems()}); check --model_type/'
-                        f'--num_classes or pass --load_not_strict to load only the tensors that match')
+        raise KilnError(
+            f'{source} does not fit this model ({report.first_problems()}); check --model_type/'
+            f'--num_classes or pass --load_not_strict to load only the tensors that match'
+        )
     unwrap_model(model).load_state_dict(matched)
     return report

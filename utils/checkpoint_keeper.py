@@ -6,6 +6,7 @@ SHA-256 in `checkpoints.json`, and only then deletes files that fell out of the 
 and best `keep_best`. The record is a convenience: a missing or corrupt one is rebuilt from the
 files, and a resume takes the newest checkpoint whose bytes check out, whatever `last.pth` says.
 """
+
 import contextlib
 import json
 import math
@@ -100,8 +101,9 @@ class CheckpointKeeper:
         self.folder, self.keep_last, self.keep_best, self.mode = folder, keep_last, keep_best, mode
         record = read_record(folder) or self.rebuild_record()
         self.best = record.get('best')
-        self.files = {name: entry for name, entry in record['files'].items()
-                      if os.path.isfile(os.path.join(folder, name))}
+        self.files = {
+            name: entry for name, entry in record['files'].items() if os.path.isfile(os.path.join(folder, name))
+        }
         # files a kill left unrecorded (saved, then killed before the record): kept and pruned like the others
         self.unrecorded = {name for name in os.listdir(folder) if step_of(name) is not None} - set(self.files)
         for name in self.unrecorded:
@@ -141,9 +143,10 @@ class CheckpointKeeper:
             self.write_record()
             fault_point('record_written')
         except OSError as error:
-            raise KilnError(f'could not write checkpoint {path} ({error.strerror or error}); the previous '
-                            f'checkpoints are intact: free space or fix permissions, then continue with --resume') \
-                from None
+            raise KilnError(
+                f'could not write checkpoint {path} ({error.strerror or error}); the previous '
+                f'checkpoints are intact: free space or fix permissions, then continue with --resume'
+            ) from None
         for old in dropped:  # only now that the record no longer lists them
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.folder, old))
@@ -151,10 +154,10 @@ class CheckpointKeeper:
 
     def _forget_extra(self):
         """Drop files beyond the newest keep_last and best keep_best (and the current best) from the record."""
-        newest = sorted(self.files, key=lambda n: self.files[n]['step'])[-self.keep_last:]
+        newest = sorted(self.files, key=lambda n: self.files[n]['step'])[-self.keep_last :]
         scored = [n for n in self.files if _finite(self.files[n]['metric'])]
         scored.sort(key=lambda n: self.files[n]['metric'], reverse=self.mode == 'max')
-        kept = set(newest) | set(scored[:self.keep_best]) | ({self.best} if self.best else set())
+        kept = set(newest) | set(scored[: self.keep_best]) | ({self.best} if self.best else set())
         dropped = [n for n in self.files if n not in kept]
         for name in dropped:
             del self.files[name]
@@ -164,8 +167,7 @@ class CheckpointKeeper:
         """Write checkpoints.json: every kept file with its step, checksum and monitored value, and
         which files last.pth and best.pth are."""
         last = max(self.files, key=lambda n: self.files[n]['step']) if self.files else None
-        atomic_write_json({'last': last, 'best': self.best, 'files': self.files},
-                          os.path.join(self.folder, RECORD))
+        atomic_write_json({'last': last, 'best': self.best, 'files': self.files}, os.path.join(self.folder, RECORD))
 
     def newest_trusted(self):
         """(path of the newest checkpoint whose bytes match its checksum and that loads, or None;

@@ -5,6 +5,7 @@ history, monitor, running sums) has `state_dict()` and `load_state_dict()`; a ch
 {part name: its state} plus a few plain values (the options, class names, tracker run ids). Which
 files are kept is the CheckpointKeeper's job (utils/checkpoint_keeper.py).
 """
+
 import dataclasses
 
 import torch
@@ -17,6 +18,7 @@ from utils.seeding import rng_states, set_rng_states
 @dataclasses.dataclass
 class Position:
     """Where the loop is: epochs completed, batches of the current epoch done, optimizer steps made."""
+
     epoch: int = 0
     batch: int = 0
     step: int = 0
@@ -43,8 +45,10 @@ class DataOrder:
 
     def load_state_dict(self, state):
         if state['order'].tolist() != self.batches.order(self.position.epoch):
-            raise KilnError('the training data or --seed differ from those of the checkpoint; resume with the same '
-                            '--train_list and --seed')
+            raise KilnError(
+                'the training data or --seed differ from those of the checkpoint; resume with the same '
+                '--train_list and --seed'
+            )
 
 
 class RandomStates:
@@ -87,8 +91,12 @@ class Checkpointer:
                 for name, part in self.rank_zero_parts.items():
                     part.load_state_dict(checkpoint[name])
         except KeyError as error:
-            raise KilnError(f'{source} is not a full training checkpoint of this Kiln (it has no {error}); to start '
-                            f'a new run from its weights use --load_model_path instead of --resume') from None
+            raise KilnError(
+                f'{source} is not a full training checkpoint of this Kiln (it has no {error}); to start '
+                f'a new run from its weights use --load_model_path instead of --resume'
+            ) from None
         except (ValueError, RuntimeError) as error:
-            raise KilnError(f'{source} does not fit the current options ({str(error).splitlines()[0]}); '
-                            f'resume with the options it was trained with') from None
+            raise KilnError(
+                f'{source} does not fit the current options ({str(error).splitlines()[0]}); '
+                f'resume with the options it was trained with'
+            ) from None

@@ -1,4 +1,5 @@
 """Which device a process computes on, and mixed precision there."""
+
 import torch
 
 from utils.distributed import is_distributed, local_rank

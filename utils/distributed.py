@@ -3,6 +3,7 @@
 Without torchrun (no WORLD_SIZE in the environment, or WORLD_SIZE=1) every function here is a
 cheap no-op, so single-process code calls them unconditionally.
 """
+
 import ctypes
 import datetime
 import os
@@ -30,14 +31,18 @@ def init_distributed(cpu=False, gpus=None):
     if int(os.environ.get('WORLD_SIZE', 1)) == 1:
         return False
     if gpus:
-        raise SharedKilnError('--gpus selects GPUs in one process; under torchrun each process takes the GPU of its '
-                              'LOCAL_RANK: drop --gpus (use CUDA_VISIBLE_DEVICES to choose GPUs)')
+        raise SharedKilnError(
+            '--gpus selects GPUs in one process; under torchrun each process takes the GPU of its '
+            'LOCAL_RANK: drop --gpus (use CUDA_VISIBLE_DEVICES to choose GPUs)'
+        )
     use_cuda = torch.cuda.is_available() and not cpu
     processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
     if use_cuda and processes > torch.cuda.device_count():
-        raise SharedKilnError(f'torchrun started {processes} processes on this machine but it has '
-                              f'{torch.cuda.device_count()} GPU(s); pass --cpu to train on the CPU, or use '
-                              f'--nproc-per-node {torch.cuda.device_count()} (at most the GPU count)')
+        raise SharedKilnError(
+            f'torchrun started {processes} processes on this machine but it has '
+            f'{torch.cuda.device_count()} GPU(s); pass --cpu to train on the CPU, or use '
+            f'--nproc-per-node {torch.cuda.device_count()} (at most the GPU count)'
+        )
     _stop_with_launcher()
     if use_cuda:
         torch.cuda.set_device(local_rank())

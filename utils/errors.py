@@ -1,4 +1,5 @@
 """User-facing errors: one clear line and a non-zero exit instead of a traceback (imports no torch)."""
+
 import os
 import sys
 
@@ -18,8 +19,13 @@ def _one_line(error):
 
 
 def _is_out_of_memory(error):
-    return isinstance(error, MemoryError) or type(error).__name__ == 'OutOfMemoryError' or (
-        isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or 'out of memory' in str(error)))
+    return (
+        isinstance(error, MemoryError)
+        or type(error).__name__ == 'OutOfMemoryError'
+        or (
+            isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or 'out of memory' in str(error))
+        )
+    )
 
 
 def _interrupted():
@@ -40,6 +46,7 @@ def quiet_interrupts():
         if issubclass(kind, KeyboardInterrupt):
             _interrupted()
         default(kind, value, traceback)
+
     sys.excepthook = hook
 
 
@@ -61,8 +68,11 @@ def run_cli(main, argv=None):
         sys.exit(2)
     except OSError as error:
         where = f' {error.filename}' if error.filename else ''
-        print(f'error: cannot use{where}: {error.strerror or error}; free disk space or fix the permissions '
-              f'(--debug shows where)', file=sys.stderr)
+        print(
+            f'error: cannot use{where}: {error.strerror or error}; free disk space or fix the permissions '
+            f'(--debug shows where)',
+            file=sys.stderr,
+        )
         sys.exit(2)
     except (MemoryError, RuntimeError) as error:
         if not _is_out_of_memory(error):

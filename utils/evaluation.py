@@ -4,6 +4,7 @@ It adds up the task's metrics and the loss over the whole split (exactly, over e
 process), and can keep per-sample rows (in the split's order, gathered from every process) and
 pictures of chosen batches.
 """
+
 import dataclasses
 
 import torch
@@ -18,6 +19,7 @@ class Evaluation:
     """What `evaluate` found: `metrics` ({'loss': ..., ...}), the task's metric object after `compute`
     (e.g. its confusion matrix), `rows`: per sample in split order, its list of rows (`task.eval_rows`),
     and `pictures` {batch number: {name: array}} (rank 0)."""
+
     metrics: dict
     metric_object: object
     rows: list
@@ -25,8 +27,18 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(model, batches, task, autocast, *, class_names=None, keep_rows=False, picture_batches=(),
-             progress_bar=False, description='val'):
+def evaluate(
+    model,
+    batches,
+    task,
+    autocast,
+    *,
+    class_names=None,
+    keep_rows=False,
+    picture_batches=(),
+    progress_bar=False,
+    description='val',
+):
     """Run `model` over every batch of `batches` (a data.loader.Batches) in eval mode.
 
     `class_names` adds per-class metrics; `keep_rows` collects `task.eval_rows`; `picture_batches`

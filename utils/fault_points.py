@@ -1,5 +1,6 @@
 """Named moments where a test can kill the process: KILN_KILL_AT=<name> makes `fault_point(<name>)`
 SIGKILL it there, so crash safety is checked at exact moments, not only at random ones."""
+
 import os
 import signal
 

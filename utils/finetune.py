@@ -1,4 +1,5 @@
 """Fine-tuning in stages: freezing layer groups, their learning rates, and unfreezing them later."""
+
 from torch import nn
 
 from utils.checkpoint import unwrap_model
@@ -35,11 +36,14 @@ class ModelFreezer:
 
     def _groups_between(self, from_index, to_index):
         groups = self.get_layer_groups()
-        first, last = (index % len(groups) if -len(groups) <= index < len(groups) else None
-                       for index in (from_index, to_index))
+        first, last = (
+            index % len(groups) if -len(groups) <= index < len(groups) else None for index in (from_index, to_index)
+        )
         if first is None or last is None:
-            raise IndexError(f'layer group index out of range: the model has {len(groups)} groups '
-                             f'(0..{len(groups) - 1}, or -{len(groups)}..-1)')
+            raise IndexError(
+                f'layer group index out of range: the model has {len(groups)} groups '
+                f'(0..{len(groups) - 1}, or -{len(groups)}..-1)'
+            )
         step = 1 if first <= last else -1
         return [groups[i] for i in range(first, last + step, step)]
 
@@ -112,9 +116,11 @@ class FineTuning:
         head = {id(p) for p in self.freezer.get_layer_groups()[-1].parameters()}
         backbone_lr, head_lr = backbone_lr or lr, head_lr or lr
         parameters = list(self.freezer.model.parameters())
-        groups = [([p for p in parameters if id(p) not in head and id(p) not in self.frozen], backbone_lr),
-                  ([p for p in parameters if id(p) not in head and id(p) in self.frozen], backbone_lr * unfrozen_lr_scale),
-                  ([p for p in parameters if id(p) in head], head_lr)]
+        groups = [
+            ([p for p in parameters if id(p) not in head and id(p) not in self.frozen], backbone_lr),
+            ([p for p in parameters if id(p) not in head and id(p) in self.frozen], backbone_lr * unfrozen_lr_scale),
+            ([p for p in parameters if id(p) in head], head_lr),
+        ]
         return [{'params': params, 'lr': group_lr} for params, group_lr in groups if params]
 
     def unfreezes_at(self, epoch, batch_in_epoch):

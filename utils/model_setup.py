@@ -1,4 +1,5 @@
 """Setting up a model, the same way for train.py, eval.py and predict.py."""
+
 import dataclasses
 
 import torch
@@ -14,6 +15,7 @@ class ModelSetup:
     """A model ready to run: `model` is the plain module (its state_dict has clean names), `compiled`
     the one torch.compile made (or the same), `wrapped` what the loop calls (DDP / DataParallel or
     the same), `autocast()` the --amp context and `load_report` what loading weights did (or None)."""
+
     model: torch.nn.Module
     compiled: torch.nn.Module
     wrapped: torch.nn.Module

@@ -1,4 +1,5 @@
 """The monitored metric (--monitor): its best value, and how long it has not improved."""
+
 import math
 
 

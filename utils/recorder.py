@@ -1,4 +1,5 @@
 """Recording values step by step on the device, and their means over an interval."""
+
 import torch
 
 from utils.distributed import all_reduce_sum, collective_device
@@ -30,9 +31,10 @@ class Recorder:
             return {}
         device = next((v.device for v in self.sums.values() if torch.is_tensor(v)), None)
         device = collective_device() if all_ranks else device or torch.device('cpu')
-        values = torch.stack([torch.as_tensor(self.sums[name], dtype=torch.float64, device=device).reshape(())
-                              for name in names] + [torch.tensor(float(self.counts[name]), dtype=torch.float64,
-                                                                 device=device) for name in names])
+        values = torch.stack(
+            [torch.as_tensor(self.sums[name], dtype=torch.float64, device=device).reshape(()) for name in names]
+            + [torch.tensor(float(self.counts[name]), dtype=torch.float64, device=device) for name in names]
+        )
         if all_ranks:
             all_reduce_sum(values)
         host = values.tolist()

@@ -5,6 +5,7 @@ Nothing a user has is overwritten: a new run never reuses a folder, a resumed ru
 that would change what it computes before it touches any file, and a folder is locked while a run
 uses it.
 """
+
 import contextlib
 import dataclasses
 import datetime
@@ -30,8 +31,17 @@ EVAL_FOLDER, PREDICT_FOLDER = 'eval', 'predict'
 DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: in args.txt, not args.yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a run writes into its folder by itself: removed again when a new run fails before its first checkpoint
-RUN_FILES = (ARGS_TXT, ARGS_YAML, LOCK, 'run_config.json', 'reproduce.json', 'history.json', 'checkpoints.json',
-             'load_report.json', 'metrics.csv')
+RUN_FILES = (
+    ARGS_TXT,
+    ARGS_YAML,
+    LOCK,
+    'run_config.json',
+    'reproduce.json',
+    'history.json',
+    'checkpoints.json',
+    'load_report.json',
+    'metrics.csv',
+)
 
 
 def save_args(args, folder):
@@ -41,8 +51,10 @@ def save_args(args, folder):
     width = max(map(len, shown))
     lines += [f'{k:<{width}} : {v}\n' for k, v in sorted(shown.items())]
     atomic_write_bytes_text(''.join(lines), os.path.join(folder, ARGS_TXT))
-    atomic_write_bytes_text(yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, sort_keys=True),
-                            os.path.join(folder, ARGS_YAML))
+    atomic_write_bytes_text(
+        yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, sort_keys=True),
+        os.path.join(folder, ARGS_YAML),
+    )
 
 
 def atomic_write_bytes_text(text, path):
@@ -136,20 +148,25 @@ def open_experiment(argv, args):
     folder = experiment_folder(args)
     if args.resume and args.resume != 'last':
         if not os.path.isfile(args.resume):
-            raise KilnError(f'--resume {args.resume}: no such checkpoint file; give an existing .pth file, '
-                            f'or --resume alone for the experiment\'s newest checkpoint')
+            raise KilnError(
+                f'--resume {args.resume}: no such checkpoint file; give an existing .pth file, '
+                f"or --resume alone for the experiment's newest checkpoint"
+            )
         folder = os.path.dirname(os.path.abspath(args.resume))
     if not args.resume or not os.path.isdir(folder):
-        create_run_folder(folder, args, 'choose a new --save_prefix, add --resume to continue that run, '
-                                        'or move that folder away')
+        create_run_folder(
+            folder, args, 'choose a new --save_prefix, add --resume to continue that run, or move that folder away'
+        )
         args.model_dir, args.resume_from = folder, None
         return args, FolderLock(folder)
     # read-only checks first: a refused resume touches no file (not even the lock's)
     resume_from = _checkpoint_to_resume(args, folder)
     saved = os.path.join(folder, ARGS_YAML)
     if resume_from and not os.path.isfile(saved):
-        raise KilnError(f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint inside its '
-                        f'experiment folder (to start a new run from its weights, use --load_model_path)')
+        raise KilnError(
+            f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint inside its '
+            f'experiment folder (to start a new run from its weights, use --load_model_path)'
+        )
     if resume_from:
         merged = parse_args(parse_train_args, argv, base_config=saved)
         _refuse_changes(parse_args(parse_train_args, [], base_config=saved), merged, folder)
@@ -180,18 +197,24 @@ def _checkpoint_to_resume(args, folder):
 
 def _refuse_changes(saved, merged, folder):
     """A KilnError naming the options whose new values differ from the resumed run's."""
-    changed = [name for name, value in vars(merged).items()
-               if name not in RESUME_CHANGEABLE + NOT_SAVED + DERIVED and getattr(saved, name, value) != value]
+    changed = [
+        name
+        for name, value in vars(merged).items()
+        if name not in RESUME_CHANGEABLE + NOT_SAVED + DERIVED and getattr(saved, name, value) != value
+    ]
     if changed:
         shown = ', '.join(f'--{name} {getattr(merged, name)} (the run has {getattr(saved, name)})' for name in changed)
-        raise KilnError(f'{shown}: a resumed run keeps the options that decide what it computes; drop '
-                        f'{"it" if len(changed) == 1 else "them"}, or start a new run with --save_prefix. A resume may '
-                        f'change only: {", ".join("--" + name for name in RESUME_CHANGEABLE)} (folder {folder})')
+        raise KilnError(
+            f'{shown}: a resumed run keeps the options that decide what it computes; drop '
+            f'{"it" if len(changed) == 1 else "them"}, or start a new run with --save_prefix. A resume may '
+            f'change only: {", ".join("--" + name for name in RESUME_CHANGEABLE)} (folder {folder})'
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerRunConfig:
     """The shape of a training run, fixed when it starts (written as run_config.json)."""
+
     num_epochs: int
     per_device_batch_size: int
     total_batch_size: int
@@ -241,18 +264,20 @@ def append_reproducibility_record(folder, args):
         with open(path) as f:
             entries = json.load(f)
     commit = _git('rev-parse', 'HEAD')
-    entries.append({
-        'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-        'command': [sys.executable] + sys.argv,
-        'cwd': os.getcwd(),
-        'args': {k: v for k, v in sorted(vars(args).items())},
-        'git_commit': commit.strip() if commit else None,
-        'git_diff': _git('diff', 'HEAD'),
-        'python': platform.python_version(),
-        **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
-        'host': socket.gethostname(),
-        'platform': platform.platform(),
-    })
+    entries.append(
+        {
+            'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
+            'command': [sys.executable] + sys.argv,
+            'cwd': os.getcwd(),
+            'args': {k: v for k, v in sorted(vars(args).items())},
+            'git_commit': commit.strip() if commit else None,
+            'git_diff': _git('diff', 'HEAD'),
+            'python': platform.python_version(),
+            **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
+            'host': socket.gethostname(),
+            'platform': platform.platform(),
+        }
+    )
     atomic_write_json(entries, path)
 
 
@@ -268,7 +293,9 @@ def checkpoints_to_evaluate(paths):
     """The checkpoint files named by eval.py's --load_model_path, in order: files as they are,
     experiment folders as their best.pth, globs (e.g. 'checkpoints/*/best.pth') expanded."""
     if not paths:
-        raise KilnError('no checkpoint to evaluate; give --load_model_path PATH (e.g. checkpoints/<experiment>/best.pth)')
+        raise KilnError(
+            'no checkpoint to evaluate; give --load_model_path PATH (e.g. checkpoints/<experiment>/best.pth)'
+        )
     found = []
     for item in paths:
         matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]

@@ -1,4 +1,5 @@
 """What a run has measured so far, epoch by epoch: best-checkpoint and early-stopping decisions read it."""
+
 from abc import ABC, abstractmethod
 
 from utils.checkpoint import atomic_write_json
@@ -81,4 +82,3 @@ class InMemoryRunHistory(RunHistory):
     def save_json(self, path):
         """Write the history as JSON, atomically (for people and tools; resume reads the checkpoint)."""
         atomic_write_json(self.state_dict(), path)
-

@@ -1,4 +1,5 @@
 """Seeding and the random states a checkpoint keeps, so a resumed run draws the same numbers."""
+
 import os
 import random
 

@@ -6,6 +6,7 @@ step: signals are host flags, agreed between torchrun processes by a non-blockin
 host (gloo) group that is read one step later; the loss is watched on the device and read only at
 check points (print intervals and saves).
 """
+
 import dataclasses
 import enum
 import os
@@ -29,6 +30,7 @@ class StopReason(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Stop:
     """Why a run stopped early: its reason, a message for people, and the signal for SIGNAL stops."""
+
     reason: StopReason
     message: str
     signum: int | None = None
@@ -50,8 +52,12 @@ class StopSignals:
             raise KeyboardInterrupt(f'second {signal.Signals(signum).name}')
         self.received = signum
         if os.environ.get('RANK', '0') == '0':  # under torchrun every process hears it: one says so
-            print(f'\n{signal.Signals(signum).name} received: finishing the current step and saving; '
-                  f'send it again to stop at once', file=sys.stderr, flush=True)
+            print(
+                f'\n{signal.Signals(signum).name} received: finishing the current step and saving; '
+                f'send it again to stop at once',
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __enter__(self):
         try:
@@ -137,5 +143,6 @@ class Stopper:
     def check_early_stop(self, monitor):
         """Stop when the Monitor's patience has run out."""
         if monitor.exhausted() and self.stop is None:
-            self.stop = Stop(StopReason.EARLY_STOP, f'early stop: {monitor.name} did not improve for '
-                                                    f'{monitor.patience} validations')
+            self.stop = Stop(
+                StopReason.EARLY_STOP, f'early stop: {monitor.name} did not improve for {monitor.patience} validations'
+            )

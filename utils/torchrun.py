@@ -8,6 +8,7 @@ It is torchrun itself (torch.distributed.run), with two endings changed:
   line naming the failed rank and its exit code instead of torchrun's error dump, and exits with that
   code.
 """
+
 import signal
 import sys
 
@@ -27,8 +28,11 @@ def main(argv=None):
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -9: killed by SIGKILL
-        how = (f'exit code {failure.exitcode}' if failure.exitcode > 0 else
-               f'{signal.Signals(-failure.exitcode).name} (signal {-failure.exitcode})')
+        how = (
+            f'exit code {failure.exitcode}'
+            if failure.exitcode > 0
+            else f'{signal.Signals(-failure.exitcode).name} (signal {-failure.exitcode})'
+        )
         print(f'torchrun: rank {rank} failed with {how} (its error is above)', file=sys.stderr, flush=True)
         sys.exit(code)
 

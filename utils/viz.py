@@ -2,6 +2,7 @@
 
 Everything returns an HxWx3 uint8 numpy array (save it with `save_png`).
 """
+
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
@@ -49,8 +50,9 @@ def segmentation_grid(images, predicted, true, num_classes, tile=96):
     pixels = (images.detach().float().cpu().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
     predicted, true = predicted.cpu().numpy(), true.cpu().numpy()
     canvas = Image.new('RGB', (3 * tile, len(pixels) * tile), 'white')
-    for row, columns in enumerate(zip(pixels, colours[predicted.clip(0, num_classes - 1)],
-                                      colours[true.clip(0, num_classes - 1)])):
+    for row, columns in enumerate(
+        zip(pixels, colours[predicted.clip(0, num_classes - 1)], colours[true.clip(0, num_classes - 1)])
+    ):
         for column, picture in enumerate(columns):
             canvas.paste(Image.fromarray(picture).resize((tile, tile), Image.NEAREST), (column * tile, row * tile))
     return np.asarray(canvas)
@@ -76,7 +78,9 @@ def confusion_matrix_image(matrix, class_names=None, cell=44):
             shade = int(255 - 200 * share)
             x, y = margin + j * cell, margin + i * cell
             draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=(shade, shade, 255), outline='gray')
-            draw.text((x + 4, y + cell // 2 - 6), str(int(matrix[i, j])), fill='black' if share < 0.6 else 'white', font=font)
+            draw.text(
+                (x + 4, y + cell // 2 - 6), str(int(matrix[i, j])), fill='black' if share < 0.6 else 'white', font=font
+            )
     return np.asarray(canvas)
 
 

@@ -4,6 +4,7 @@ Every object is a peak in a per-class heatmap at the cell holding its box centre
 input's resolution; two more maps give the box size and the centre's offset inside its cell
 (tasks/detect.py turns them into a loss and into boxes).
 """
+
 import math
 
 from torch import nn
@@ -24,8 +25,9 @@ class CenterNetHead(nn.Module):
         super().__init__()
 
         def branch(out_channels):
-            return nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(inplace=True),
-                                 nn.Conv2d(width, out_channels, 1))
+            return nn.Sequential(
+                nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(width, out_channels, 1)
+            )
 
         self.heatmap, self.size, self.offset = branch(num_classes), branch(2), branch(2)
         # start every cell at a 0.1 object probability, as CenterNet does: the first steps would

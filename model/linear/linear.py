@@ -1,4 +1,5 @@
 """A linear classifier on raw pixels: the baseline the default CNN must clearly beat."""
+
 from torch import nn
 
 

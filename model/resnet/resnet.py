@@ -1,4 +1,5 @@
 """torchvision's ResNet-18 adapted to small images, built without downloading weights."""
+
 import torchvision
 from torch import nn
 

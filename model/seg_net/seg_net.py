@@ -1,4 +1,5 @@
 """A small encoder-decoder for segmentation, built from the blocks in model/submodules.py."""
+
 from torch import nn
 
 from model.submodules import ConvBNReLU, UpBlock
@@ -11,7 +12,9 @@ class SegNet(nn.Module):
     def __init__(self, args, widths=(16, 32, 64)):
         super().__init__()
         self.encoder1 = nn.Sequential(ConvBNReLU(3, widths[0]), ConvBNReLU(widths[0], widths[0]))
-        self.encoder2 = nn.Sequential(nn.MaxPool2d(2), ConvBNReLU(widths[0], widths[1]), ConvBNReLU(widths[1], widths[1]))
+        self.encoder2 = nn.Sequential(
+            nn.MaxPool2d(2), ConvBNReLU(widths[0], widths[1]), ConvBNReLU(widths[1], widths[1])
+        )
         self.bottleneck = nn.Sequential(nn.MaxPool2d(2), ConvBNReLU(widths[1], widths[2]))
         self.decoder2 = UpBlock(widths[2], widths[1], skip_channels=widths[1])
         self.decoder1 = UpBlock(widths[1], widths[0], skip_channels=widths[0])

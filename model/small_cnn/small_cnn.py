@@ -1,4 +1,5 @@
 """The default model: a small VGG-style CNN for small images."""
+
 from torch import nn
 
 from model.submodules import ConvBNReLU

@@ -1,5 +1,6 @@
 """torchvision's ImageNet classifiers with a head for --num_classes, optionally starting from
 weights in a local file (--pretrained_path); nothing is ever downloaded."""
+
 import functools
 import os
 
@@ -30,7 +31,8 @@ def torchvision_net(name, args):
             raise KilnError(
                 f'--pretrained_path {path} does not exist; Kiln never downloads weights: on a machine with internet '
                 f'run python -c "import torchvision; torchvision.models.{builder.__name__}(weights=\'DEFAULT\')" '
-                f'and copy the .pth file it saves under ~/.cache/torch/hub/checkpoints/ to {path}')
+                f'and copy the .pth file it saves under ~/.cache/torch/hub/checkpoints/ to {path}'
+            )
         load_weights(model, path, strict=True)
         print(f'{name}: ImageNet weights loaded from {path}')
     parent_path, _, attribute = head_path.rpartition('.')
@@ -47,4 +49,5 @@ def torchvision_net(name, args):
 
 # the MODELS entries (model/model_entry.py): one builder of args per net
 tv_resnet18, tv_resnet34, tv_resnet50, tv_mobilenet_v3_small, tv_mobilenet_v3_large, tv_efficientnet_b0 = (
-    functools.partial(torchvision_net, name) for name in TORCHVISION_NETS)
+    functools.partial(torchvision_net, name) for name in TORCHVISION_NETS
+)

@@ -15,6 +15,7 @@ run is SIGKILLed and resumed from its last checkpoint:
 
 Each tracker lives in its own module, imported only when named, with its library imported lazily.
 """
+
 import contextlib
 import importlib
 import os
@@ -23,8 +24,12 @@ from types import SimpleNamespace
 from utils.errors import KilnError
 
 TRACKER_NAMES = ('tensorboard', 'csv', 'wandb', 'mlflow')
-_CLASSES = {'tensorboard': 'tb_tracker.TensorBoardTracker', 'csv': 'csv_tracker.CsvTracker',
-            'wandb': 'wandb_tracker.WandbTracker', 'mlflow': 'mlflow_tracker.MlflowTracker'}
+_CLASSES = {
+    'tensorboard': 'tb_tracker.TensorBoardTracker',
+    'csv': 'csv_tracker.CsvTracker',
+    'wandb': 'wandb_tracker.WandbTracker',
+    'mlflow': 'mlflow_tracker.MlflowTracker',
+}
 TRACKERS_INSTALL = "python3 -m pip install -e '.[trackers]'"
 
 
@@ -38,6 +43,7 @@ def require(module, logger, package=None, install=TRACKERS_INSTALL):
 
 class Tracker:
     """One experiment tracker; the loop calls these methods, each a no-op here."""
+
     name = None
 
     def log_hparams(self, hparams):
@@ -128,8 +134,11 @@ def build_trackers(names, folder, run_name, hparams_metric_names=(), resume_step
     unknown = [name for name in names if name not in TRACKER_NAMES]
     if unknown:
         raise KilnError(f'unknown --loggers {", ".join(unknown)}; choose from {", ".join(TRACKER_NAMES)}')
-    defaults = {'mlflow_uri': None, 'wandb_project': 'kiln',
-                'checkpoints_dir': os.path.dirname(os.path.abspath(folder))}
+    defaults = {
+        'mlflow_uri': None,
+        'wandb_project': 'kiln',
+        'checkpoints_dir': os.path.dirname(os.path.abspath(folder)),
+    }
     options = SimpleNamespace(**{key: getattr(options, key, value) for key, value in defaults.items()})
     os.makedirs(folder, exist_ok=True)
     trackers = Trackers()
@@ -137,8 +146,11 @@ def build_trackers(names, folder, run_name, hparams_metric_names=(), resume_step
         for name in dict.fromkeys(names):  # each once, in the order given
             module, cls = _CLASSES[name].split('.')
             tracker_class = getattr(importlib.import_module(f'{__name__}.{module}'), cls)
-            trackers.trackers.append(tracker_class(folder, run_name, resume_step, (states or {}).get(name), options,
-                                                   tuple(hparams_metric_names)))
+            trackers.trackers.append(
+                tracker_class(
+                    folder, run_name, resume_step, (states or {}).get(name), options, tuple(hparams_metric_names)
+                )
+            )
     except BaseException:
         with contextlib.suppress(Exception):  # the ones already started; the first error is the one to show
             trackers.close()

@@ -1,4 +1,5 @@
 """CSV: `metrics.csv` in the experiment folder, one row per step (pandas.read_csv reads it as is)."""
+
 import csv
 import io
 import os
@@ -18,6 +19,7 @@ class CsvTracker(Tracker):
     a new metric simply adds a column. A resumed run first drops the rows after its checkpoint.
     Texts and images are not written.
     """
+
     name = 'csv'
 
     def __init__(self, folder, run_name, resume_step=None, state=None, options=None, metric_names=()):

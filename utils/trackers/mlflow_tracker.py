@@ -5,6 +5,7 @@ server: `<checkpoints_dir>/mlruns/mlflow.db` (SQLite, MLflow 3's default backend
 is deprecated) with artifacts in `<checkpoints_dir>/mlruns/artifacts`. Browse it with
 `mlflow ui --backend-store-uri sqlite:///<checkpoints_dir>/mlruns/mlflow.db` (the full mlflow package).
 """
+
 import os
 import pathlib
 import time
@@ -31,16 +32,18 @@ class MlflowTracker(Tracker):
     assembled also go into its state, so that a kill between the checkpoint's write and its commit
     loses nothing: the resumed run writes those MLflow does not have yet.
     """
+
     name = 'mlflow'
 
     def __init__(self, folder, run_name, resume_step=None, state=None, options=None, metric_names=()):
         require('mlflow', self.name, 'mlflow-skinny')
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
+
         self.Metric, self.Param = Metric, Param
         uri, artifacts = options.mlflow_uri or os.environ.get('MLFLOW_TRACKING_URI'), None
         if uri and uri.startswith('sqlite:///'):  # a database file: artifacts beside it, not in ./mlruns
-            artifacts = pathlib.Path(os.path.dirname(os.path.abspath(uri[len('sqlite:///'):])), 'artifacts').as_uri()
+            artifacts = pathlib.Path(os.path.dirname(os.path.abspath(uri[len('sqlite:///') :])), 'artifacts').as_uri()
         if not uri:
             for module in ('sqlalchemy', 'alembic'):  # MLflow's SQLite store needs both
                 require(module, self.name)
@@ -60,10 +63,14 @@ class MlflowTracker(Tracker):
 
     def _new_run(self, run_name, folder, artifacts):
         from mlflow.exceptions import MlflowException
+
         experiment = self.client.get_experiment_by_name(EXPERIMENT)
         try:
-            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-                EXPERIMENT, artifact_location=artifacts)
+            experiment_id = (
+                experiment.experiment_id
+                if experiment
+                else self.client.create_experiment(EXPERIMENT, artifact_location=artifacts)
+            )
         except MlflowException:  # created meanwhile by another run
             experiment_id = self.client.get_experiment_by_name(EXPERIMENT).experiment_id
         tags = {'kiln.folder': os.path.abspath(folder)}
@@ -71,19 +78,24 @@ class MlflowTracker(Tracker):
 
     def _continue_run(self, uri):
         from mlflow.exceptions import MlflowException
+
         try:
             self.client.update_run(self.run_id, status='RUNNING')
         except MlflowException as error:
             if error.error_code != 'RESOURCE_DOES_NOT_EXIST':
                 raise
-            raise KilnError(f'the MLflow run {self.run_id} of this checkpoint is not in {uri}; resume with the '
-                            f'--mlflow_uri or --checkpoints_dir it started with') from None
+            raise KilnError(
+                f'the MLflow run {self.run_id} of this checkpoint is not in {uri}; resume with the '
+                f'--mlflow_uri or --checkpoints_dir it started with'
+            ) from None
 
     def _write_missing(self, saved):
         """Write the points of a checkpoint's state that its commit did not get to write."""
         saved = [(step, name, value) for step, metrics in saved for name, value in metrics.items()]
-        logged = {name: {metric.step for metric in self.client.get_metric_history(self.run_id, name)}
-                  for name in {name for _, name, _ in saved}}
+        logged = {
+            name: {metric.step for metric in self.client.get_metric_history(self.run_id, name)}
+            for name in {name for _, name, _ in saved}
+        }
         self._log_batch([(step, name, value) for step, name, value in saved if step not in logged[name]])
 
     def _log_batch(self, points):
@@ -95,8 +107,9 @@ class MlflowTracker(Tracker):
     def log_hparams(self, hparams):
         # parameters cannot change in MLflow: a resumed run keeps the values it started with
         logged = self.client.get_run(self.run_id).data.params
-        params = [self.Param(name, str(value)[:MAX_PARAM_LENGTH]) for name, value in hparams.items()
-                  if name not in logged]
+        params = [
+            self.Param(name, str(value)[:MAX_PARAM_LENGTH]) for name, value in hparams.items() if name not in logged
+        ]
         if params:
             self.client.log_batch(self.run_id, params=params, synchronous=True)
 
@@ -126,8 +139,9 @@ class MlflowTracker(Tracker):
 
     def finish(self, final_metrics):
         self._write()
-        self._log_batch([(self.last_step, name, float(value)) for name, value in final_metrics.items()
-                         if value is not None])
+        self._log_batch(
+            [(self.last_step, name, float(value)) for name, value in final_metrics.items() if value is not None]
+        )
         self.client.set_terminated(self.run_id, 'FINISHED')
         self.finished = True
 

@@ -1,4 +1,5 @@
 """TensorBoard: event files in the experiment folder (`tensorboard --logdir <checkpoints_dir>`)."""
+
 from utils.trackers import Tracker, require
 
 
@@ -8,6 +9,7 @@ class TensorBoardTracker(Tracker):
     Points are written at once: a resumed run opens its writer with purge_step = resume_step + 1,
     which makes TensorBoard drop whatever the killed run wrote after its last checkpoint.
     """
+
     name = 'tensorboard'
 
     def __init__(self, folder, run_name, resume_step=None, state=None, options=None, metric_names=()):
@@ -21,8 +23,9 @@ class TensorBoardTracker(Tracker):
     def _writer(self):
         # importing TensorBoard takes a while: only a run that writes something pays for it
         if self.writer is None:
-            tensorboard = require('torch.utils.tensorboard', self.name, 'tensorboard',
-                                  'python3 -m pip install tensorboard')
+            tensorboard = require(
+                'torch.utils.tensorboard', self.name, 'tensorboard', 'python3 -m pip install tensorboard'
+            )
             self.writer = tensorboard.SummaryWriter(self.folder, purge_step=self.purge_step)
         return self.writer
 
@@ -60,11 +63,14 @@ class TensorBoardTracker(Tracker):
         """Write the HParams row: this run's options and results, in the experiment folder itself."""
         writer = self._writer()
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
         # every task's metric names are declared, so that runs of different tasks in one logdir
         # each show theirs; only this run's metrics get values
         declared = dict.fromkeys([*self.metric_names, *final_metrics])
-        values = {name: value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
-                  for name, value in self.hparams.items()}
+        values = {
+            name: value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+            for name, value in self.hparams.items()
+        }
         # written at the last step, not step 0, so that a resume of this run purges them too
         for summary in hparams_summaries(values, declared):
             writer.file_writer.add_summary(summary, self.last_step)

@@ -3,6 +3,7 @@
 Without a W&B login the run is written offline under `<folder>/wandb/` (upload it later with
 `wandb sync <folder>/wandb/offline-run-*`); set WANDB_MODE to choose yourself.
 """
+
 import netrc
 import os
 from urllib.parse import urlsplit
@@ -44,6 +45,7 @@ class WandbTracker(Tracker):
     (while W&B's service still holds the points in memory), loses that checkpoint's points (W&B
     cannot be asked offline what it already has).
     """
+
     name = 'wandb'
 
     def __init__(self, folder, run_name, resume_step=None, state=None, options=None, metric_names=()):
@@ -52,8 +54,16 @@ class WandbTracker(Tracker):
         if 'x_transaction_log_flush_interval' in getattr(self.wandb.Settings, 'model_fields', {}):
             settings['settings'] = self.wandb.Settings(x_transaction_log_flush_interval=FLUSH_INTERVAL_S)
         # create_new: this tracker owns its run, and never finishes or reuses another in the process
-        self.run = self.wandb.init(project=options.wandb_project, name=run_name, dir=folder, resume='allow',
-                                   id=(state or {}).get('run_id'), mode=wandb_mode(), reinit='create_new', **settings)
+        self.run = self.wandb.init(
+            project=options.wandb_project,
+            name=run_name,
+            dir=folder,
+            resume='allow',
+            id=(state or {}).get('run_id'),
+            mode=wandb_mode(),
+            reinit='create_new',
+            **settings,
+        )
         self.pending = {}  # step -> {key: value} not yet written
         self.finished = False
 
