@@ -566,7 +566,7 @@ def start(argv):
     """What `main` does before training, in one process: resolve the options, open the experiment
     folder and build the run (for scripts and tests: `train(start(argv))`)."""
     args, lock = open_experiment(argv, resolve_task_defaults(parse_args(parse_train_args, argv)))
-    run = build(args)
+    run = build(resolve_task_defaults(args))
     run.lock = lock
     return run
 
@@ -580,6 +580,7 @@ def main(argv=None, args=None):
         if args.fast_dev_run:
             return fast_dev_run(argv, args)
         args, lock = open_run(argv, resolve_task_defaults(args))
+        resolve_task_defaults(args)  # a resumed run's options come from its args.yaml: complete them alike
         # a failed start removes a folder it just made, never one that --resume reopened
         fresh = is_main_process() and args.resume_from is None and not args.resume
         with discard_folder_if_setup_fails(args.model_dir) if fresh else contextlib.nullcontext():
@@ -598,12 +599,11 @@ def finish(run, stop):
         return
     if stop.reason == StopReason.NONFINITE:
         path = os.path.join(run.options.model_dir, LAST)
-        advice = (
-            f'continue from the last good checkpoint with --resume {path}'
-            if os.path.exists(path)
-            else 'nothing was saved before it: start again (add --resume to reuse the folder)'
-        )
-        raise KilnError(f'{stop.message}; nothing after it was saved. Lower --lr (or clip gradients) and {advice}')
+        if os.path.exists(path):  # name only files that exist
+            advice = f'nothing after it was saved. Lower --lr (or clip gradients) and continue from --resume {path}'
+        else:
+            advice = 'nothing was saved. Lower --lr (or clip gradients) and start again (--resume reuses the folder)'
+        raise KilnError(f'{stop.message}; {advice}')
     if stop.reason == StopReason.SIGNAL:
         sys.exit(128 + stop.signum)
 

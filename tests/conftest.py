@@ -1,13 +1,19 @@
 """Shared fixtures: the repo root on sys.path, tiny generated datasets, and a script runner."""
 
+import contextlib
+import io
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+# one thread per process: the test workers already use every core, and oversubscribed threads spin
+os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 
 # Timeouts only stop hangs: generous, and scaled by one setting on slow machines (KILN_TEST_TIMEOUT_SCALE=3)
@@ -19,9 +25,19 @@ def timeout(seconds=600):
     return seconds * TIMEOUT_SCALE
 
 
-def run_script(*args, cwd=REPO, env=None, timeout_seconds=600):
-    """Run a repo script (e.g. 'train.py', '--epochs', '1') in a subprocess; return the CompletedProcess."""
-    command = [sys.executable, *args] if args[0].endswith('.py') else list(args)
+ENTRY_SCRIPTS = ('train.py', 'eval.py', 'predict.py')
+
+
+def run_script(*args, cwd=REPO, env=None, timeout_seconds=600, isolated=False):
+    """Run a repo script (e.g. 'train.py', '--epochs', '1') as `python <script> <args>` would; return a
+    CompletedProcess. train.py, eval.py and predict.py run in this process (they are entry points with
+    one-line errors and exit codes, so this is the same run without a second interpreter loading torch);
+    anything else, a run with its own `env` or `cwd`, or `isolated=True` (signals, kills, resource
+    limits) gets a real subprocess."""
+    args = [str(a) for a in args]
+    if args[0] in ENTRY_SCRIPTS and cwd == REPO and env is None and not isolated:
+        return run_in_process(*args)
+    command = [sys.executable, *args] if args[0].endswith('.py') else args
     return subprocess.run(
         command,
         cwd=cwd,
@@ -30,6 +46,28 @@ def run_script(*args, cwd=REPO, env=None, timeout_seconds=600):
         timeout=timeout(timeout_seconds),
         env={**os.environ, **(env or {})},
     )
+
+
+def run_in_process(script, *args):
+    """`python <script> <args>` in this process: its exit code, stdout and stderr as a CompletedProcess."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved_argv, saved_cwd, code = sys.argv, os.getcwd(), 0
+    sys.argv = [script, *args]
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(script, run_name='__main__')
+    except SystemExit as exit_info:
+        code = exit_info.code if isinstance(exit_info.code, int) else 0 if exit_info.code is None else 1
+        if isinstance(exit_info.code, str):
+            stderr.write(exit_info.code + '\n')
+    except Exception:  # noqa: BLE001 - what the interpreter would print and exit 1 with
+        traceback.print_exc(file=stderr)
+        code = 1
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+    return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(), stderr.getvalue())
 
 
 @pytest.fixture(scope='session')

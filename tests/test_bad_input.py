@@ -7,32 +7,25 @@ The rule under test, for every mistake a user can make on the command line or in
 - no Python traceback, unless `--debug` is given;
 - nothing that existed before is changed (experiment folders, checkpoints, results).
 
-Every case runs the real scripts in a subprocess on a tiny generated dataset (24 train and
-12 val images), so one training run takes a few seconds.
+Every case runs the real entry points (conftest.run_script) on a tiny generated dataset (24 train
+and 12 val images), so one training run takes a second or two.
 """
 
 import hashlib
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from conftest import run_script
 
-TIMEOUT = 600 * float(os.environ.get('KILN_TEST_TIMEOUT_SCALE', 1))  # only stops hangs
 FAST = ['--epochs', '1', '--batch_size', '8', '--no-progress_bar']
 
 
 def run(script, *args):
-    """Run `python <script> <args>` in the repo root; return the CompletedProcess."""
-    return subprocess.run(
-        [sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT
-    )
+    """`python <script> <args>` in the repo root (in this process: see conftest.run_script)."""
+    return run_script(script, *args)
 
 
 def train(checkpoints_dir, data, *extra):

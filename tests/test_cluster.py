@@ -278,11 +278,11 @@ def slurm(tmp_path_factory):
     return StandInSlurm(tmp_path_factory.mktemp('slurm'))
 
 
-STEPS = 40
+STEPS = 24
 
 
 def _job_args(shapes, checkpoints):
-    """Tiny training options for a job: 40 steps of 8 images, a checkpoint after every step (which also
+    """Tiny training options for a job: 24 steps of 8 images, a checkpoint after every step (which also
     makes each step slow enough to be interrupted in the middle of the run); the script adds --cpu."""
     return (
         [a for a in tiny_run_args(shapes, checkpoints) if a != '--cpu']

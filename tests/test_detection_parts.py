@@ -4,7 +4,6 @@ mAP (checked against torchmetrics/pycocotools) and pictures, plus one short trai
 import os
 import subprocess
 import sys
-import time
 import types
 
 import numpy as np
@@ -372,41 +371,3 @@ def test_draw_detections_returns_a_picture():
     assert picture.shape[0] >= 4 * 64 and picture.shape[1] >= 2 * 4 * 64  # two enlarged tiles side by side
     plain = draw_detections(images, boxes, labels, scores * 0, None, [b[:0] for b in BOXES], LABELS[:, :0])
     assert plain.shape == picture.shape and (plain != picture).any()  # nothing drawn on the same images
-
-
-@pytest.fixture
-def one_thread():
-    """Run on one CPU thread: where other processes share the cores, two OpenMP threads wait on each
-    other and a training step gets ~10x slower (measured: 0.18 s on one thread, 1.2-2.5 s on two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_center_net_learns_the_shapes_on_a_cpu(tmp_path, one_thread):
-    """200 AdamW steps on a tiny set already find most shapes (measured mAP@0.5 0.61-0.64, ~35 s)."""
-    root = generate_shape_boxes(str(tmp_path / 'boxes'), train_size=512, val_size=128, seed=1)
-    train = ShapesDetDataset(_args(train_list=os.path.join(root, 'train.txt')), 'train').tensors()
-    val = ShapesDetDataset(_args(val_list=os.path.join(root, 'val.txt')), 'val').tensors()
-    normalize = lambda images: (images.float() / 255 - 0.5) / 0.25  # noqa: E731  (data/augment.py's MEAN and STD)
-    model, steps, batch = _model(), 200, 32
-    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-3, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, 6e-3, total_steps=steps, pct_start=0.15)
-    generator = torch.Generator().manual_seed(0)
-    start = time.time()
-    for _ in range(steps):
-        index = torch.randint(0, len(train['image']), (batch,), generator=generator)
-        outputs = model(normalize(train['image'][index]))
-        loss = detection_loss(outputs, train['boxes'][index], train['box_labels'][index])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-    model.eval()
-    with torch.no_grad():
-        boxes, scores, labels = decode_detections(model(normalize(val['image'])))
-    targets = [(b[c >= 0], c[c >= 0]) for b, c in zip(val['boxes'], val['box_labels'])]
-    result = mean_average_precision(list(zip(boxes, scores, labels)), targets, num_classes=6)
-    print(f'{steps} steps in {time.time() - start:.1f}s: {result}')
-    assert result['map50'] > 0.4 and result['map'] > 0.2

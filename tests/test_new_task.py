@@ -57,7 +57,7 @@ def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_pa
     # its own tests (the fast ones here; the whole suite is the template's) and its train.sh with the stubs
     _ok(
         subprocess.run(
-            [sys.executable, '-m', 'pytest', '-q', 'tests/test_units.py'],
+            [sys.executable, '-m', 'pytest', '-q', '-n', '0', 'tests/test_units.py'],
             cwd=dest,
             capture_output=True,
             text=True,

@@ -166,12 +166,13 @@ def test_load_not_strict_reuses_a_checkpoint_with_another_head(trained, tiny_arg
     assert 'head.weight (6, 64) in file vs (8, 64) in model' in result.stdout
 
 
-@pytest.mark.parametrize('model', ['resnet18', 'linear'])
+@pytest.mark.parametrize('model', ['linear'])  # resnet18: tests/test_units.py (slow to train on a CPU)
 def test_other_models_train(tiny_args, model):
     _train(tiny_args, '--model_type', model, '--epochs', '1')
     assert os.path.isfile(os.path.join(_experiment(tiny_args, model=model), 'best.pth'))
 
 
+@pytest.mark.slow
 def test_scripts_train_then_eval_on_the_default_dataset(tmp_path):
     """The bash scripts as shipped, on the real default dataset (generated into tmp), one epoch."""
     env = {'EPOCHS': '1', 'SAVE_PREFIX': 'script'}

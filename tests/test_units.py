@@ -324,3 +324,13 @@ def test_more_processes_than_gpus_is_one_line_naming_both_counts_and_the_fixes(m
         distributed.init_distributed(cpu=False)
     message = str(error.value)
     assert '2 processes' in message and '1 GPU' in message and '--cpu' in message and '--nproc-per-node 1' in message
+
+
+def test_the_small_image_resnet18_runs_and_has_layer_groups():
+    from model.model_entry import select_model
+    from utils.finetune import ModelFreezer
+
+    model = select_model(argparse.Namespace(model_type='resnet18', num_classes=6, img_size=32))
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 6)
+    groups = [type(g).__name__ for g in ModelFreezer(model).get_layer_groups()]
+    assert groups[0] == 'Conv2d' and groups[-1] == 'Linear' and groups.count('Sequential') == 4

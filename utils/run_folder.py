@@ -170,7 +170,6 @@ def open_experiment(argv, args):
     if resume_from:
         merged = parse_args(parse_train_args, argv, base_config=saved)
         _refuse_changes(parse_args(parse_train_args, [], base_config=saved), merged, folder)
-        merged.model_type, merged.data_type = args.model_type, args.data_type  # as resolved when it started
         args = merged
     lock = FolderLock(folder)
     try:

@@ -15,11 +15,15 @@ def set_seed(seed):
 
 
 def set_deterministic(enabled):
-    """Use only deterministic algorithms (--deterministic), so the same run gives the same bits on a GPU too."""
+    """Use only deterministic algorithms (--deterministic), so the same run gives the same bits on a GPU
+    too; or stop doing so (a second run in the same process). Switched only when it changes: turning it
+    on imports torch's compiler (seconds)."""
+    if torch.are_deterministic_algorithms_enabled() == enabled:
+        return
     if enabled:
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # required by deterministic cuBLAS
-        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)
 
 
 def rng_states():
