@@ -6,7 +6,8 @@
    same model, optimizer and schedule, for the same epochs. The two alternate --repeats times in one
    process, so machine noise hits both alike; images/s and the median ratio are printed.
 2. Saving one checkpoint (the full training state), relative to one epoch.
-3. Time from starting `python train.py` to its first optimizer step, beside `python -c "import torch"`.
+3. Time from starting `python train.py` to its first optimizer step, beside `python -c "import torch"`
+   and beside the shortest hand-written script that makes one optimizer step of the same model.
 4. Evaluation: eval.py's loop (every result file and picture) against a bare forward loop.
 """
 
@@ -118,12 +119,39 @@ def bench_checkpoint(run, epoch_seconds):
     )
 
 
+# The shortest script to one optimizer step of the same model on one batch, timed the way train.py
+# times itself: from the script's first line. torch.optim imports torch._dynamo on its first call
+# (torch._disable_dynamo), so any script that trains with a torch optimizer pays for that import.
+HAND_WRITTEN_FIRST_STEP = """
+import sys, time
+started = time.perf_counter()
+import argparse, torch
+from model.model_entry import select_model
+device = torch.device(sys.argv[1])
+model = select_model(argparse.Namespace(model_type=sys.argv[2], num_classes=6, img_size=64)).to(device)
+optimizer = torch.optim.AdamW(model.parameters(), 3e-3)
+images, labels = torch.randn(128, 3, 64, 64, device=device), torch.randint(0, 6, (128,), device=device)
+torch.nn.functional.cross_entropy(model(images), labels).backward()
+optimizer.step()
+print(time.perf_counter() - started)
+"""
+
+
 def bench_first_step(options, scratch):
-    """Print how long `python train.py` takes to its first optimizer step, beside `python -c "import torch"`."""
-    firsts, imports = [], []
+    """Print how long `python train.py` takes to its first optimizer step, beside `python -c "import torch"`
+    and a hand-written script's first step."""
+    firsts, imports, hands = [], [], []
     device = ['--cpu'] if options.device == 'cpu' else []
     for repeat in range(3):
         imports.append(timed(lambda: subprocess.run([sys.executable, '-c', 'import torch'], check=True)))
+        hand = subprocess.run(
+            [sys.executable, '-c', HAND_WRITTEN_FIRST_STEP, options.device, options.model_type],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        hands.append(float(hand.stdout))
         result = subprocess.run(
             [
                 sys.executable,
@@ -141,10 +169,11 @@ def bench_first_step(options, scratch):
             check=True,
         )
         firsts.append(float(re.search(r'first step ([0-9.]+)s after start', result.stdout).group(1)))
-    first, imported = statistics.median(firsts), statistics.median(imports)
+    first, imported, hand = statistics.median(firsts), statistics.median(imports), statistics.median(hands)
     print(
         f'time to first step: median {first:.2f}s from the start of train.py; python -c "import torch" takes '
-        f'{imported:.2f}s: {first / imported:.2f}x (3 alternating runs)'
+        f'{imported:.2f}s: {first / imported:.2f}x; a hand-written script reaches its first step in {hand:.2f}s: '
+        f'{first / hand:.2f}x (3 alternating runs)'
     )
 
 

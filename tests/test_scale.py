@@ -84,6 +84,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(one_and_two_pro
 
 def test_only_rank_zero_writes(one_and_two_processes):
     one, two = one_and_two_processes
+
     # one event file, no per-rank copies; the two-process run keeps two epoch checkpoints (--keep_last 2)
     def files(args):
         return [name for name in run_files(_folder(args, 'linear')) if not name.startswith('epoch')]
