@@ -80,7 +80,7 @@ def tiny_shapes(tmp_path_factory):
 
 def tiny_run_args(shapes_dir, checkpoints_dir):
     """Command-line options for a fast 2-epoch training run on a tiny dataset, on the CPU (so runs compare
-    bit for bit on any machine; tests/test_gpu.py covers the GPU)."""
+    bit for bit on any machine; the CUDA tests in test_scale.py and test_data_path.py cover the GPU)."""
     return [
         '--data_type',
         'list',

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_script, timeout, tiny_run_args
-from test_trackers import read_events, read_metrics_csv, wandb_records
+from test_trackers import read_events, read_metrics_csv, wandb_logged, wandb_records
 
 # MLflow 3.17's SQLite store uses an SQLAlchemy loader option that SQLAlchemy 2.1 deprecates
 pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning:mlflow')
@@ -331,31 +331,12 @@ def read_wandb(folder):
     config, summary) as the .wandb transaction logs record them."""
     runs = sorted(os.listdir(os.path.join(folder, 'wandb')))
     runs = [os.path.join(folder, 'wandb', run) for run in runs if run.startswith('offline-run-')]
-    ids, history, config, summary = [], {}, {}, {}
+    logs = []
     for run in runs:
         (log,) = [name for name in os.listdir(run) if name.endswith('.wandb')]
-        ids.append(re.fullmatch(r'run-(\w+)\.wandb', log).group(1))
-        for record in wandb_records(Path(run, log)):
-            kind = record.WhichOneof('record_type')
-            if kind == 'history':
-                row = {}
-                for item in record.history.item:  # an image is several items: nested_key [tag, field]
-                    key, *field = [item.key] if item.key else item.nested_key
-                    value = json.loads(item.value_json)
-                    row[key] = {**row.get(key, {}), field[0]: value} if field else value
-                for key, value in row.items():
-                    history.setdefault(key, []).append((row['_step'], value))
-            elif kind in ('run', 'config'):
-                updates = record.run.config.update if kind == 'run' else record.config.update
-                config.update({item.key: json.loads(item.value_json) for item in updates})
-            elif kind == 'summary':
-                summary.update(
-                    {
-                        item.key or '/'.join(item.nested_key): json.loads(item.value_json)
-                        for item in record.summary.update
-                    }
-                )
-    return ids, history, config, summary
+        logs.append(Path(run, log))
+    ids = [re.fullmatch(r'run-(\w+)\.wandb', log.name).group(1) for log in logs]
+    return (ids, *wandb_logged(logs))
 
 
 def wandb_config(folder):

@@ -293,20 +293,11 @@ def wandb_records(path):
             record = b''
 
 
-@pytest.fixture
-def wandb_module():
-    wandb = pytest.importorskip('wandb', reason='wandb is not installed')
-    yield wandb
-    wandb.teardown()  # stop this test's W&B service, started with this test's environment
-
-
-def read_offline_runs(folder, run_id):
-    """The history ({key: [(step, value)]}), config and summary in the offline runs of `run_id`."""
-    # A's and B's: offline-run-<start time>-<id>, with a -1 added when both started in the same second
-    runs = sorted((folder / 'wandb').glob('offline-run-*'))
-    assert len(runs) == 2 and all(re.fullmatch(rf'offline-run-\d+_\d+-{run_id}(-\d+)?', run.name) for run in runs)
+def wandb_logged(logs):
+    """What the .wandb transaction logs `logs` record, in order: history ({key: [(step, value)]}),
+    config and summary."""
     history, config, summary = {}, {}, {}
-    for record in (record for run in runs for record in wandb_records(run / f'run-{run_id}.wandb')):
+    for record in (record for log in logs for record in wandb_records(log)):
         kind = record.WhichOneof('record_type')
         if kind == 'history':
             row = {}
@@ -324,6 +315,21 @@ def read_offline_runs(folder, run_id):
                 {item.key or '/'.join(item.nested_key): json.loads(item.value_json) for item in record.summary.update}
             )
     return history, config, summary
+
+
+@pytest.fixture
+def wandb_module():
+    wandb = pytest.importorskip('wandb', reason='wandb is not installed')
+    yield wandb
+    wandb.teardown()  # stop this test's W&B service, started with this test's environment
+
+
+def read_offline_runs(folder, run_id):
+    """The history ({key: [(step, value)]}), config and summary in the offline runs of `run_id`."""
+    # A's and B's: offline-run-<start time>-<id>, with a -1 added when both started in the same second
+    runs = sorted((folder / 'wandb').glob('offline-run-*'))
+    assert len(runs) == 2 and all(re.fullmatch(rf'offline-run-\d+_\d+-{run_id}(-\d+)?', run.name) for run in runs)
+    return wandb_logged([run / f'run-{run_id}.wandb' for run in runs])
 
 
 def test_wandb_offline_resume_has_every_point_once_in_one_run(tmp_path, wandb_module):
