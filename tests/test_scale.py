@@ -82,6 +82,18 @@ def test_two_processes_train_like_one_with_the_same_global_batch(one_and_two_pro
     assert config['world_size'] == 2 and config['total_batch_size'] == 16 and config['is_distributed']
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason='needs 2 GPUs: the NCCL variant of the two-process test')
+def test_two_gpus_under_nccl_train_like_one_gpu(tiny_shapes, tmp_path):
+    one, two = (
+        [arg for arg in tiny_run_args(tiny_shapes, tmp_path / name) if arg != '--cpu'] for name in ('one', 'two')
+    )
+    _train(one, *LINEAR_SGD, '--deterministic')
+    _torchrun('train.py', *two, *LINEAR_SGD, '--deterministic', '--batch_size', '8')
+    single, double = _last(_folder(one, 'linear')), _last(_folder(two, 'linear'))
+    assert _step(single) == _step(double) == 12
+    _assert_same_weights(single, double, atol=1e-4)  # GPU reductions add in another order
+
+
 def test_only_rank_zero_writes(one_and_two_processes):
     one, two = one_and_two_processes
 
