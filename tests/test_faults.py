@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_script, timeout, tiny_run_args
+from utils.run_folder import FolderLock
 
 EXPERIMENT = 'small_cnn_list_default'
 
@@ -169,6 +170,25 @@ def test_two_runs_of_one_folder_are_refused(tiny_shapes, tmp_path):
     first.communicate(timeout=timeout(120))
     assert first.returncode == 128 + signal.SIGTERM
     assert len([n for n in os.listdir(_folder(args)) if n.startswith('events.')]) == 1
+
+
+def test_a_forked_child_of_a_dead_run_does_not_hold_its_folder(tmp_path):
+    """DataLoader workers are forked from the run; when a SIGKILL ends the run first, they take a moment
+    to notice, and a --resume in that moment must not be refused."""
+    code = (
+        f'import os, sys, time; sys.path.insert(0, {REPO!r}); from utils.run_folder import FolderLock; '
+        f'lock = FolderLock({str(tmp_path)!r}); child = os.fork()\n'
+        f'if child == 0: time.sleep(60); os._exit(0)\n'
+        f'print(child, flush=True); os._exit(0)'
+    )
+    run = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, text=True)
+    child = int(run.stdout.readline())
+    try:
+        assert run.wait(timeout=timeout()) == 0 and _running(child)  # the run is gone, its child is not
+        FolderLock(str(tmp_path)).release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        run.stdout.close()
 
 
 # full disks, read-only folders, interrupted start-ups -------------------------------------------------

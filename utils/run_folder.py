@@ -9,6 +9,7 @@ uses it.
 import contextlib
 import dataclasses
 import datetime
+import errno
 import fcntl
 import glob
 import importlib.metadata
@@ -109,14 +110,18 @@ def discard_folder_if_setup_fails(folder):
 
 class FolderLock:
     """An advisory lock on a run folder, held while a run uses it and released when its process ends
-    (however it ends): a second run of the same folder is refused with the PID holding it."""
+    (however it ends): a second run of the same folder is refused with the PID holding it. A POSIX
+    record lock (lockf), not flock: forked DataLoader workers do not inherit it, so a resume is not
+    refused in the moment they take to notice that a killed run is gone."""
 
     def __init__(self, folder):
         self.path = os.path.join(folder, LOCK)
         self.file = open(self.path, 'a+')
         try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
             self.file.seek(0)
             holder = self.file.read().strip() or 'another process'
             self.file.close()
