@@ -297,7 +297,7 @@ def test_eval_checkpoint_that_holds_no_weights(tmp_path, content):
 
 def test_eval_checkpoint_with_malformed_args_uses_the_command_line(data, trained, tmp_path):
     _, folder = trained
-    checkpoint = torch.load(folder / 'best.pth', weights_only=True)
+    checkpoint = torch.load(folder / 'best.pth', weights_only=True, map_location='cpu')
     checkpoint['args'] = 'not a dict'
     path = tmp_path / 'odd_args.pth'
     torch.save(checkpoint, path)
