@@ -101,6 +101,15 @@ def tiny_run_args(shapes_dir, checkpoints_dir):
     ]
 
 
+def tiny_seg_args(shapes_dir, checkpoints_dir):
+    """tiny_run_args on the tiny shapes' segmentation lists (the masks); add --task segment to train."""
+    args = tiny_run_args(shapes_dir, checkpoints_dir)
+    args[args.index('--data_type') + 1] = 'seg_list'
+    args[args.index('--train_list') + 1] = os.path.join(shapes_dir, 'seg_train.txt')
+    args[args.index('--val_list') + 1] = os.path.join(shapes_dir, 'seg_val.txt')
+    return args
+
+
 @pytest.fixture
 def tiny_args(tiny_shapes, tmp_path):
     """tiny_run_args writing under this test's tmp_path."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_script, timeout, tiny_run_args
+from conftest import REPO, run_script, timeout, tiny_run_args, tiny_seg_args
 from test_trackers import read_events, read_metrics_csv, wandb_logged, wandb_records
 
 # MLflow 3.17's SQLite store uses an SQLAlchemy loader option that SQLAlchemy 2.1 deprecates
@@ -631,34 +631,9 @@ def test_detect_anomaly_names_the_operation_whose_backward_made_a_nan(tiny_shape
 
 
 def test_hparams_rows_of_a_classify_and_a_segment_run_in_one_logdir(tiny_shapes, tmp_path):
-    common = [
-        '--checkpoints_dir',
-        str(tmp_path / 'ck'),
-        '--epochs',
-        '1',
-        '--batch_size',
-        '16',
-        '--no-progress_bar',
-        '--num_workers',
-        '0',
-        '--cpu',
-        '--no-log_images',
-    ]
     classify = train_in_process(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1', '--no-log_images'])
     segment = train_in_process(
-        common
-        + [
-            '--task',
-            'segment',
-            '--data_type',
-            'seg_list',
-            '--model_type',
-            'seg_net',
-            '--train_list',
-            os.path.join(tiny_shapes, 'seg_train.txt'),
-            '--val_list',
-            os.path.join(tiny_shapes, 'seg_val.txt'),
-        ]
+        tiny_seg_args(tiny_shapes, tmp_path / 'ck') + ['--task', 'segment', '--epochs', '1', '--no-log_images']
     )
     assert sorted(os.listdir(tmp_path / 'ck')) == sorted(
         os.path.basename(run.options.model_dir) for run in (classify, segment)

@@ -13,20 +13,12 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, run_script, timeout, tiny_run_args
+from conftest import REPO, run_script, timeout, tiny_run_args, tiny_seg_args
 
 
 def _ok(result):
     assert result.returncode == 0, result.stdout + result.stderr
     return result
-
-
-def _seg_args(shapes_dir, checkpoints_dir):
-    args = tiny_run_args(shapes_dir, checkpoints_dir)
-    args[args.index('--data_type') + 1] = 'seg_list'
-    args[args.index('--train_list') + 1] = os.path.join(shapes_dir, 'seg_train.txt')
-    args[args.index('--val_list') + 1] = os.path.join(shapes_dir, 'seg_val.txt')
-    return args
 
 
 def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_path):
@@ -100,7 +92,7 @@ def test_generator_refuses_a_non_empty_destination(tmp_path):
 @pytest.fixture(scope='module')
 def segmented(tiny_shapes, tmp_path_factory):
     """A 2-epoch segmentation run through scripts/train_seg.sh on the tiny shapes' masks: its folder."""
-    args = _seg_args(tiny_shapes, tmp_path_factory.mktemp('seg'))
+    args = tiny_seg_args(tiny_shapes, tmp_path_factory.mktemp('seg'))
     result = subprocess.run(
         ['bash', 'scripts/train_seg.sh', *args[2:]],
         cwd=REPO,

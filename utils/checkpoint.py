@@ -60,7 +60,8 @@ def save_checkpoint(state, path):
 
 def load_checkpoint(path, map_location='cpu'):
     """Load a checkpoint or state dict safely: `.safetensors` files with the safetensors package,
-    anything else with `torch.load(weights_only=True)`; problems become a KilnError."""
+    anything else with `torch.load(weights_only=True)` onto `map_location` (the CPU unless asked);
+    problems become a KilnError."""
     if not os.path.isfile(path):
         raise KilnError(f'checkpoint {path} does not exist; check --load_model_path')
     if path.endswith('.safetensors'):
