@@ -19,10 +19,11 @@ import contextlib
 import csv
 import json
 import os
+import sys
 
 from data.data_entry import select_dataset
 from data.loader import Batches
-from options import Options, prefix_map
+from options import given_options, inherit, prefix_map
 from tasks.task_entry import task_class
 from utils.checkpoint import load_checkpoint
 from utils.checkpoint_keeper import verify
@@ -30,6 +31,7 @@ from utils.device import select_device
 from utils.distributed import cleanup_distributed, init_distributed, is_main_process, run_on_main_process
 from utils.errors import KilnError
 from utils.evaluation import evaluate
+from utils.logger import Logger
 from utils.model_setup import setup_model
 from utils.run_folder import (
     checkpoints_to_evaluate,
@@ -40,13 +42,10 @@ from utils.run_folder import (
 )
 from utils.viz import save_png
 
-# options that describe the model and data; the ones not given are taken from the checkpoint's training run
-INHERITED = ('task', 'model_type', 'data_type', 'img_size', 'num_classes', 'val_list', 'loss', 'topk')
 
-
-def load_for_inference(args, path):
+def load_for_inference(args, given, path):
     """Load the checkpoint `path` (checked against its recorded checksum) and resolve the options it is
-    run with: those not given come from its training run, then from its task's defaults.
+    run with (options.inherit: those not `given` that decide the numbers come from its training run).
     Returns (options, checkpoint, task class)."""
     verify(path)
     checkpoint = load_checkpoint(path)
@@ -56,99 +55,110 @@ def load_for_inference(args, path):
             f'give a checkpoint written by train.py or a state dict'
         )
     trained_with = checkpoint.get('args') if isinstance(checkpoint.get('args'), dict) else {}
-    given = {name: getattr(args, name, None) for name in INHERITED}
-    values = {name: given[name] if given[name] is not None else trained_with.get(name) for name in INHERITED}
-    if values['model_type'] is None:
+    if 'model_type' not in given and not trained_with.get('model_type'):
         raise KilnError(f'{path} does not say which model it holds; give --model_type')
-    task_type = task_class(values['task'] or 'classify')
-    values.update(
-        task=values['task'] or 'classify',
-        img_size=values['img_size'] or task_type.default_image_size,
-        topk=values['topk'] or 3,
-        data_type=values['data_type'] or task_type.default_data[bool(values['val_list'])],
-    )
+    options = inherit(args, given, trained_with).replace(load_model_path=path)
     class_names = checkpoint.get('class_names')
-    if values['num_classes'] is None and class_names:
-        values['num_classes'] = len(class_names)
-    return Options.of(args, **values, load_model_path=path), checkpoint, task_type
+    if options.num_classes is None and class_names:
+        options = options.replace(num_classes=len(class_names))
+    return options, checkpoint, task_class(options.task)
 
 
-def evaluate_checkpoint(args, path):
-    """Evaluate one checkpoint into its own result folder; return its metrics."""
-    options, checkpoint, task_type = load_for_inference(args, path)
-    folder = result_folder(path, 'eval', evaluated_list_name(args.val_list), options.save_prefix)  # 'val' unless given
-    options = options.replace(result_dir=folder)
-    run_on_main_process(create_run_folder, folder, options, 'choose a new --save_prefix to keep the old results')
-    with discard_folder_if_setup_fails(folder) if is_main_process() else contextlib.nullcontext():
-        device = select_device(options.cpu, options.gpus)
-        dataset = select_dataset(options, 'val')
-        options = options.replace(num_classes=options.num_classes or dataset.num_classes)
-        task = task_type(options, dataset.class_names or checkpoint.get('class_names'))
-        task.check_dataset(dataset, options.data_type)
-        data = Batches(
-            dataset,
-            device,
+class Evaluator:
+    """Evaluates one checkpoint on a list (torch_base's Evaluator): built from the resolved options and
+    the loaded checkpoint, `eval()` runs the evaluation loop that validation runs (so the numbers agree
+    with training's) and writes result.txt, result.json, predictions.csv and the pictures (every
+    --viz_freq batches, drawn and saved by its Logger's writer thread) into `folder`."""
+
+    def __init__(self, options, checkpoint, task_type, folder):
+        self.folder = folder
+        self.device = select_device(options.cpu, options.gpus)
+        self.dataset = select_dataset(options, 'val')
+        self.options = options = options.replace(num_classes=options.num_classes or self.dataset.num_classes)
+        self.task = task_type(options, self.dataset.class_names or checkpoint.get('class_names'))
+        self.task.check_dataset(self.dataset, options.data_type)
+        self.data = Batches(
+            self.dataset,
+            self.device,
             batch_size=options.batch_size,
             shuffle=False,
             seed=options.seed,
-            collate=task.collate,
+            collate=self.task.collate,
             workers=options.num_workers,
             channels_last=options.channels_last,
             image_size=options.img_size,
         )
-        setup = setup_model(
-            options, device, checkpoint, strict=not options.load_not_strict, source=path, prefix_map=prefix_map(options)
+        self.setup = setup_model(
+            options,
+            self.device,
+            checkpoint,
+            strict=not options.load_not_strict,
+            source=options.load_model_path,
+            prefix_map=prefix_map(options),
         )
-        every = range(0, len(data), options.viz_freq) if options.save_viz else ()
+        self.logger = Logger()  # no trackers: results are files of the result folder
+
+    def eval(self):
+        """Evaluate the whole list, write the results (rank 0) and return the metrics."""
+        o = self.options
         evaluation = evaluate(
-            setup.wrapped,
-            data,
-            task,
-            setup.autocast,
-            class_names=task.class_names,
+            self.setup.wrapped,
+            self.data,
+            self.task,
+            self.setup.autocast,
+            class_names=self.task.class_names,
             keep_rows=True,
-            picture_batches=every,
-            progress_bar=options.progress_bar and is_main_process(),
+            picture_batches=range(0, len(self.data), o.viz_freq) if o.save_viz else (),
+            progress_bar=o.progress_bar and is_main_process(),
             description='eval',
         )
-    if is_main_process():
-        write_results(folder, options, task, dataset, evaluation)
-        main_metrics = {k: v for k, v in evaluation.metrics.items() if '/' not in k}
-        print(f'{path}: ' + ' '.join(f'{k} {v:.4f}' for k, v in main_metrics.items()))
-        print(
-            f'  results in {folder}: result.txt, result.json, predictions.csv{", pictures" if options.save_viz else ""}'
-        )
-    return evaluation.metrics
+        if is_main_process():
+            self.logger.save_pictures(evaluation.pictures, self.task.pictures, self.folder)
+            self.write_results(evaluation)
+            self.logger.wait()
+            main_metrics = {k: v for k, v in evaluation.metrics.items() if '/' not in k}
+            print(f'{o.load_model_path}: ' + ' '.join(f'{k} {v:.4f}' for k, v in main_metrics.items()))
+            print(
+                f'  results in {self.folder}: result.txt, result.json, predictions.csv'
+                f'{", pictures" if o.save_viz else ""}'
+            )
+        return evaluation.metrics
+
+    def write_results(self, evaluation):
+        """result.txt (one `metric: value` per line), result.json, predictions.csv and the task's
+        pictures of the whole list (e.g. the confusion matrix)."""
+        folder, task = self.folder, self.task
+        header = {
+            'checkpoint': self.options.load_model_path,
+            'list': getattr(self.dataset, 'list_path', None),
+            'samples': len(self.dataset),
+        }
+        with open(os.path.join(folder, 'result.txt'), 'w') as f:
+            f.writelines(f'{key}: {value}\n' for key, value in header.items())
+            f.writelines(f'{key}: {value:.4f}\n' for key, value in evaluation.metrics.items())
+        details = {'class_names': task.class_names}
+        confusion = getattr(evaluation.metric_object, 'confusion', None)
+        if confusion is not None:
+            details['confusion_matrix'] = confusion.tolist()
+        with open(os.path.join(folder, 'result.json'), 'w') as f:
+            json.dump({**header, 'metrics': evaluation.metrics, **details}, f, indent=1)
+        with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
+            writer = csv.writer(f)
+            writer.writerow(task.eval_header)
+            for path, rows in zip(self.dataset.image_paths(), evaluation.rows):
+                writer.writerows([path, *row] for row in rows)
+        for name, picture in task.result_pictures(evaluation.metric_object).items():
+            save_png(picture, os.path.join(folder, f'{name}.png'))
 
 
-def write_results(folder, options, task, dataset, evaluation):
-    """result.txt (one `metric: value` per line), result.json, predictions.csv and the pictures."""
-    header = {
-        'checkpoint': options.load_model_path,
-        'list': getattr(dataset, 'list_path', None),
-        'samples': len(dataset),
-    }
-    with open(os.path.join(folder, 'result.txt'), 'w') as f:
-        f.writelines(f'{key}: {value}\n' for key, value in header.items())
-        f.writelines(f'{key}: {value:.4f}\n' for key, value in evaluation.metrics.items())
-    details = {'class_names': task.class_names}
-    confusion = getattr(evaluation.metric_object, 'confusion', None)
-    if confusion is not None:
-        details['confusion_matrix'] = confusion.tolist()
-    with open(os.path.join(folder, 'result.json'), 'w') as f:
-        json.dump({**header, 'metrics': evaluation.metrics, **details}, f, indent=1)
-    paths = dataset.image_paths()
-    with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
-        writer = csv.writer(f)
-        writer.writerow(task.eval_header)
-        for path, rows in zip(paths, evaluation.rows):
-            writer.writerows([path, *row] for row in rows)
-    if options.save_viz:
-        for batch, pictures in evaluation.pictures.items():
-            for name, picture in pictures.items():
-                save_png(picture, os.path.join(folder, f'{name}_batch{batch:04d}.png'))
-    for name, picture in task.result_pictures(evaluation.metric_object).items():
-        save_png(picture, os.path.join(folder, f'{name}.png'))
+def evaluate_checkpoint(args, given, path):
+    """Evaluate one checkpoint into its own new result folder; return its metrics."""
+    options, checkpoint, task_type = load_for_inference(args, given, path)
+    folder = result_folder(path, 'eval', evaluated_list_name(args.val_list), options.save_prefix)  # 'val' unless given
+    options = options.replace(result_dir=folder)
+    run_on_main_process(create_run_folder, folder, options, 'choose a new --save_prefix to keep the old results')
+    with discard_folder_if_setup_fails(folder) if is_main_process() else contextlib.nullcontext():
+        return Evaluator(options, checkpoint, task_type, folder).eval()
 
 
 def prepare_comparison(args, checkpoints):
@@ -184,14 +194,16 @@ def write_comparison(folder, rows):
 
 def main(argv=None, args=None):
     """Join torchrun's processes if any, then evaluate the checkpoint, or each of several and compare them."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = args or parse_args(parse_test_args, argv)
+    given = given_options(parse_test_args, argv)
     init_distributed(args.cpu, args.gpus)
     try:
         checkpoints = checkpoints_to_evaluate(args.load_model_path)
         if len(checkpoints) == 1:
-            return evaluate_checkpoint(args, checkpoints[0])
+            return evaluate_checkpoint(args, given, checkpoints[0])
         folder = run_on_main_process(prepare_comparison, args, checkpoints)
-        rows = [(checkpoint, evaluate_checkpoint(args, checkpoint)) for checkpoint in checkpoints]
+        rows = [(checkpoint, evaluate_checkpoint(args, given, checkpoint)) for checkpoint in checkpoints]
         if is_main_process():
             write_comparison(folder, rows)
             with open(os.path.join(folder, 'comparison.txt')) as f:

@@ -96,11 +96,12 @@ class ConfusionMetrics:
     sums = ('matrix',)  # the counters a checkpoint keeps
 
     def state_dict(self):
-        """The counters of all processes, as host tensors (a collective: every process calls it)."""
-        return dict(zip(self.sums, (t.long() for t in reduced(*self.totals()))))
+        """This process's counters, as host tensors (no communication: the checkpointer adds up those of
+        every process)."""
+        return {name: total.detach().long().cpu() for name, total in zip(self.sums, self.totals())}
 
     def load_state_dict(self, state):
-        """Continue counting from `state_dict` (under torchrun, on rank 0 only: it holds everyone's counts)."""
+        """Continue counting from `state_dict` (under torchrun, rank 0 loads everyone's counts)."""
         for name in self.sums:
             setattr(self, name, state[name].clone())
 

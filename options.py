@@ -8,6 +8,7 @@ Folders, resume and checkpoints are resolved later (utils/run_folder.py).
 
 import argparse
 import math
+import os
 import sys
 
 import yaml
@@ -47,6 +48,30 @@ REGISTRIES = {  # option -> (registry module, dict name, its file)
     'task': ('tasks.task_entry', 'TASKS', 'tasks/task_entry.py'),
     'model_type': ('model.model_entry', 'MODELS', 'model/model_entry.py'),
     'data_type': ('data.data_entry', 'DATASETS', 'data/data_entry.py'),
+}
+# what decides the numbers evaluation measures: eval.py and predict.py take these from the
+# checkpoint's training run unless they are given (on the command line or in --config)
+INHERITED = (
+    'task',
+    'model_type',
+    'data_type',
+    'data_root',
+    'val_list',
+    'num_classes',
+    'img_size',
+    'loss',
+    'topk',
+    'amp',
+    'channels_last',
+)
+# what a task decides when not given (tasks/task.py): option -> the Task attribute
+TASK_DEFAULTS = {
+    'model_type': 'default_model',
+    'data_type': 'default_data',
+    'loss': 'default_loss',
+    'img_size': 'default_image_size',
+    'monitor': 'monitor',
+    'monitor_mode': 'monitor_mode',
 }
 AUGMENTATIONS = ('crop', 'hflip', 'vflip')  # the names data/augment.py knows
 LOGGERS = ('tensorboard', 'csv', 'wandb', 'mlflow')
@@ -487,6 +512,14 @@ def _check_names(args):
                 )
 
 
+def _config_and_flags(parser, argv, base_config):
+    """The tokens `parser` reads: the `base_config` file's, the --config file's, then `argv`."""
+    config_parser = KilnArgumentParser(add_help=False)
+    config_parser.add_argument('--config')
+    config_path = config_parser.parse_known_args(argv)[0].config
+    return [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)] + argv
+
+
 def parse_args(add_args, argv=None, base_config=None):
     """Parse `argv` with the options added by `add_args`, applying `--config FILE` first.
 
@@ -494,13 +527,55 @@ def parse_args(add_args, argv=None, base_config=None):
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = add_args(KilnArgumentParser(description=add_args.__doc__))
-    config_parser = KilnArgumentParser(add_help=False)
-    config_parser.add_argument('--config')
-    config_path = config_parser.parse_known_args(argv)[0].config
-    config_argv = [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)]
-    args = parser.parse_args(config_argv + argv)
+    args = parser.parse_args(_config_and_flags(parser, argv, base_config))
     _check_names(args)
     return args
+
+
+def given_options(add_args, argv):
+    """The names of the options that `argv` sets, by a flag or through its --config file (a value that
+    equals the default counts as given: it was asked for)."""
+    parser = add_args(KilnArgumentParser(add_help=False))
+    parser._defaults.clear()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(_config_and_flags(parser, list(argv), None))))
+
+
+def resolve(args, **changes):
+    """The options a run computes with, read-only: `args` with `changes`, and, for the options left
+    unset, what the task decides (TASK_DEFAULTS: model, dataset, loss, image size, monitor). The one
+    place these defaults are decided, for train.py, eval.py, predict.py and sweep.py. Imports the
+    task's module (and so torch) only when an option is unset."""
+    options = Options.of(args, **changes)
+    unset = [name for name in TASK_DEFAULTS if name in vars(options) and getattr(options, name) is None]
+    options = options.replace(task=options.task or 'classify')
+    if not unset:
+        return options
+    from tasks.task_entry import task_class
+
+    task = task_class(options.task)
+    lists = bool(getattr(options, 'train_list', None) or options.val_list)
+    values = {name: getattr(task, TASK_DEFAULTS[name]) for name in unset}
+    if 'data_type' in values:
+        values['data_type'] = values['data_type'][lists]  # without / with list files
+    return options.replace(**values)
+
+
+def experiment_folder(options):
+    """The experiment folder of a training run with resolved `options`:
+    `<checkpoints_dir>/<model_type>_<data_type>_<save_prefix>`."""
+    return os.path.join(options.checkpoints_dir, f'{options.model_type}_{options.data_type}_{options.save_prefix}')
+
+
+def inherit(args, given, trained_with):
+    """eval.py's and predict.py's options: those of INHERITED not `given` come from the checkpoint's
+    training run (`trained_with`, its saved options), then from the task (see resolve)."""
+    inherited = {
+        name: trained_with[name] if name not in given and name in trained_with else getattr(args, name, None)
+        for name in INHERITED
+    }
+    return resolve(args, **inherited)
 
 
 def saved_options(args):

@@ -17,14 +17,15 @@ if __name__ == '__main__':
 
 import csv
 import os
+import sys
 
 import torch
 
 from data.augment import BatchTransform
 from data.image_io import decode_image
-from data.list_file import read_list_file, resolve_path
+from data.list_file import read_image_paths
 from eval import load_for_inference
-from options import prefix_map
+from options import given_options, prefix_map
 from utils.device import select_device
 from utils.errors import KilnError
 from utils.model_setup import setup_model
@@ -45,7 +46,7 @@ def images_to_predict(source):
             if name.lower().endswith(IMAGE_EXTENSIONS)
         )
     elif os.path.isfile(source):
-        paths = [resolve_path(source, fields[0]) for _, fields in read_list_file(source)]
+        paths = read_image_paths(source)
     else:
         raise KilnError(f'--input {source} is neither a folder nor a list file')
     if not paths:
@@ -94,9 +95,10 @@ def predict(options, task, setup, device, paths, folder):
 
 def main(argv=None, args=None):
     """Resolve the checkpoint and its options, make the result folder and predict."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = args or parse_args(parse_predict_args, argv)
     path = checkpoint_path(args.load_model_path)
-    options, checkpoint, task_type = load_for_inference(args, path)
+    options, checkpoint, task_type = load_for_inference(args, given_options(parse_predict_args, argv), path)
     if not options.num_classes:
         raise KilnError(f'{path} does not say how many classes it predicts; give --num_classes')
     paths = images_to_predict(options.input)  # before the folder exists: a refused input leaves nothing

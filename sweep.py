@@ -41,7 +41,7 @@ import sys
 
 import yaml
 
-from options import KilnArgumentParser, parse_args, parse_train_args
+from options import KilnArgumentParser, experiment_folder, parse_args, parse_train_args, resolve
 from utils.errors import KilnError, run_cli
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -246,18 +246,6 @@ def plan(combos, name, train_argv, actions):
     return list(runs.values())
 
 
-def experiment_folder(options):
-    """utils/run_folder.experiment_folder after train.py's resolve_task_defaults (loads torch only for a default)."""
-    model, data = options.model_type, options.data_type
-    if model is None or data is None:
-        from tasks.task_entry import task_class
-
-        task = task_class(options.task)
-        model = model or task.default_model
-        data = data or task.default_data[bool(options.train_list or options.val_list)]
-    return os.path.join(options.checkpoints_dir, f'{model}_{data}_{options.save_prefix}')
-
-
 def finished(run, done):
     """Why `run` counts as finished (see the module docstring), or None."""
 
@@ -451,7 +439,7 @@ def main(argv):
             print(f'[{index}/{len(runs)}] {run.prefix}\n$ {shlex.join([sys.executable, TRAIN, *run.argv])}')
         return 0
     for run in runs:
-        run.folder = experiment_folder(run.options)
+        run.folder = experiment_folder(resolve(run.options))  # loads torch only for a task's default
     return run_all(runs, name, base, args.compare)
 
 

@@ -1,8 +1,10 @@
 """Train a model: `python train.py --help`.
 
-Read it top down: `main` resolves the options and the experiment folder once, `build` makes every
-part of the run from them (each part lives in a file named by its one job), and `train` is the
-loop. A new task, dataset or model is a file plus a registry line; nothing here changes for it.
+Read it top down: `main` resolves the options and the experiment folder once, `Trainer.build` makes
+every part of the run from them (each part lives in a file named by its one job), and
+`Trainer.train` is the loop, in one screen; the pieces a new kind of training changes are methods
+of their own (`train_step`, `optimizer_step`, `validate`, `save`). A new task, dataset or model is a
+file plus a registry line; nothing here changes for it.
 """
 
 import time
@@ -18,7 +20,6 @@ if __name__ == '__main__':
     ARGS = run_cli(lambda argv: parse_args(parse_train_args, argv))  # --help and mistakes answer before torch loads
 
 import contextlib
-import dataclasses
 import math
 import os
 import sys
@@ -29,15 +30,14 @@ from tqdm import tqdm
 from data.augment import augmentation_names
 from data.data_entry import select_dataset
 from data.loader import Batches
-from options import Options, prefix_map, saved_options
+from options import prefix_map, resolve, saved_options
 from tasks.task_entry import TASKS, task_class
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
-from utils.checkpoint_keeper import LAST, CheckpointKeeper
+from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper
 from utils.checkpointer import Checkpointer, Position, RandomStates
 from utils.debug import training_profiler
 from utils.device import select_device
 from utils.distributed import (
-    barrier,
     cleanup_distributed,
     init_distributed,
     is_distributed,
@@ -49,10 +49,10 @@ from utils.distributed import (
 )
 from utils.evaluation import evaluate
 from utils.finetune import FineTuning
+from utils.logger import Logger
 from utils.model_setup import setup_model
 from utils.monitor import Monitor
 from utils.progress import progress
-from utils.recorder import Recorder
 from utils.run_folder import (
     TrainerRunConfig,
     append_reproducibility_record,
@@ -60,7 +60,7 @@ from utils.run_folder import (
     discard_folder_if_setup_fails,
     open_experiment,
 )
-from utils.run_history import InMemoryRunHistory
+from utils.run_history import RunHistory
 from utils.seeding import set_deterministic, set_seed
 from utils.stopping import Stopper, StopReason
 from utils.trackers import build_trackers
@@ -95,58 +95,6 @@ SCHEDULERS = {
 }
 
 
-@dataclasses.dataclass
-class Run:
-    """The parts of one training run, as `build` made them; `train` drives them."""
-
-    options: Options
-    task: object
-    device: torch.device
-    train_data: Batches
-    val_data: Batches
-    setup: object  # utils.model_setup.ModelSetup
-    finetuning: FineTuning
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    scaler: torch.amp.GradScaler
-    position: Position
-    stopper: Stopper
-    monitor: Monitor
-    history: InMemoryRunHistory
-    recorder: Recorder  # train/loss and the learning rate between validations
-    train_metrics: object  # the task's metrics of the training batches between validations
-    checkpointer: Checkpointer
-    trackers: object = None
-    lock: object = None  # the experiment folder's lock, held by rank 0 while the run lives
-    max_steps: int = 0
-    updates_per_epoch: int = 0
-    first_step_seconds: float | None = None
-
-
-def resolve_task_defaults(args):
-    """Fill the options a task decides when they are not given: model, dataset, loss, monitor."""
-    task = task_class(args.task)
-    args.model_type = args.model_type or task.default_model
-    args.data_type = args.data_type or task.default_data[bool(args.train_list or args.val_list)]
-    args.loss = args.loss or task.default_loss
-    args.img_size = args.img_size or task.default_image_size
-    args.monitor = args.monitor or task.monitor
-    args.monitor_mode = args.monitor_mode or task.monitor_mode
-    return args
-
-
-def resolve_options(args, task_type, train_set):
-    """The run's final options, read-only from here on: the number of classes comes from the data."""
-    options = Options.of(args, num_classes=args.num_classes or train_set.num_classes)
-    metric_names = [f'{split}/{name}' for split in ('val', 'train') for name in task_type.metric_names(options)]
-    if options.monitor not in metric_names:
-        raise KilnError(
-            f'--monitor {options.monitor} is not a metric of --task {options.task}; choose one of: '
-            f'{", ".join(metric_names)}'
-        )
-    return options
-
-
 def batches(options, task, dataset, device, train):
     """The train or validation batches of `dataset` as the options ask (see data/loader.py)."""
     overfit = options.overfit_batches
@@ -168,63 +116,19 @@ def batches(options, task, dataset, device, train):
     )
 
 
-def build(args):
-    """Every part of a training run, built from the resolved options (`args` from open_experiment)."""
-    set_seed(args.seed)
-    set_deterministic(args.deterministic)
-    torch.autograd.set_detect_anomaly(args.detect_anomaly)
-    device = select_device(args.cpu, args.gpus)
-    task_type = task_class(args.task)
-    train_set = select_dataset(args, 'train')
-    options = resolve_options(args, task_type, train_set)
-    task = task_type(options, train_set.class_names)
-    task.check_dataset(train_set, options.data_type)
-    # --overfit_batches validates on the very batches it trains on
-    val_set = train_set if options.overfit_batches else select_dataset(options, 'val')
-    train_data, val_data = (
-        batches(options, task, train_set, device, True),
-        batches(options, task, val_set, device, False),
-    )
+class Trainer:
+    """One training run: its parts, made by `Trainer.build` from the resolved options, and the loop
+    that drives them, `train()`.
 
-    checkpoint = load_checkpoint(options.resume_from) if options.resume_from else None
-    weights = checkpoint_path(options.load_model_path) if options.load_model_path and checkpoint is None else None
-    setup = setup_model(
-        options, device, weights, strict=not options.load_not_strict, prefix_map=prefix_map(options), wrap=False
-    )
-    # freeze before wrapping for DDP, which syncs only what is trainable when it wraps
-    finetuning = FineTuning(setup.model, options.freeze_to, options.freeze_batch_norms, options.unfreeze_at_epoch)
-    setup.wrap(options)
-    groups = finetuning.param_groups(options.lr, options.head_lr, options.backbone_lr, options.unfrozen_lr_scale)
-    optimizer = OPTIMIZERS[options.optimizer](groups, options)
-    updates_per_epoch = math.ceil(len(train_data) / options.grad_accum_steps)
-    max_steps = options.max_iteration or options.epochs * updates_per_epoch
-    scheduler = SCHEDULERS[options.scheduler](optimizer, options, max_steps, updates_per_epoch)
-    scaler = torch.amp.GradScaler(device.type, enabled=options.amp == 'fp16')
-    position, history, recorder = Position(), InMemoryRunHistory(), Recorder()
-    monitor = Monitor(options.monitor, options.monitor_mode, options.early_stop_patience, options.early_stop_min_delta)
-    train_metrics = task.train_metrics()
-    keeper = (
-        CheckpointKeeper(options.model_dir, options.keep_last, options.keep_best, options.monitor_mode)
-        if is_main_process()
-        else None
-    )
-    # the stateful parts a checkpoint is made of; `position` before the data order it checks
-    parts = {
-        'model': setup.model,
-        'optimizer': optimizer,
-        'scheduler': scheduler,
-        'scaler': scaler,
-        'position': position,
-        'data_order': position.data_order(train_data),
-        'rng': RandomStates(),
-        'history': history,
-        'monitor': monitor,
-    }
-    rank_zero_parts = {'recorder': recorder}  # sums of every process: restored on rank 0 only
-    if train_metrics is not None:
-        rank_zero_parts['train_metrics'] = train_metrics
-    checkpointer = Checkpointer(parts, rank_zero_parts, keeper)
-    run = Run(
+    Each part lives in a file named by its one job and carries its own state (what a checkpoint is
+    made of); the Trainer's own state is the number of steps to make. A new kind of training changes
+    one method: `train_step` (a second loss term, a teacher model), `optimizer_step`, `validate` or
+    `save`; subclass the Trainer and build it with `MyTrainer.build(options)`.
+    """
+
+    def __init__(
+        self,
+        *,
         options,
         task,
         device,
@@ -236,229 +140,375 @@ def build(args):
         scheduler,
         scaler,
         position,
-        Stopper(device),
+        stopper,
         monitor,
         history,
-        recorder,
-        train_metrics,
+        logger,
         checkpointer,
-        max_steps=max_steps,
-        updates_per_epoch=updates_per_epoch,
-    )
-    if checkpoint is not None:
-        checkpointer.load(checkpoint, options.resume_from)
-        run.stopper.resume_at(position.step)
-        if finetuning.is_unfrozen(position.epoch, position.batch):  # --unfreeze_at_epoch took effect before
-            finetuning.unfreeze()
-            setup.wrap(options)
+        lock=None,
+    ):
+        self.options, self.task, self.device = options, task, device
+        self.train_data, self.val_data = train_data, val_data
+        self.setup, self.finetuning = setup, finetuning  # the model (plain, compiled, wrapped) and its freezing
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.position, self.stopper, self.monitor, self.history = position, stopper, monitor, history
+        self.logger, self.checkpointer = logger, checkpointer
+        self.lock = lock  # the experiment folder's lock, held by rank 0 while the run lives
+        self.updates_per_epoch = math.ceil(len(train_data) / options.grad_accum_steps)
+        self.max_steps = options.max_iteration or options.epochs * self.updates_per_epoch
+        self.first_step_seconds = None
+
+    @classmethod
+    def build(cls, options, lock=None):
+        """Every part of a training run, from the options resolved by `open_experiment` (the number of
+        classes still comes from the data); with --resume, loaded from the checkpoint."""
+        set_seed(options.seed)
+        set_deterministic(options.deterministic)
+        torch.autograd.set_detect_anomaly(options.detect_anomaly)
+        device = select_device(options.cpu, options.gpus)
+        task_type = task_class(options.task)
+        train_set = select_dataset(options, 'train')
+        options = options.replace(num_classes=options.num_classes or train_set.num_classes)
+        check_monitor(options, task_type)
+        task = task_type(options, train_set.class_names)
+        task.check_dataset(train_set, options.data_type)
+        # --overfit_batches validates on the very batches it trains on
+        val_set = train_set if options.overfit_batches else select_dataset(options, 'val')
+        train_data = batches(options, task, train_set, device, True)
+        val_data = batches(options, task, val_set, device, False)
+
+        checkpoint = load_checkpoint(options.resume_from) if options.resume_from else None
+        weights = checkpoint_path(options.load_model_path) if options.load_model_path and checkpoint is None else None
+        setup = setup_model(
+            options, device, weights, strict=not options.load_not_strict, prefix_map=prefix_map(options), wrap=False
+        )
+        # freeze before wrapping for DDP, which syncs only what is trainable when it wraps
+        finetuning = FineTuning(setup.model, options.freeze_to, options.freeze_batch_norms, options.unfreeze_at_epoch)
+        setup.wrap(options)
+        groups = finetuning.param_groups(options.lr, options.head_lr, options.backbone_lr, options.unfrozen_lr_scale)
+        optimizer = OPTIMIZERS[options.optimizer](groups, options)
+        updates_per_epoch = math.ceil(len(train_data) / options.grad_accum_steps)
+        max_steps = options.max_iteration or options.epochs * updates_per_epoch
+        scheduler = SCHEDULERS[options.scheduler](optimizer, options, max_steps, updates_per_epoch)
+        scaler = torch.amp.GradScaler(device.type, enabled=options.amp == 'fp16')
+        position, history = Position(), RunHistory()
+        monitor = Monitor(
+            options.monitor, options.monitor_mode, options.early_stop_patience, options.early_stop_min_delta
+        )
+        trackers = None
+        if is_main_process():  # the others log to no tracker
+            trackers = build_trackers(
+                options.loggers,
+                options.model_dir,
+                os.path.basename(options.model_dir),
+                hparams_metric_names(options),
+                Checkpointer.step_of(checkpoint, options.resume_from) if checkpoint else None,
+                checkpoint.get('trackers') if checkpoint else None,
+                options,
+            )
+        logger = Logger(trackers, task.train_metrics())
+        keeper = None
+        if is_main_process():
+            keeper = CheckpointKeeper(options.model_dir, options.keep_last, options.keep_best, options.monitor_mode)
+        # the stateful parts a checkpoint is made of; `position` before the data order it checks
+        parts = {
+            'model': setup.model,
+            'optimizer': optimizer,
+            'scheduler': scheduler,
+            'scaler': scaler,
+            'position': position,
+            'data_order': position.data_order(train_data),
+            'rng': RandomStates(),
+            'history': history,
+            'monitor': monitor,
+            'recorder': logger.recorder,
+        }
+        if logger.train_metrics is not None:
+            parts['train_metrics'] = logger.train_metrics
+        checkpointer = Checkpointer(
+            parts,
+            per_process=['rng'],
+            summed=[name for name in ('recorder', 'train_metrics') if name in parts],
+            late_parts={'trackers': logger.trackers},
+            keeper=keeper,
+            writer=logger.writer,
+        )
+        trainer = cls(
+            options=options,
+            task=task,
+            device=device,
+            train_data=train_data,
+            val_data=val_data,
+            setup=setup,
+            finetuning=finetuning,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            position=position,
+            stopper=Stopper(),
+            monitor=monitor,
+            history=history,
+            logger=logger,
+            checkpointer=checkpointer,
+            lock=lock,
+        )
+        if checkpoint is not None:
+            trainer.resume(checkpoint)
+        if setup.load_report is not None and is_main_process():
+            report = {'source': options.load_model_path, **setup.load_report.to_dict()}
+            atomic_write_json(report, os.path.join(options.model_dir, 'load_report.json'))
+        return trainer
+
+    def resume(self, checkpoint):
+        """Continue from `checkpoint` (loaded from --resume): every part's state, and the freezing it had."""
+        self.checkpointer.load(checkpoint, self.options.resume_from)
+        position = self.position
+        if self.finetuning.is_unfrozen(position.epoch, position.batch):  # --unfreeze_at_epoch took effect before
+            self.finetuning.unfreeze()
+            self.setup.wrap(self.options)
         if is_main_process():
             print(
-                f'resuming {options.resume_from}: epoch {position.epoch + 1}, batch {position.batch}, '
+                f'resuming {self.options.resume_from}: epoch {position.epoch + 1}, batch {position.batch}, '
                 f'step {position.step}'
             )
-    if is_main_process():
-        run.trackers = build_trackers(
-            options.loggers,
-            options.model_dir,
-            os.path.basename(options.model_dir),
-            hparams_metric_names(options),
-            position.step if checkpoint else None,
-            checkpoint.get('trackers') if checkpoint else None,
-            options,
+
+    # the loop ---------------------------------------------------------------------------------------
+    def train(self):
+        """Train until --epochs (or --max_iteration) are done or a stop; return the Stop, or None when done."""
+        o, position, stopper = self.options, self.position, self.stopper
+        self.record_start()
+        start, seen = time.perf_counter(), 0
+        with stopper, training_profiler(o.profile, o.model_dir) as profiler:
+            while stopper.stop is None and position.step < self.max_steps:
+                if self.finetuning.unfreezes_at(position.epoch, position.batch):  # --unfreeze_at_epoch
+                    self.finetuning.unfreeze()
+                    self.setup.wrap(o)  # DDP syncs only what was trainable when it wrapped
+                self.finetuning.train_mode(self.setup.wrapped)
+                epoch = position.epoch
+                for batch in progress(
+                    self.train_data.epoch(epoch, start=position.batch),
+                    o.progress_bar and is_main_process(),
+                    f'epoch {epoch + 1}',
+                    total=len(self.train_data) - position.batch,
+                ):
+                    # the batches of one update: --grad_accum_steps of them, fewer at the end of the epoch
+                    group_start = position.batch // o.grad_accum_steps * o.grad_accum_steps
+                    group_size = min(o.grad_accum_steps, len(self.train_data) - group_start)
+                    position.batch += 1
+                    update = position.batch == group_start + group_size
+                    seen += self.train_step(batch, group_size, update)
+                    if not update:
+                        continue
+
+                    self.optimizer_step()
+                    position.step += 1
+                    stopper.after_step()  # a stop signal, agreed by every process
+                    profiler.step()
+                    if self.first_step_seconds is None:
+                        self.first_step_seconds = time.perf_counter() - STARTED
+                    if position.step % o.print_freq == 0:  # the only host sync between validations
+                        self.print_progress(seen / (time.perf_counter() - start))
+                    if position.batch == len(self.train_data):  # so a checkpoint saved now records a whole epoch
+                        position.epoch, position.batch = epoch + 1, 0
+                    self.after_update()
+                    if stopper.stop or position.step >= self.max_steps:
+                        break
+        return stopper.stop
+
+    def train_step(self, batch, group_size, update):
+        """Forward, loss and backward of one batch, whose gradient counts 1/`group_size` in the update;
+        `update` says that the batch ends one (DDP averages gradients only then). Records the loss and
+        the train metrics on the device; returns the number of samples."""
+        model, task = self.setup.wrapped, self.task
+        with contextlib.nullcontext() if update or not is_distributed() else model.no_sync():
+            with self.setup.autocast():
+                outputs = task.forward(model, batch)
+                loss = task.loss(outputs, batch)
+            self.scaler.scale(loss / group_size if group_size > 1 else loss).backward()
+        count = task.count(batch)
+        self.stopper.watch_loss(loss, self.position.step + 1)
+        self.logger.record('train/loss', loss, count)
+        self.logger.record_outputs(task.outputs_to_float(outputs), batch)
+        return count
+
+    def optimizer_step(self):
+        """Unscale and clip the accumulated gradients, step the optimizer and the schedule."""
+        o = self.options
+        if o.clip_grad_norm or o.clip_grad_value:
+            self.scaler.unscale_(self.optimizer)
+            params = [p for group in self.optimizer.param_groups for p in group['params']]
+            if o.clip_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, o.clip_grad_norm)
+            if o.clip_grad_value:
+                torch.nn.utils.clip_grad_value_(params, o.clip_grad_value)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if o.scheduler != 'plateau':
+            self.scheduler.step()
+
+    def after_update(self):
+        """Validate and save as --valid_interval / --save_interval say (and before stopping)."""
+        o, step, stopper = self.options, self.position.step, self.stopper
+        finished = step >= self.max_steps
+        due = step % o.valid_interval == 0 if o.valid_interval else self.position.batch == 0
+        metrics = self.validate() if (due or finished) and stopper.stop is None else None
+        due_save = o.save_interval is not None and step % o.save_interval == 0
+        if metrics is not None or due_save or finished or stopper.stop:
+            self.save(metrics)
+
+    def validate(self):
+        """Close the train/* means, evaluate the validation split, and update history, best and early
+        stopping; the curves and pictures go to the Logger. Returns the metrics (and 'improved')."""
+        o, step = self.options, self.position.step
+        metrics = self.logger.summary()  # train/* since the last validation, over every process
+        metrics['train/lr'] = self.optimizer.param_groups[0]['lr']
+        evaluation = evaluate(
+            self.setup.wrapped,
+            self.val_data,
+            self.task,
+            self.setup.autocast,
+            picture_batches={0} if o.log_images else (),
+            progress_bar=o.progress_bar and is_main_process(),
         )
-        if setup.load_report is not None:
-            atomic_write_json(
-                {'source': options.load_model_path, **setup.load_report.to_dict()},
-                os.path.join(options.model_dir, 'load_report.json'),
+        self.finetuning.train_mode(self.setup.wrapped)
+        metrics.update({f'val/{k}': v for k, v in evaluation.metrics.items()})
+        for name, value in metrics.items():
+            self.history.update_metric(name, value)
+        value = metrics[o.monitor]
+        if o.scheduler == 'plateau':
+            self.scheduler.step(value)
+        improved = self.monitor.update(value)
+        self.stopper.check_early_stop(self.monitor)
+        self.logger.log_metrics(metrics, step, self.position.epoch)
+        self.logger.log_pictures(evaluation.pictures, self.task.pictures, step)
+        if is_main_process():
+            shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if k != 'train/lr')
+            print(f'{self.position_text()} {shown}{" (best)" if improved else ""}', flush=True)
+        return dict(metrics, improved=improved)
+
+    def save(self, metrics=None):
+        """Save the full state, unless a loss or model value is no longer finite (then the run stops and
+        nothing reached through it is saved); best.pth when --monitor improved. Every process takes part;
+        the state is copied now and written on the Logger's writer thread."""
+        if not self.stopper.check_finite(unwrap_model(self.setup.model), step=self.position.step):
+            return
+        metrics = metrics or {}
+        monitored = metrics.get(self.options.monitor)
+        extra = {'args': saved_options(self.options), 'class_names': self.task.class_names, 'monitor_value': monitored}
+        self.checkpointer.save(self.position.epoch, self.position.step, monitored, bool(metrics.get('improved')), extra)
+        self.logger.commit(self.position.step)  # after the file: every point up to this step is final
+        if is_main_process():
+            self.logger.submit(atomic_write_json, self.history.state_dict(), self.folder('history.json'))
+
+    # what the run says and writes about itself ---------------------------------------------------------
+    def folder(self, name):
+        """A path in the experiment folder."""
+        return os.path.join(self.options.model_dir, name)
+
+    def position_text(self):
+        """Where the run is, for printed lines: `epoch 3/12 step 5/46`, `epoch 3/12`, or `step 40/100`."""
+        o, position = self.options, self.position
+        if o.max_iteration:
+            return f'step {position.step}/{self.max_steps}'
+        if position.batch == 0:
+            return f'epoch {position.epoch}/{o.epochs}'
+        updates = math.ceil(position.batch / o.grad_accum_steps)
+        return f'epoch {position.epoch + 1}/{o.epochs} step {updates}/{self.updates_per_epoch}'
+
+    def print_progress(self, images_per_second):
+        """One line of running train metrics (of this process), learning rate and throughput, from one
+        host read that also checks the losses since the last line (every process takes part)."""
+        running = self.logger.running_means()
+        self.stopper.check_finite(losses_finite=math.isfinite(running.get('train/loss', 0.0)), step=self.position.step)
+        if is_main_process():
+            shown = ' '.join(f'{k} {v:.4f}' for k, v in running.items())
+            tqdm.write(
+                f'{self.position_text()} {shown} lr {self.optimizer.param_groups[0]["lr"]:.2e} '
+                f'{images_per_second * world_size():.0f} img/s'
             )
-    return run
 
-
-def train(run):
-    """Train until --epochs (or --max_iteration) are done or a stop; return the Stop, or None when done."""
-    o, task, position, stopper = run.options, run.task, run.position, run.stopper
-    model = run.setup.wrapped
-    if is_main_process():
-        write_run_records(run)
-    start, seen = time.perf_counter(), 0
-    with stopper, training_profiler(o.profile, o.model_dir) as profiler:
-        while stopper.stop is None and position.step < run.max_steps:
-            if run.finetuning.unfreezes_at(position.epoch, position.batch):  # --unfreeze_at_epoch
-                run.finetuning.unfreeze()
-                run.setup.wrap(o)
-                model = run.setup.wrapped
-            run.finetuning.train_mode(model)
-            epoch = position.epoch
-            for batch in progress(
-                run.train_data.epoch(epoch, start=position.batch),
-                o.progress_bar and is_main_process(),
-                f'epoch {epoch + 1}',
-                total=len(run.train_data) - position.batch,
-            ):
-                # the batches of one update: --grad_accum_steps of them, fewer at the end of the epoch
-                group_start = position.batch // o.grad_accum_steps * o.grad_accum_steps
-                group_size = min(o.grad_accum_steps, len(run.train_data) - group_start)
-                position.batch += 1
-                update = position.batch == group_start + group_size
-                # DDP averages gradients only on the batch that ends an update
-                with contextlib.nullcontext() if update or not is_distributed() else model.no_sync():
-                    with run.setup.autocast():
-                        outputs = task.forward(model, batch)
-                        loss = task.loss(outputs, batch)
-                    run.scaler.scale(loss / group_size).backward()
-                stopper.watch_loss(loss)
-                count = task.count(batch)
-                seen += count
-                run.recorder.record('train/loss', loss, count)
-                if run.train_metrics is not None:
-                    run.train_metrics.update(task.outputs_to_float(outputs).detach(), batch)
-                if not update:
-                    continue
-
-                optimizer_step(run)
-                position.step += 1
-                stopper.after_step()  # a stop signal, agreed by every process
-                profiler.step()
-                if run.first_step_seconds is None:
-                    run.first_step_seconds = time.perf_counter() - STARTED
-                if position.step % o.print_freq == 0:  # the only host syncs between validations
-                    stopper.check_finite()
-                    print_progress(run, seen / (time.perf_counter() - start))
-                if position.batch == len(run.train_data):  # so a checkpoint saved now records a whole epoch
-                    position.epoch, position.batch = epoch + 1, 0
-                    run.history.end_epoch()
-                after_update(run)
-                if stopper.stop or position.step >= run.max_steps:
-                    break
-    return stopper.stop
-
-
-def optimizer_step(run):
-    """Unscale and clip the accumulated gradients, step the optimizer and the schedule."""
-    o = run.options
-    if o.clip_grad_norm or o.clip_grad_value:
-        run.scaler.unscale_(run.optimizer)
-        params = [p for group in run.optimizer.param_groups for p in group['params']]
-        if o.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, o.clip_grad_norm)
-        if o.clip_grad_value:
-            torch.nn.utils.clip_grad_value_(params, o.clip_grad_value)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    if o.scheduler != 'plateau':
-        run.scheduler.step()
-
-
-def after_update(run):
-    """Validate and save as --valid_interval / --save_interval say (and before stopping)."""
-    o, step, stopper = run.options, run.position.step, run.stopper
-    finished = step >= run.max_steps
-    due = step % o.valid_interval == 0 if o.valid_interval else run.position.batch == 0
-    metrics = validate(run) if (due or finished) and stopper.stop is None else None
-    due_save = o.save_interval is not None and step % o.save_interval == 0
-    if metrics is not None or due_save or finished or stopper.stop:
-        save(run, metrics)
-
-
-def validate(run):
-    """Close the train/* means, evaluate the validation split, and update history, best and early stopping."""
-    o, step = run.options, run.position.step
-    metrics = run.recorder.summary(all_ranks=True)  # train/loss since the last validation
-    if run.train_metrics is not None:
-        metrics.update({f'train/{k}': v for k, v in run.train_metrics.compute().items()})
-        run.train_metrics.reset()
-    metrics['train/lr'] = run.optimizer.param_groups[0]['lr']
-    evaluation = evaluate(
-        run.setup.wrapped,
-        run.val_data,
-        run.task,
-        run.setup.autocast,
-        picture_batches={0} if o.log_images else (),
-        progress_bar=o.progress_bar and is_main_process(),
-    )
-    run.finetuning.train_mode(run.setup.wrapped)
-    metrics.update({f'val/{k}': v for k, v in evaluation.metrics.items()})
-    for name, value in metrics.items():
-        run.history.update_metric(name, value)
-    value = metrics[o.monitor]
-    if o.scheduler == 'plateau':
-        run.scheduler.step(value)
-    improved = run.monitor.update(value)
-    run.stopper.check_early_stop(run.monitor)
-    if run.trackers:
-        run.trackers.log_metrics(metrics, step, run.position.epoch)
-        for pictures in evaluation.pictures.values():
-            run.trackers.log_images({f'val/{name}': picture for name, picture in pictures.items()}, step)
-    if is_main_process():
-        shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if k != 'train/lr')
-        print(f'{position_text(run)} {shown}{" (best)" if improved else ""}', flush=True)
-    return dict(metrics, improved=improved)
-
-
-def save(run, metrics=None):
-    """Save the full state, unless a loss or model value is no longer finite (then the run stops and
-    nothing reached through it is saved); best.pth when --monitor improved. Every process takes part."""
-    if not run.stopper.check_finite(unwrap_model(run.setup.model)):
-        return
-    metrics = metrics or {}
-    monitored = metrics.get(run.options.monitor)
-    extra = {
-        'args': saved_options(run.options),
-        'class_names': run.task.class_names,
-        'monitor_value': monitored,
-        'trackers': run.trackers.state_dict() if run.trackers else {},
-    }
-    run.checkpointer.save(run.position.epoch, run.position.step, monitored, bool(metrics.get('improved')), extra)
-    if is_main_process():
-        run.history.save_json(os.path.join(run.options.model_dir, 'history.json'))
-        if run.trackers:
-            run.trackers.commit(run.position.step)
-    barrier()
-
-
-def position_text(run):
-    """Where the run is, for printed lines: `epoch 3/12 step 5/46`, `epoch 3/12`, or `step 40/100`."""
-    o, position = run.options, run.position
-    if o.max_iteration:
-        return f'step {position.step}/{run.max_steps}'
-    if position.batch == 0:
-        return f'epoch {position.epoch}/{o.epochs}'
-    updates = math.ceil(position.batch / o.grad_accum_steps)
-    return f'epoch {position.epoch + 1}/{o.epochs} step {updates}/{run.updates_per_epoch}'
-
-
-def print_progress(run, images_per_second):
-    """One line of running train metrics (of this process), learning rate and throughput."""
-    if is_main_process():
-        running = ' '.join(f'{k} {v:.4f}' for k, v in run.recorder.means().items())
-        tqdm.write(
-            f'{position_text(run)} {running} lr {run.optimizer.param_groups[0]["lr"]:.2e} '
-            f'{images_per_second * world_size():.0f} img/s'
+    def record_start(self):
+        """Write run_config.json, add this start to reproduce.json and give the trackers the options
+        (on the writer thread: git and file writes need not delay the first step)."""
+        o = self.options
+        self.logger.log_text(
+            'args', '\n'.join(f'    {k}: {v}' for k, v in sorted(saved_options(o).items())), self.position.step
         )
+        self.logger.log_hparams(hparams(o))
+        if not is_main_process():
+            return
+        config = TrainerRunConfig(
+            num_epochs=math.ceil(self.max_steps / self.updates_per_epoch),
+            per_device_batch_size=o.batch_size,
+            total_batch_size=o.batch_size * o.grad_accum_steps * world_size(),
+            gradient_accumulation_steps=o.grad_accum_steps,
+            gradient_clip_value=o.clip_grad_norm or o.clip_grad_value,
+            num_update_steps_per_epoch=self.updates_per_epoch,
+            max_num_train_steps=self.max_steps,
+            world_size=world_size(),
+            is_local_process_zero=local_rank() == 0,
+            is_world_process_zero=rank() == 0,
+            is_distributed=is_distributed(),
+            mixed_precision=o.amp,
+        )
+        self.logger.submit(config.save, o.model_dir)
+        command = [sys.executable, *sys.argv]
+        self.logger.submit(append_reproducibility_record, o.model_dir, o, command, os.getcwd())
+
+    def final_metrics(self):
+        """The last value of every metric and the best --monitor value."""
+        history = self.history
+        metrics = {f'final/{name}': history.get_latest_metric(name) for name in sorted(history.get_metric_names())}
+        if self.monitor.best is not None:
+            metrics[f'best/{self.options.monitor}'] = self.monitor.best
+        return metrics
+
+    def report(self, stop, seconds):
+        """Say how the run ended and where its files are (only files that exist)."""
+        o, folder = self.options, self.options.model_dir
+        best = 'none' if self.monitor.best is None else f'{self.monitor.best:.4f}'
+        first = '' if self.first_step_seconds is None else f' (first step {self.first_step_seconds:.1f}s after start)'
+        lines = [
+            f'{stop.message if stop else "done"} after {seconds:.0f}s at step {self.position.step}{first}; '
+            f'best {o.monitor} {best}'
+        ]
+        existing = [name for name in (BEST, LAST) if os.path.exists(self.folder(name))]
+        if existing:
+            lines.append(f'  checkpoints: {", ".join(self.folder(name) for name in existing)}')
+        if 'tensorboard' in o.loggers:
+            lines.append(f'  TensorBoard: tensorboard --logdir {o.checkpoints_dir}')
+        if BEST in existing:
+            lines.append(f'  evaluate:    python eval.py --load_model_path {folder}/{BEST}')
+        if LAST in existing:
+            lines.append(f'  continue:    python train.py --resume {folder}/{LAST}')
+        print('\n'.join(lines), flush=True)
+
+    def run(self):
+        """Train, then let the Logger write what is pending, finish and close the trackers, and report;
+        returns the Stop (or None)."""
+        start = time.perf_counter()
+        try:
+            stop = self.train()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error to show is the first one
+                self.logger.close()  # what was logged so far is written and readable
+            raise
+        nonfinite = stop is not None and stop.reason == StopReason.NONFINITE
+        self.logger.close(None if nonfinite else self.final_metrics())
+        if is_main_process():
+            self.report(stop, time.perf_counter() - start)
+        return stop
 
 
-def write_run_records(run):
-    """Write run_config.json, add this start to reproduce.json, and give the trackers the options."""
-    o = run.options
-    TrainerRunConfig(
-        num_epochs=math.ceil(run.max_steps / run.updates_per_epoch),
-        per_device_batch_size=o.batch_size,
-        total_batch_size=o.batch_size * o.grad_accum_steps * world_size(),
-        gradient_accumulation_steps=o.grad_accum_steps,
-        gradient_clip_value=o.clip_grad_norm or o.clip_grad_value,
-        num_update_steps_per_epoch=run.updates_per_epoch,
-        max_num_train_steps=run.max_steps,
-        world_size=world_size(),
-        is_local_process_zero=local_rank() == 0,
-        is_world_process_zero=rank() == 0,
-        is_distributed=is_distributed(),
-        mixed_precision=o.amp,
-    ).save(o.model_dir)
-    append_reproducibility_record(o.model_dir, o)
-    shown = saved_options(o)
-    run.trackers.log_text('args', '\n'.join(f'    {k}: {v}' for k, v in sorted(shown.items())), run.position.step)
-    run.trackers.log_hparams(hparams(o))
+def check_monitor(options, task_type):
+    """A KilnError when --monitor is not one of the task's train/ or val/ metrics."""
+    metric_names = [f'{split}/{name}' for split in ('val', 'train') for name in task_type.metric_names(options)]
+    if options.monitor not in metric_names:
+        raise KilnError(
+            f'--monitor {options.monitor} is not a metric of --task {options.task}; choose one of: '
+            f'{", ".join(metric_names)}'
+        )
 
 
 def hparams(options):
@@ -503,102 +553,53 @@ def hparams_metric_names(options):
     return list(dict.fromkeys(names + [f'best/{options.monitor}']))
 
 
-def final_metrics(run):
-    """The last value of every metric and the best --monitor value."""
-    metrics = {f'final/{name}': run.history.get_latest_metric(name) for name in sorted(run.history.get_metric_names())}
-    if run.monitor.best is not None:
-        metrics[f'best/{run.options.monitor}'] = run.monitor.best
-    return metrics
-
-
-def report(run, stop, seconds):
-    """Say how the run ended and where its files are (only files that exist)."""
-    o, folder = run.options, run.options.model_dir
-    best = 'none' if run.monitor.best is None else f'{run.monitor.best:.4f}'
-    first = '' if run.first_step_seconds is None else f' (first step {run.first_step_seconds:.1f}s after start)'
-    lines = [
-        f'{stop.message if stop else "done"} after {seconds:.0f}s at step {run.position.step}{first}; '
-        f'best {o.monitor} {best}'
-    ]
-    existing = [name for name in ('best.pth', 'last.pth') if os.path.exists(os.path.join(folder, name))]
-    if existing:
-        lines.append(f'  checkpoints: {", ".join(os.path.join(folder, name) for name in existing)}')
-    if 'tensorboard' in o.loggers:
-        lines.append(f'  TensorBoard: tensorboard --logdir {o.checkpoints_dir}')
-    if 'best.pth' in existing:
-        lines.append(f'  evaluate:    python eval.py --load_model_path {folder}/best.pth')
-    if 'last.pth' in existing:
-        lines.append(f'  continue:    python train.py --resume {folder}/last.pth')
-    print('\n'.join(lines), flush=True)
-
-
-def run_training(run):
-    """Train, then finish the trackers and report; returns the Stop (or None)."""
-    start = time.perf_counter()
-    stop = None
-    try:
-        stop = train(run)
-    finally:
-        if run.trackers:
-            if stop is None or stop.reason != StopReason.NONFINITE:
-                with contextlib.suppress(KilnError):
-                    run.trackers.finish(final_metrics(run))
-            run.trackers.close()
-    if is_main_process():
-        report(run, stop, time.perf_counter() - start)
-    return stop
-
-
-def open_run(argv, args):
+def open_run(argv, options):
     """Rank 0 makes the experiment folder (or reopens it with --resume) and holds its lock; every
-    process gets the resolved options. Returns (args, lock or None)."""
+    process gets the run's options. Returns (options, lock or None)."""
     lock = None
 
     def on_main_process():
         nonlocal lock
-        resolved, lock = open_experiment(argv, args)
-        return resolved
+        opened, lock = open_experiment(argv, options)
+        return opened
 
     return run_on_main_process(on_main_process), lock
 
 
 def start(argv):
     """What `main` does before training, in one process: resolve the options, open the experiment
-    folder and build the run (for scripts and tests: `train(start(argv))`)."""
-    args, lock = open_experiment(argv, resolve_task_defaults(parse_args(parse_train_args, argv)))
-    run = build(resolve_task_defaults(args))
-    run.lock = lock
-    return run
+    folder and build the Trainer (for scripts and tests: `start(argv).run()`)."""
+    options, lock = open_experiment(argv, resolve(parse_args(parse_train_args, argv)))
+    return Trainer.build(options, lock)
 
 
 def main(argv=None, args=None):
-    """Join torchrun's processes if any, make (or reopen) the experiment folder, build the run and train."""
+    """Join torchrun's processes if any, make (or reopen) the experiment folder, build the Trainer and
+    run it; returns the Trainer."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = args or parse_args(parse_train_args, argv)
     init_distributed(args.cpu, args.gpus)
     try:
         if args.fast_dev_run:
             return fast_dev_run(argv, args)
-        args, lock = open_run(argv, resolve_task_defaults(args))
-        resolve_task_defaults(args)  # a resumed run's options come from its args.yaml: complete them alike
+        options, lock = open_run(argv, resolve(args))
         # a failed start removes a folder it just made, never one that --resume reopened
-        fresh = is_main_process() and args.resume_from is None and not args.resume
-        with discard_folder_if_setup_fails(args.model_dir) if fresh else contextlib.nullcontext():
-            run = build(args)
-            run.lock = lock
-            stop = run_training(run)
+        fresh = is_main_process() and options.resume_from is None and not options.resume
+        with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
+            trainer = Trainer.build(options, lock)
+            stop = trainer.run()
     finally:
         cleanup_distributed()
-    finish(run, stop)
-    return run
+    finish(trainer, stop)
+    return trainer
 
 
-def finish(run, stop):
+def finish(trainer, stop):
     """Exit as the stop asks: a one-line error after a non-finite value, 128 + the signal number after a signal."""
     if stop is None:
         return
     if stop.reason == StopReason.NONFINITE:
-        path = os.path.join(run.options.model_dir, LAST)
+        path = trainer.folder(LAST)
         if os.path.exists(path):  # name only files that exist
             advice = f'nothing after it was saved. Lower --lr (or clip gradients) and continue from --resume {path}'
         else:
@@ -632,15 +633,15 @@ def fast_dev_run(argv, args):
         '2',
     ]
     dev_argv = [token for token in dev_argv if token != '--fast_dev_run']
-    run = main(dev_argv)
-    checkpoint = os.path.join(run.options.model_dir, LAST)
+    trainer = main(dev_argv)
+    checkpoint = trainer.folder(LAST)
     device = ['--cpu'] if args.cpu else []
     evaluation_script.main(['--load_model_path', checkpoint, '--no-progress_bar', *device])
     predict.main(
-        ['--load_model_path', checkpoint, '--input', run.val_data.dataset.list_path, '--no-progress_bar', *device]
+        ['--load_model_path', checkpoint, '--input', trainer.val_data.dataset.list_path, '--no-progress_bar', *device]
     )
-    print(f'fast_dev_run: trained, saved, evaluated and predicted in {run.options.model_dir}')
-    return run
+    print(f'fast_dev_run: trained, saved, evaluated and predicted in {trainer.options.model_dir}')
+    return trainer
 
 
 if __name__ == '__main__':

@@ -30,21 +30,22 @@ import eval as evaluation
 import train
 from model.model_entry import select_model
 from utils.seeding import set_seed
+from utils.trackers import Trackers
 
 
-def hand_written_loop(run, epochs):
+def hand_written_loop(trainer, epochs):
     """The loop a user would write on the same batches: same model, optimizer, schedule and validation."""
-    o, device = run.options, run.device
+    o, device = trainer.options, trainer.device
     set_seed(o.seed)
     model = select_model(o).to(device, memory_format=torch.channels_last if o.channels_last else torch.preserve_format)
     if o.compile:
         model = torch.compile(model, mode=o.compile_mode)
     optimizer = torch.optim.AdamW(model.parameters(), o.lr, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * len(run.train_data))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * len(trainer.train_data))
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(o.amp)
     for epoch in range(epochs):
         model.train()
-        for batch in run.train_data.epoch(epoch):
+        for batch in trainer.train_data.epoch(epoch):
             with torch.autocast(device.type, dtype, enabled=dtype is not None):
                 loss = torch.nn.functional.cross_entropy(model(batch['image']), batch['label'])
             optimizer.zero_grad(set_to_none=True)
@@ -54,9 +55,9 @@ def hand_written_loop(run, epochs):
         model.eval()
         correct = torch.zeros((), device=device)
         with torch.no_grad(), torch.autocast(device.type, dtype, enabled=dtype is not None):
-            for batch in run.val_data.epoch(0):
+            for batch in trainer.val_data.epoch(0):
                 correct += (model(batch['image']).argmax(1) == batch['label']).sum()
-        accuracy = correct.item() / len(run.val_data.dataset)
+        accuracy = correct.item() / len(trainer.val_data.dataset)
     return accuracy
 
 
@@ -70,7 +71,7 @@ def timed(function):
 
 
 def bench_training(options, scratch, quiet):
-    """Print each repeat's images/s and the median Kiln/hand-written time ratio; return the last run and
+    """Print each repeat's images/s and the median Kiln/hand-written time ratio; return the last Trainer and
     the seconds of one of its epochs."""
     argv = [
         '--epochs',
@@ -84,14 +85,14 @@ def bench_training(options, scratch, quiet):
     ]
     ratios, speeds = [], []
     for repeat in range(options.repeats):
-        run = train.start(argv + ['--checkpoints_dir', os.path.join(scratch, f'run{repeat}')])
-        images = options.epochs * len(run.train_data) * run.options.batch_size
+        trainer = train.start(argv + ['--checkpoints_dir', os.path.join(scratch, f'run{repeat}')])
+        images = options.epochs * len(trainer.train_data) * trainer.options.batch_size
         if repeat % 2:  # alternate which goes first, so warm-up and drift do not favour one
-            hand = timed(lambda: hand_written_loop(run, options.epochs))
+            hand = timed(lambda: hand_written_loop(trainer, options.epochs))
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            kiln = timed(lambda: train.run_training(run))
+            kiln = timed(trainer.run)
         if not repeat % 2:
-            hand = timed(lambda: hand_written_loop(run, options.epochs))
+            hand = timed(lambda: hand_written_loop(trainer, options.epochs))
         ratios.append(kiln / hand)
         speeds.append((images / kiln, images / hand))
         print(
@@ -102,20 +103,28 @@ def bench_training(options, scratch, quiet):
     print(
         f'training: Kiln {statistics.median(s for s, _ in speeds):.0f} img/s, hand-written '
         f'{statistics.median(h for _, h in speeds):.0f} img/s; median ratio {statistics.median(ratios):.3f} '
-        f'({options.repeats} alternating runs of {options.epochs} epochs, {options.model_type} on {run.device}, '
+        f'({options.repeats} alternating runs of {options.epochs} epochs, {options.model_type} on {trainer.device}, '
         f'progress bar + TensorBoard + a checkpoint every epoch on)'
     )
-    return run, kiln / options.epochs
+    return trainer, kiln / options.epochs
 
 
-def bench_checkpoint(run, epoch_seconds):
-    """Print the median time of saving the full training state, and its share of one epoch."""
-    run.trackers = None  # closed at the end of the run
-    with contextlib.redirect_stdout(open(os.devnull, 'w')):
-        saves = [timed(lambda: train.save(run)) for _ in range(5)]
+def bench_checkpoint(trainer, epoch_seconds):
+    """Print the median time a save holds up the training thread, the time until its file is written,
+    and their shares of one epoch."""
+    trainer.logger.trackers, trainer.checkpointer.late_parts = Trackers(), {}  # closed at the end of the run
+    blocked, written = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        trainer.save()
+        blocked.append(time.perf_counter() - start)
+        trainer.logger.wait()
+        written.append(time.perf_counter() - start)
+    block, write = statistics.median(blocked), statistics.median(written)
     print(
-        f'checkpoint: saving the full state takes {statistics.median(saves) * 1000:.0f} ms (median of 5), '
-        f'{statistics.median(saves) / epoch_seconds * 100:.1f}% of one epoch ({epoch_seconds:.2f}s)'
+        f'checkpoint: a save holds up training for {block * 1000:.1f} ms ({block / epoch_seconds * 100:.1f}% of one '
+        f'epoch of {epoch_seconds:.2f}s); its file is written {write * 1000:.0f} ms after it starts, on the '
+        f'writer thread (medians of 5)'
     )
 
 
@@ -177,9 +186,9 @@ def bench_first_step(options, scratch):
     )
 
 
-def bench_eval(run, scratch, repeats):
+def bench_eval(trainer, scratch, repeats):
     """Print eval.py's throughput against a bare forward loop over the same validation batches."""
-    checkpoint = os.path.join(run.options.model_dir, 'last.pth')
+    checkpoint = os.path.join(trainer.options.model_dir, 'last.pth')
     ratios, speeds = [], []
     for repeat in range(repeats):
         argv = [
@@ -188,14 +197,14 @@ def bench_eval(run, scratch, repeats):
             '--no-progress_bar',
             '--save_prefix',
             f'bench{repeat}',
-            *(['--cpu'] if run.device.type == 'cpu' else []),
+            *(['--cpu'] if trainer.device.type == 'cpu' else []),
         ]
-        model = run.setup.wrapped
+        model = trainer.setup.wrapped
 
         def bare():
             model.eval()
             with torch.no_grad():
-                for batch in run.val_data.epoch(0):
+                for batch in trainer.val_data.epoch(0):
                     model(batch['image']).argmax(1)
 
         if repeat % 2:
@@ -205,7 +214,7 @@ def bench_eval(run, scratch, repeats):
         if not repeat % 2:
             hand = timed(bare)
         ratios.append(kiln / hand)
-        speeds.append(len(run.val_data.dataset) / kiln)
+        speeds.append(len(trainer.val_data.dataset) / kiln)
     print(
         f'evaluation: median {statistics.median(speeds):.0f} images/s with every result file, median ratio '
         f"{statistics.median(ratios):.3f} over a bare forward loop ({repeats} alternating runs; eval.py's time "
@@ -227,10 +236,10 @@ def main():
         f'{torch.cuda.get_device_name() if options.device == "cuda" else "no GPU used"}'
     )
     with tempfile.TemporaryDirectory() as scratch, open(os.devnull, 'w') as quiet:
-        run, epoch_seconds = bench_training(options, scratch, quiet)
-        bench_checkpoint(run, epoch_seconds)
+        trainer, epoch_seconds = bench_training(options, scratch, quiet)
+        bench_checkpoint(trainer, epoch_seconds)
         bench_first_step(options, scratch)
-        bench_eval(run, scratch, options.repeats)
+        bench_eval(trainer, scratch, options.repeats)
 
 
 if __name__ == '__main__':

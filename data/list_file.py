@@ -97,20 +97,15 @@ def _csv_rows(lines):
     return rows
 
 
-def read_list_file(path, columns=None):
-    """The entries of a list file as (line_number, fields) pairs, `fields` a list of strings.
-
-    With `columns`, each line must have that many fields, except that an unquoted,
-    whitespace-separated line with more fields keeps the extra leading ones in its first field
-    (`my image.png 3` -> ['my image.png', '3']: a path with spaces). .csv files are read with the
-    csv module (see _csv_rows). Missing, empty and malformed files raise a KilnError.
-    """
+def _entries(path, columns=None):
+    """(line_number, fields, text) of each entry of a list file; `text` is the line from its first field
+    to its last, comment and surrounding quotes cut off (None for CSV files). See read_list_file."""
     if not os.path.isfile(path):
         raise KilnError(f'list file {path} does not exist; check --train_list / --val_list / --input')
     with open(path, 'rb') as f:
         lines = re.split(r'\r\n|\r|\n', _decode(path, f.read()))
     if path.lower().endswith('.csv'):
-        entries = _csv_rows(lines)
+        entries = [(number, fields, None) for number, fields in _csv_rows(lines)]
     else:
         entries = []
         for number, line in enumerate(lines, start=1):
@@ -123,9 +118,9 @@ def read_list_file(path, columns=None):
                 extra = len(fields) - columns
                 fields = [line[spans[0][0] : spans[extra][1]]] + fields[extra + 1 :]
             if fields:
-                entries.append((number, fields))
+                entries.append((number, fields, None if quoted else line[spans[0][0] : spans[-1][1]]))
     if columns:
-        for number, fields in entries:
+        for number, fields, _ in entries:
             if len(fields) != columns:
                 raise KilnError(
                     f'{path}:{number}: expected {columns} fields, got {len(fields)}: {lines[number - 1].strip()!r}'
@@ -133,6 +128,37 @@ def read_list_file(path, columns=None):
     if not entries:
         raise KilnError(f'list file {path} lists no images')
     return entries
+
+
+def read_list_file(path, columns=None):
+    """The entries of a list file as (line_number, fields) pairs, `fields` a list of strings.
+
+    With `columns`, each line must have that many fields, except that an unquoted,
+    whitespace-separated line with more fields keeps the extra leading ones in its first field
+    (`my image.png 3` -> ['my image.png', '3']: a path with spaces). .csv files are read with the
+    csv module (see _csv_rows). Missing, empty and malformed files raise a KilnError.
+    """
+    return [(number, fields) for number, fields, _ in _entries(path, columns)]
+
+
+def read_image_paths(path):
+    """The image paths of a list file whose first field is an image (predict.py's --input), absolute;
+    what follows it (a label, a mask, boxes) is ignored. A line whose whole text names an existing
+    file is that file: a plain path with spaces, one per line, as `find images -name '*.png' > list.txt`
+    writes it. A first field that names no file, on a line with more, is one line saying to quote it."""
+    paths = []
+    for number, fields, text in _entries(path):
+        whole = resolve_path(path, text) if text and len(fields) > 1 else None
+        image = resolve_path(path, fields[0])
+        if whole and os.path.isfile(whole):
+            image = whole
+        elif whole and not os.path.exists(image):
+            raise KilnError(
+                f'{path}:{number}: image {image} does not exist; a path with spaces must be quoted '
+                f'("{text}") or be alone on its line'
+            )
+        paths.append(image)
+    return paths
 
 
 def resolve_path(list_path, field):

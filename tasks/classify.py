@@ -12,6 +12,7 @@ class ClassifyTask(Task):
     default_data = ('shapes', 'list')
     monitor = 'val/acc'
     targets = ('label',)
+    pictured = 32
 
     @classmethod
     def metric_names(cls, options):

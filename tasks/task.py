@@ -30,6 +30,7 @@ class Task:
     monitor = 'val/acc'  # default --monitor, and its --monitor_mode
     monitor_mode = 'max'
     targets = ('label',)  # the batch keys a dataset must provide besides 'image'
+    pictured = 8  # samples per pictured batch: `pictures` gets the first ones of a batch
 
     def __init__(self, options, class_names=None):
         """`options` are the run's resolved options (num_classes is set); `class_names` may be None."""
@@ -90,7 +91,8 @@ class Task:
         return denormalize(batch['image'][:count])
 
     def pictures(self, batch, outputs):
-        """Pictures of one batch as {name: HxWx3 uint8 array} (TensorBoard 'val/<name>', eval '<name>_batchN.png')."""
+        """Pictures of (the first `pictured` samples of) a batch as {name: HxWx3 uint8 array} (TensorBoard
+        'val/<name>', eval '<name>_batchN.png'); drawn on the Logger's writer thread from host copies."""
         return {}
 
     def result_pictures(self, metrics_object):

@@ -573,7 +573,7 @@ def test_profile_writes_a_trace_and_prints_the_top_operators(tiny_shapes, tmp_pa
         'csv',
     ]
     run = train.start(args)
-    train.run_training(run)  # 12 steps: 2 waiting, 2 warm-up, 6 recorded
+    run.run()  # 12 steps: 2 waiting, 2 warm-up, 6 recorded
     out = capsys.readouterr().out
     profile = os.path.join(run.options.model_dir, 'profile')
     (trace,) = os.listdir(profile)
@@ -612,7 +612,7 @@ def test_detect_anomaly_names_the_operation_whose_backward_made_a_nan(tiny_shape
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         with pytest.raises(RuntimeError, match=r"Function 'SqrtBackward0' returned nan values in its 0th output"):
-            train.run_training(run)
+            run.run()
     assert anomaly_mode == [True]
     # anomaly mode's warning shows where the forward pass made that operation
     (warning,) = [w for w in caught if 'Error detected in SqrtBackward0' in str(w.message)]
@@ -623,7 +623,7 @@ def test_detect_anomaly_names_the_operation_whose_backward_made_a_nan(tiny_shape
         return loss(self, outputs, batch)
 
     monkeypatch.setattr(Task, 'loss', watch_mode)
-    train.run_training(train.start(args + ['--save_prefix', 'plain']))
+    train.start(args + ['--save_prefix', 'plain']).run()
     assert anomaly_mode[1:] and not any(anomaly_mode[1:])  # off again without the flag, in the same process
 
 

@@ -133,10 +133,9 @@ def test_the_ddp_configuration_runs_kiln_s_torchrun_with_two_processes(configura
 
 
 def test_eval_and_predict_use_the_checkpoint_that_the_train_configuration_makes(configurations):
-    from train import resolve_task_defaults
-    from utils.run_folder import experiment_folder
+    from options import experiment_folder, resolve
 
-    train = resolve_task_defaults(_parse(*_script_args(configurations['train'])))
+    train = resolve(_parse(*_script_args(configurations['train'])))
     best = os.path.join(experiment_folder(train), 'best.pth')
     for name in ('eval (after train)', 'predict (after train)'):
         args = _parse(*_script_args(configurations[name]))

@@ -278,7 +278,7 @@ def test_clipping_bounds_the_update(tiny_shapes, tmp_path):
         ]
     )
     before = [p.detach().clone() for p in run.setup.model.parameters()]
-    train.train(run)
+    run.train()
     change = torch.cat([(p.detach() - b).flatten() for p, b in zip(run.setup.model.parameters(), before)])
     assert 0 < change.norm() <= 0.001 * 1.0001  # lr 1 x clipped gradient norm
 
@@ -329,7 +329,7 @@ def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, t
 
     for name in SYNCS:
         monkeypatch.setattr(torch.Tensor, name, counted(name))
-    train.train(run)
+    run.train()
     monkeypatch.undo()
 
     training = [(step, calls) for is_training, step, calls in iterations if is_training]
@@ -350,7 +350,7 @@ def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, da
     args[args.index('--data_type') + 1] = data_type
     run = train.start(args)
     assert run.device.type == 'cuda'
-    forward, after_update = run.task.forward, train.after_update
+    forward, after_update = run.task.forward, train.Trainer.after_update
 
     def checked_forward(model, batch):
         step = run.position.step
@@ -358,14 +358,14 @@ def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, da
         torch.cuda.set_sync_debug_mode('error' if model.training and between_checks else 0)
         return forward(model, batch)
 
-    def unchecked_after_update(run):  # validation and saving read results: they may sync
+    def unchecked_after_update(trainer):  # validation and saving read results: they may sync
         torch.cuda.set_sync_debug_mode(0)
-        after_update(run)
+        after_update(trainer)
 
     run.task.forward = checked_forward
-    monkeypatch.setattr(train, 'after_update', unchecked_after_update)
+    monkeypatch.setattr(train.Trainer, 'after_update', unchecked_after_update)
     try:
-        train.train(run)
+        run.train()
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
@@ -383,7 +383,7 @@ def test_tensorboard_is_imported_only_when_logging_is_on(tiny_shapes, tmp_path, 
 
     monkeypatch.setattr(builtins, '__import__', watching)  # sees imports even of modules loaded before
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    train.run_training(train.start([*args, '--epochs', '1', '--loggers', 'csv']))
+    train.start([*args, '--epochs', '1', '--loggers', 'csv']).run()
     monkeypatch.undo()
     assert imported and not [name for name in imported if 'tensorboard' in name]
     assert not any(name.startswith('events.') for name in os.listdir(_folder(args)))

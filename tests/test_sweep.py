@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import run_script, timeout, tiny_run_args
-from options import parse_args, parse_train_args
+from options import experiment_folder, parse_args, parse_train_args, resolve
 
 # one epoch, a checkpoint every 2 steps and the newest 2 kept, so a run can be cut back to an earlier one;
 # the model named, so that the sweep finds the folders without loading torch for the task's default
@@ -237,12 +237,10 @@ def test_random_ranges_are_log_uniform_over_a_decade_else_uniform():
 
 
 def test_folder_names_follow_the_task_defaults(tmp_path):
-    import sweep
-
     options = parse_args(parse_train_args, ['--checkpoints_dir', str(tmp_path), '--save_prefix', 'sweep_lr0.1'])
-    assert sweep.experiment_folder(options) == os.path.join(tmp_path, 'small_cnn_shapes_sweep_lr0.1')
+    assert experiment_folder(resolve(options)) == os.path.join(tmp_path, 'small_cnn_shapes_sweep_lr0.1')
     options = parse_args(
         parse_train_args,
         ['--checkpoints_dir', str(tmp_path), '--save_prefix', 'x', '--task', 'segment', '--val_list', 'v.txt'],
     )
-    assert sweep.experiment_folder(options) == os.path.join(tmp_path, 'seg_net_seg_list_x')
+    assert experiment_folder(resolve(options)) == os.path.join(tmp_path, 'seg_net_seg_list_x')

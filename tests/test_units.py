@@ -240,7 +240,7 @@ def test_a_nonfinite_model_statistic_stops_the_run_and_names_it():
     from utils.stopping import Stopper, StopReason
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
-    stopper = Stopper(torch.device('cpu'))
+    stopper = Stopper()
     assert stopper.check_finite(model) and stopper.stop is None
     model[1].running_var[2] = float('inf')
     assert not stopper.check_finite(model)

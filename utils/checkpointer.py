@@ -1,16 +1,20 @@
 """The checkpointer: a training run's full state, collected from its stateful parts.
 
 Each part (model, optimizer, scheduler, gradient scaler, position in the data, random states,
-history, monitor, running sums) has `state_dict()` and `load_state_dict()`; a checkpoint is
-{part name: its state} plus a few plain values (the options, class names, tracker run ids). Which
-files are kept is the CheckpointKeeper's job (utils/checkpoint_keeper.py).
+history, monitor, running sums) has `state_dict()` and `load_state_dict()`, and none of them talks
+to other processes: the checkpointer gathers what has to be gathered itself, in one collective, so
+asking a part for its state can never hang a torchrun job. A checkpoint is {part name: its state}
+plus a few plain values (the options, class names, tracker run ids). The state is copied to host
+memory at once (the next steps change the live tensors) and written on the writer thread
+(utils/background.py); which files are kept is the CheckpointKeeper's job (utils/checkpoint_keeper.py).
 """
 
 import dataclasses
+import threading
 
 import torch
 
-from utils.distributed import all_gather_objects, barrier, is_main_process, rank, world_size
+from utils.distributed import all_gather_objects, is_main_process, rank, world_size
 from utils.errors import KilnError
 from utils.seeding import rng_states, set_rng_states
 
@@ -52,51 +56,135 @@ class DataOrder:
 
 
 class RandomStates:
-    """The random generators of every process (each resumes its own)."""
+    """This process's random generators (python, numpy, torch, CUDA)."""
 
     def state_dict(self):
-        return {'per_rank': all_gather_objects(rng_states())}
+        return rng_states()
 
     def load_state_dict(self, state):
-        states = state['per_rank']
-        set_rng_states(states[rank()] if len(states) == world_size() else states[0])
+        set_rng_states(state)
+
+
+def add_up(states):
+    """The element-wise sum of several processes' states of one part (dicts by key, lists and tuples by
+    position, tensors and numbers added)."""
+    first = states[0]
+    if isinstance(first, dict):
+        keys = dict.fromkeys(key for state in states for key in state)
+        return {key: add_up([state[key] for state in states if key in state]) for key in keys}
+    if isinstance(first, (list, tuple)):
+        return type(first)(add_up(list(values)) for values in zip(*states))
+    return sum(states[1:], first)
+
+
+def host_copy(state):
+    """A copy of `state` with every tensor copied to host memory, so the run can go on changing its own
+    tensors while this copy is written. GPU tensors are copied without waiting (call `.wait()` on the
+    result's `ready` before reading them)."""
+    if torch.is_tensor(state):
+        return state.detach().to('cpu', non_blocking=True, copy=True)
+    if isinstance(state, dict):
+        copy = type(state)((key, host_copy(value)) for key, value in state.items())
+        if hasattr(state, '_metadata'):  # a module's state_dict: versions its load_state_dict reads
+            copy._metadata = state._metadata
+        return copy
+    if isinstance(state, (list, tuple)) and not hasattr(state, '_fields'):
+        return type(state)(host_copy(value) for value in state)
+    return state
+
+
+class Snapshot:
+    """A run's state copied to host memory (`host_copy`); `get()` returns it once the copies are done."""
+
+    def __init__(self, state):
+        self.state = host_copy(state)
+        self.copied = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def get(self):
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.state
 
 
 class Checkpointer:
-    """Saves and restores the state of `parts` ({name: stateful object}); `rank_zero_parts` hold sums
-    over every process and are restored on rank 0 only. `keeper` (rank 0's CheckpointKeeper) writes
-    the files."""
+    """Saves and restores the state of `parts` ({name: stateful object}).
 
-    def __init__(self, parts, rank_zero_parts, keeper):
-        self.parts, self.rank_zero_parts, self.keeper = parts, rank_zero_parts, keeper
+    Names in `per_process` are parts each process has its own of (random generators: all are saved,
+    each process gets its own back); names in `summed` hold counts that the checkpoint keeps added up
+    over every process (restored on rank 0 alone). `late_parts` (the trackers) give their state on the
+    writer thread, right before the file is written, after every point they were sent. `keeper`
+    (rank 0's CheckpointKeeper, None elsewhere) writes the files through `writer`.
+    """
+
+    def __init__(self, parts, *, per_process=(), summed=(), late_parts=None, keeper=None, writer=None):
+        self.parts, self.per_process, self.summed = parts, tuple(per_process), tuple(summed)
+        self.late_parts, self.keeper, self.writer = late_parts or {}, keeper, writer
+        self.previous_write = None
 
     def state_dict(self, extra=None):
-        """The full state (every process must call it: random states and sums are gathered)."""
-        state = {name: part.state_dict() for name, part in {**self.parts, **self.rank_zero_parts}.items()}
+        """The full state, less `late_parts` (every process must call it: one collective gathers the
+        per-process states and the sums)."""
+        state = {name: part.state_dict() for name, part in self.parts.items()}
+        shared = {name: state.pop(name) for name in self.per_process + self.summed}
+        gathered = all_gather_objects(shared)
+        for name in self.per_process:
+            state[name] = {'per_rank': [process[name] for process in gathered]}
+        for name in self.summed:
+            state[name] = add_up([process[name] for process in gathered])
         return {**state, **(extra or {})}
 
     def save(self, epoch, step, metric=None, is_best=False, extra=None):
-        """Save the state as the checkpoint of (epoch, step) on rank 0; `metric` is its --monitor value."""
+        """Take the state of (epoch, step) now and have rank 0's writer thread write it; `metric` is its
+        --monitor value. At most one checkpoint waits to be written: a second waits for the first."""
         state = self.state_dict(extra)
-        if is_main_process():
+        if self.keeper is None:
+            return
+        if self.previous_write is not None:  # one copy of the state in memory, not one per pending save
+            self.previous_write.wait()
+        self.previous_write = written = threading.Event()
+        self.writer.submit(self._write, Snapshot(state), epoch, step, metric, is_best, written)
+
+    def _write(self, snapshot, epoch, step, metric, is_best, written):
+        try:
+            state = snapshot.get()
+            state.update({name: part.state_dict() for name, part in self.late_parts.items()})
             self.keeper.save(state, epoch, step, metric, is_best)
-        barrier()
+        finally:
+            written.set()
+
+    @staticmethod
+    def step_of(checkpoint, source):
+        """The optimizer step of a full training checkpoint (from the file `source`); a KilnError for another file."""
+        if not isinstance(checkpoint.get('position'), dict):
+            raise not_a_training_checkpoint(source, 'position')
+        return checkpoint['position']['step']
 
     def load(self, checkpoint, source):
         """Continue from `checkpoint` (a state_dict loaded from the file `source`)."""
         try:
             for name, part in self.parts.items():
-                part.load_state_dict(checkpoint[name])
-            if is_main_process():
-                for name, part in self.rank_zero_parts.items():
-                    part.load_state_dict(checkpoint[name])
+                state = checkpoint[name]
+                if name in self.per_process:
+                    states = state['per_rank']
+                    state = states[rank()] if len(states) == world_size() else states[0]
+                elif name in self.summed and not is_main_process():
+                    continue  # rank 0 holds everyone's sums; the others count from zero
+                part.load_state_dict(state)
         except KeyError as error:
-            raise KilnError(
-                f'{source} is not a full training checkpoint of this Kiln (it has no {error}); to start '
-                f'a new run from its weights use --load_model_path instead of --resume'
-            ) from None
+            raise not_a_training_checkpoint(source, error) from None
         except (ValueError, RuntimeError) as error:
             raise KilnError(
                 f'{source} does not fit the current options ({str(error).splitlines()[0]}); '
                 f'resume with the options it was trained with'
             ) from None
+
+
+def not_a_training_checkpoint(source, missing):
+    """The error for a --resume file that lacks the part `missing`."""
+    return KilnError(
+        f'{source} is not a full training checkpoint of this Kiln (it has no {missing}); to start '
+        f'a new run from its weights use --load_model_path instead of --resume'
+    )

@@ -122,10 +122,10 @@ def all_reduce_sum(tensor):
     return tensor
 
 
-def all_reduce_max(tensor):
-    """Maximum of `tensor` over all processes, in place; returns it."""
+def all_reduce_max(tensor, group=None):
+    """Maximum of `tensor` over all processes (of `group`, default all), in place; returns it."""
     if is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from metrics import reduced
+from utils.checkpointer import host_copy
 from utils.distributed import all_gather_objects, is_main_process
 from utils.progress import progress
 
@@ -18,12 +19,18 @@ from utils.progress import progress
 class Evaluation:
     """What `evaluate` found: `metrics` ({'loss': ..., ...}), the task's metric object after `compute`
     (e.g. its confusion matrix), `rows`: per sample in split order, its list of rows (`task.eval_rows`),
-    and `pictures` {batch number: {name: array}} (rank 0)."""
+    and `pictures` {batch number: (batch, outputs)}: the first `task.pictured` samples of the chosen
+    batches, copied to the host for `task.pictures` to draw (rank 0; see utils/logger.py)."""
 
     metrics: dict
     metric_object: object
     rows: list
     pictures: dict
+
+
+def first(values, count):
+    """The first `count` samples of a batch: a tensor, or a dict of them."""
+    return {key: first(value, count) for key, value in values.items()} if isinstance(values, dict) else values[:count]
 
 
 @torch.no_grad()
@@ -42,7 +49,7 @@ def evaluate(
     """Run `model` over every batch of `batches` (a data.loader.Batches) in eval mode.
 
     `class_names` adds per-class metrics; `keep_rows` collects `task.eval_rows`; `picture_batches`
-    are the batch numbers whose `task.pictures` are kept (on rank 0).
+    are the batch numbers whose first samples are kept for pictures (on rank 0).
     """
     model.eval()
     metrics = task.metrics()
@@ -59,7 +66,8 @@ def evaluate(
         if keep_rows:
             rows += task.eval_rows(batch, outputs)
         if i in picture_batches and is_main_process():
-            pictures[i] = task.pictures(batch, outputs)
+            # copied without waiting: the metrics' host read at the end waits for these copies too
+            pictures[i] = host_copy((first(batch, task.pictured), first(outputs, task.pictured)))
     total_loss, total = reduced(loss_sum, torch.tensor(float(count)))
     results = {'loss': (total_loss / total.clamp(min=1)).item(), **metrics.compute(class_names)}
     if keep_rows:  # every process has every world_size-th sample: put them back in order

@@ -9,8 +9,7 @@ BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 
 
 class ModelFreezer:
-    """Freezes a model by layer groups (its direct children, in order) or looks at its layers
-    (its leaf modules).
+    """Freezes a model by layer groups (its direct children, in order).
 
     Indices are inclusive and may be negative, as in Python: `freeze(0, -2)` freezes every group
     but the last (typically the head). Normalization layers (BatchNorm, GroupNorm, LayerNorm) stay
@@ -25,10 +24,6 @@ class ModelFreezer:
     def get_layer_groups(self):
         """The model's direct children, in order."""
         return list(self.model.children())
-
-    def get_layers(self):
-        """The model's leaf modules (those without children), in order."""
-        return [module for module in self.model.modules() if not list(module.children())]
 
     def get_trainable_parameters(self):
         """The parameters that currently require gradients."""

@@ -45,12 +45,12 @@ class Recorder:
         return {name: total / count for name, (total, count) in self.totals(all_ranks).items()}
 
     def state_dict(self):
-        """The running sums and counts of all ranks as plain numbers, for checkpoints (a collective
-        under torchrun: every rank calls it)."""
-        return {name: [total, count] for name, (total, count) in self.totals(all_ranks=True).items()}
+        """This process's running sums and counts as plain numbers, for checkpoints (one host read and no
+        communication: the checkpointer adds up those of every process)."""
+        return {name: [total, count] for name, (total, count) in self.totals().items()}
 
     def load_state_dict(self, state):
-        """Continue from sums saved by `state_dict` (under torchrun, load them on rank 0 only)."""
+        """Continue from sums saved by `state_dict` (under torchrun, rank 0 loads everyone's)."""
         self.sums = {name: total for name, (total, _) in state.items()}
         self.counts = {name: count for name, (_, count) in state.items()}
 

@@ -22,8 +22,16 @@ import sys
 
 import yaml
 
-from options import NOT_SAVED, RESUME_CHANGEABLE, parse_args, parse_train_args, saved_options
-from utils.checkpoint import atomic_write_json
+from options import (
+    NOT_SAVED,
+    RESUME_CHANGEABLE,
+    experiment_folder,
+    parse_args,
+    parse_train_args,
+    resolve,
+    saved_options,
+)
+from utils.checkpoint import atomic_write_bytes, atomic_write_json
 from utils.checkpoint_keeper import BEST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.errors import KilnError
 
@@ -46,28 +54,15 @@ RUN_FILES = (
 
 
 def save_args(args, folder):
-    """Write the options to `folder` as args.txt (for people) and args.yaml (for --config)."""
+    """Write the options to `folder` as args.txt (for people) and args.yaml (for --config and --resume),
+    as durably as checkpoints: fsynced, then renamed (a power cut leaves the old file or the new one)."""
     shown = saved_options(args)
     lines = ['# ' + ' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n']
     width = max(map(len, shown))
     lines += [f'{k:<{width}} : {v}\n' for k, v in sorted(shown.items())]
-    atomic_write_bytes_text(''.join(lines), os.path.join(folder, ARGS_TXT))
-    atomic_write_bytes_text(
-        yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, sort_keys=True),
-        os.path.join(folder, ARGS_YAML),
-    )
-
-
-def atomic_write_bytes_text(text, path):
-    """Write `text` to `path` through a temporary file and a rename (a full disk leaves no half file)."""
-    temporary = f'{path}.tmp{os.getpid()}'
-    try:
-        with open(temporary, 'w') as f:
-            f.write(text)
-        os.replace(temporary, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
+    atomic_write_bytes(''.join(lines).encode(), os.path.join(folder, ARGS_TXT))
+    saved = yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, sort_keys=True)
+    atomic_write_bytes(saved.encode(), os.path.join(folder, ARGS_YAML))
 
 
 def create_run_folder(folder, args, what_to_change):
@@ -136,14 +131,10 @@ class FolderLock:
         self.file.close()
 
 
-def experiment_folder(args):
-    """The experiment folder of a training run: `<checkpoints_dir>/<model_type>_<data_type>_<save_prefix>`."""
-    return os.path.join(args.checkpoints_dir, f'{args.model_type}_{args.data_type}_{args.save_prefix}')
-
-
 def open_experiment(argv, args):
-    """Make the experiment folder of a new run, or reopen it with --resume; lock it. Returns
-    (args with model_dir and resume_from set, the FolderLock).
+    """Make the experiment folder of a new run, or reopen it with --resume; lock it. `args` are the
+    options of `argv`, resolved (options.resolve). Returns (the run's options, with model_dir and
+    resume_from, the FolderLock).
 
     With --resume the run continues from its newest trustworthy checkpoint (or the one named): the
     folder's args.yaml applies first, then the flags given now, and a flag that would change what the
@@ -162,8 +153,7 @@ def open_experiment(argv, args):
         create_run_folder(
             folder, args, 'choose a new --save_prefix, add --resume to continue that run, or move that folder away'
         )
-        args.model_dir, args.resume_from = folder, None
-        return args, FolderLock(folder)
+        return args.replace(model_dir=folder, resume_from=None), FolderLock(folder)
     # read-only checks first: a refused resume touches no file (not even the lock's)
     resume_from = _checkpoint_to_resume(args, folder)
     saved = os.path.join(folder, ARGS_YAML)
@@ -175,7 +165,7 @@ def open_experiment(argv, args):
     if resume_from:
         merged = parse_args(parse_train_args, argv, base_config=saved)
         _refuse_changes(parse_args(parse_train_args, [], base_config=saved), merged, folder)
-        args = merged
+        args = resolve(merged)
     lock = FolderLock(folder)
     try:
         if not resume_from:
@@ -185,8 +175,7 @@ def open_experiment(argv, args):
     except BaseException:
         lock.release()
         raise
-    args.model_dir, args.resume_from = folder, resume_from
-    return args, lock
+    return args.replace(model_dir=folder, resume_from=resume_from), lock
 
 
 def _checkpoint_to_resume(args, folder):
@@ -256,11 +245,11 @@ def _version(package):
         return None
 
 
-def append_reproducibility_record(folder, args):
+def append_reproducibility_record(folder, args, command, cwd):
     """Add this start of the run (the first, or a resume) to `folder`/reproduce.json.
 
-    Each entry holds the command line, the resolved options, the git commit and the diff of
-    uncommitted changes, library versions, the host and the start time.
+    Each entry holds the `command` line and its working folder `cwd`, the resolved options, the git
+    commit and the diff of uncommitted changes, library versions, the host and the start time.
     """
     path = os.path.join(folder, 'reproduce.json')
     entries = []
@@ -271,8 +260,8 @@ def append_reproducibility_record(folder, args):
     entries.append(
         {
             'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-            'command': [sys.executable] + sys.argv,
-            'cwd': os.getcwd(),
+            'command': command,
+            'cwd': cwd,
             'args': {k: v for k, v in sorted(vars(args).items())},
             'git_commit': commit.strip() if commit else None,
             'git_diff': _git('diff', 'HEAD'),

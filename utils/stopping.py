@@ -3,8 +3,8 @@
 The loop asks `Stopper` after every optimizer step; the answer is one `Stop` value (a reason from
 `StopReason` and a message), never a string to parse. Nothing here waits for the GPU on an ordinary
 step: signals are host flags, agreed between torchrun processes by a non-blocking all-reduce on a
-host (gloo) group that is read one step later; the loss is watched on the device and read only at
-check points (print intervals and saves).
+host (gloo) group that is read one step later; losses are kept as they are and read only at check
+points (print intervals and saves).
 """
 
 import dataclasses
@@ -75,13 +75,15 @@ class StopSignals:
 
 
 class Stopper:
-    """Collects the reasons to stop early; `stop` is None until one holds (then a Stop)."""
+    """Collects the reasons to stop early; `stop` is None until one holds (then a Stop).
 
-    def __init__(self, device):
+    Losses are watched by keeping a reference to each (`watch_loss`: no work on the device) and read
+    at check points only, where the running sums are read anyway (`check_finite`)."""
+
+    def __init__(self):
         self.signals = StopSignals()
         self.stop = None
-        self.step = torch.zeros((), dtype=torch.long, device=device)  # optimizer steps, counted on the device
-        self.nonfinite_step = torch.full((), -1, dtype=torch.long, device=device)  # first bad step, -1 if none
+        self.watched = []  # (optimizer step, loss) since the last check
         self._pending = None  # (all-reduce handle, flag) of the signal flags sent at the last step
 
     def __enter__(self):
@@ -94,19 +96,13 @@ class Stopper:
             self._pending = None
         return self.signals.__exit__(*exc)
 
-    def resume_at(self, step):
-        """Continue counting from optimizer step `step` (a resumed run)."""
-        self.step.fill_(step)
-
-    def watch_loss(self, loss):
-        """Note, on the device and without waiting for it, the first step whose loss is not finite."""
-        bad = ~torch.isfinite(loss.detach())
-        self.nonfinite_step = torch.where(bad & (self.nonfinite_step < 0), self.step + 1, self.nonfinite_step)
+    def watch_loss(self, loss, step):
+        """Keep the loss of a batch of optimizer step `step` for the next check (costs nothing on the device)."""
+        self.watched.append((step, loss.detach()))
 
     def after_step(self):
-        """Count an optimizer step and take up a stop signal; every process decides alike at the same
-        step (under torchrun, one step after the signal, with no wait for the GPU)."""
-        self.step += 1
+        """Take up a stop signal after an optimizer step; every process decides alike at the same step
+        (under torchrun, one step after the signal, with no wait for the GPU)."""
         if not is_distributed():
             if self.signals.received and self.stop is None:
                 self._stop_by_signal(self.signals.received)
@@ -122,11 +118,19 @@ class Stopper:
     def _stop_by_signal(self, signum):
         self.stop = Stop(StopReason.SIGNAL, f'stopped by {signal.Signals(signum).name}', signum)
 
-    def check_finite(self, model=None):
-        """Read the loss watch (a host sync; all processes agree) and, given `model`, check its weights
-        and statistics (BatchNorm running_var, ...): a non-finite one stops the run. Returns whether
-        everything is finite, i.e. whether the state may be saved."""
-        bad_step = int(all_reduce_max(self.nonfinite_step.reshape(1).to(collective_device())).item())
+    def check_finite(self, model=None, *, losses_finite=None, step=0):
+        """Check the losses watched since the last check and, given `model`, its weights and statistics
+        (BatchNorm running_var, ...): a non-finite one stops the run. `losses_finite` (True when their
+        running sum is finite, read by the caller anyway) spares reading them one by one. Every process
+        calls it and all agree. Returns whether everything is finite, i.e. whether the state may be saved."""
+        if self.stop is not None and self.stop.reason == StopReason.NONFINITE:
+            return False  # the first reason found is the one to report
+        bad_step = -1
+        if self.watched and losses_finite is not True:
+            finite = torch.isfinite(torch.stack([loss.float() for _, loss in self.watched])).tolist()
+            bad_step = next((s for (s, _), ok in zip(self.watched, finite) if not ok), -1)
+        self.watched.clear()
+        bad_step = int(all_reduce_max(torch.tensor([bad_step]), group=host_group() if is_distributed() else None))
         if bad_step >= 0:
             self.stop = Stop(StopReason.NONFINITE, f'non-finite loss at step {bad_step}')
             return False
@@ -136,7 +140,7 @@ class Stopper:
             finite = all_reduce_max((~finite).to(torch.uint8))
             if finite.any():
                 name = tensors[int(finite.nonzero()[0])][0]
-                self.stop = Stop(StopReason.NONFINITE, f'non-finite values in {name} at step {int(self.step)}')
+                self.stop = Stop(StopReason.NONFINITE, f'non-finite values in {name} at step {step}')
                 return False
         return True
 

@@ -3,6 +3,8 @@
 Everything returns an HxWx3 uint8 numpy array (save it with `save_png`).
 """
 
+import functools
+
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
@@ -10,6 +12,7 @@ GOOD = (40, 170, 60)
 BAD = (210, 40, 40)
 
 
+@functools.cache  # loading the font takes longer than drawing a grid with it
 def _font(size):
     return ImageFont.load_default(size=size)
 

@@ -1,13 +1,66 @@
 """TensorBoard: event files in the experiment folder (`tensorboard --logdir <checkpoints_dir>`)."""
 
+import io
+import os
+import re
+import socket
+import time
+
 from utils.trackers import Tracker, require
+
+EVENT_FILE = re.compile(r'^events\.out\.tfevents\.(\d+)\.')
+
+
+class EventFile:
+    """One event file, written in place (each point flushed at once) and named to sort after every
+    event file already in the folder.
+
+    TensorBoard reads a folder's event files in name order, and the name starts with a time in
+    seconds: a resumed run that starts in the same second as the run it continues (or on a machine
+    whose clock is behind) would otherwise be read first, and the old run's points would land after
+    its own. A resumed run's file starts with a SessionLog START at `purge_step`, which makes
+    TensorBoard drop whatever earlier files hold from that step on.
+    """
+
+    def __init__(self, folder, purge_step=None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self.Event = Event
+        stamps = [int(match.group(1)) for match in map(EVENT_FILE.match, os.listdir(folder)) if match]
+        stamp = max([int(time.time()), *(newest + 1 for newest in stamps)])
+        name = f'events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}.kiln'
+        self.records = RecordWriter(open(os.path.join(folder, name), 'ab'))
+        self._write(Event(wall_time=time.time(), file_version='brain.Event:2'))
+        if purge_step is not None:
+            self._write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def _write(self, event):
+        self.records.write(event.SerializeToString())
+        self.records.flush()
+
+    def add_summary(self, summary, step):
+        """Write a Summary proto at `step`."""
+        self._write(self.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def close(self):
+        self.records.close()
+
+
+def png_bytes(image):
+    """An HxWx3 uint8 array as PNG bytes, compressed lightly (fast; pictures are small)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format='PNG', compress_level=1)
+    return buffer.getvalue()
 
 
 class TensorBoardTracker(Tracker):
-    """Writes scalars, images, texts and the HParams row with torch's SummaryWriter.
+    """Writes scalars, images, texts and the HParams row into one event file per start of the run.
 
-    Points are written at once: a resumed run opens its writer with purge_step = resume_step + 1,
-    which makes TensorBoard drop whatever the killed run wrote after its last checkpoint.
+    A resumed run's file purges from resume_step + 1 on (see EventFile), which makes TensorBoard
+    drop whatever the killed run wrote after its last checkpoint.
     """
 
     name = 'tensorboard'
@@ -18,52 +71,49 @@ class TensorBoardTracker(Tracker):
         self.last_step = resume_step or 0
         self.metric_names = metric_names
         self.hparams = {}
-        self.writer = None
+        self.file = None
 
-    def _writer(self):
+    def _file(self):
         # importing TensorBoard takes a while: only a run that writes something pays for it
-        if self.writer is None:
-            tensorboard = require(
-                'torch.utils.tensorboard', self.name, 'tensorboard', 'python3 -m pip install tensorboard'
-            )
-            self.writer = tensorboard.SummaryWriter(self.folder, purge_step=self.purge_step)
-        return self.writer
+        if self.file is None:
+            require('torch.utils.tensorboard', self.name, 'tensorboard', 'python3 -m pip install tensorboard')
+            from torch.utils.tensorboard import summary
+
+            self.summaries = summary
+            self.file = EventFile(self.folder, self.purge_step)
+        return self.file
 
     def log_hparams(self, hparams):
         self.hparams = dict(hparams)  # written by finish, with the results
 
     def log_metrics(self, metrics, step, epoch):
         self.last_step = max(self.last_step, step)
-        writer = self._writer()
-        for name, value in metrics.items():
-            writer.add_scalar(name, float(value), step)
+        file = self._file()
+        Summary = self.summaries.Summary
+        file.add_summary(
+            Summary(value=[Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]), step
+        )
 
     def log_images(self, images, step):
         self.last_step = max(self.last_step, step)
-        writer = self._writer()
+        file = self._file()
+        Summary = self.summaries.Summary
         for tag, image in images.items():
-            writer.add_image(tag, image, step, dataformats='HWC')
+            height, width, channels = image.shape
+            picture = Summary.Image(
+                height=height, width=width, colorspace=channels, encoded_image_string=png_bytes(image)
+            )
+            file.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
     def log_text(self, tag, text, step):
-        self._writer().add_text(tag, text, step)
-
-    def state_dict(self):
-        # on disk before the checkpoint exists: its points can never be lost (purge_step hides
-        # any written later, should the checkpoint not be saved after all)
-        if self.writer:
-            self.writer.flush()
-        return {}
+        self._file().add_summary(self.summaries.text(tag, text), step)
 
     def commit(self, step):
         self.last_step = max(self.last_step, step)
-        if self.writer:
-            self.writer.flush()
 
     def finish(self, final_metrics):
         """Write the HParams row: this run's options and results, in the experiment folder itself."""
-        writer = self._writer()
-        from torch.utils.tensorboard.summary import hparams as hparams_summaries
-
+        file = self._file()
         # every task's metric names are declared, so that runs of different tasks in one logdir
         # each show theirs; only this run's metrics get values
         declared = dict.fromkeys([*self.metric_names, *final_metrics])
@@ -72,13 +122,12 @@ class TensorBoardTracker(Tracker):
             for name, value in self.hparams.items()
         }
         # written at the last step, not step 0, so that a resume of this run purges them too
-        for summary in hparams_summaries(values, declared):
-            writer.file_writer.add_summary(summary, self.last_step)
-        for name, value in final_metrics.items():
-            if value is not None:
-                writer.add_scalar(name, float(value), self.last_step)
-        writer.flush()
+        for summary in self.summaries.hparams(values, declared):
+            file.add_summary(summary, self.last_step)
+        self.log_metrics(
+            {name: value for name, value in final_metrics.items() if value is not None}, self.last_step, None
+        )
 
     def close(self):
-        if self.writer:
-            self.writer.close()
+        if self.file:
+            self.file.close()

@@ -1,0 +1,114 @@
+"""The Logger: what training and evaluation report, and the one way it reaches the trackers.
+
+The loop records values step by step (`record`, `record_outputs`): they are summed on the device by
+a `Recorder` and the task's train metrics, with no host sync. At validation the Logger closes those
+sums (`summary`) and sends curves, pictures, texts and options to the experiment trackers
+(utils/trackers: TensorBoard by default, then CSV, W&B, MLflow). Everything it writes runs on its
+writer thread (utils/background.py), in order, so the training step never waits for a picture to be
+drawn or a file to be written; the checkpointer shares that thread, so the points a checkpoint
+covers are written before it. Its trackers are rank 0's; on other ranks the list is empty and every
+writing call does nothing, so callers never ask which rank they are on.
+"""
+
+import os
+
+from utils.background import BackgroundWriter
+from utils.recorder import Recorder
+from utils.trackers import Trackers
+from utils.viz import save_png
+
+
+class Logger:
+    """Recorder-backed logging to `trackers` (a utils.trackers.Trackers; empty for none) with the task's
+    `train_metrics` (or None), writing on `writer` (a BackgroundWriter, made when not given)."""
+
+    def __init__(self, trackers=None, train_metrics=None, writer=None):
+        self.trackers = trackers if trackers is not None else Trackers()
+        self.recorder = Recorder()
+        self.train_metrics = train_metrics
+        self.writer = writer or BackgroundWriter()
+
+    # per step: on the device, no host sync -----------------------------------------------------------
+    def record(self, name, value, count=1):
+        """Add `value` (a tensor or number: the mean over `count` samples) to `name`'s running sum."""
+        self.recorder.record(name, value, count)
+
+    def record_outputs(self, outputs, batch):
+        """Add a training batch's outputs to the task's train metrics (train/acc, ...)."""
+        if self.train_metrics is not None:
+            self.train_metrics.update(outputs.detach(), batch)
+
+    # at print and validation time ----------------------------------------------------------------------
+    def running_means(self):
+        """This process's means of every recorded value since the last summary (one host sync)."""
+        return self.recorder.means()
+
+    def summary(self):
+        """The train/* values since the last summary over every process (the recorded means and the train
+        metrics), then a fresh start. A collective: every process calls it."""
+        metrics = self.recorder.summary(all_ranks=True)
+        if self.train_metrics is not None:
+            metrics.update({f'train/{name}': value for name, value in self.train_metrics.compute().items()})
+            self.train_metrics.reset()
+        return metrics
+
+    # to the trackers, on the writer thread --------------------------------------------------------------
+    def log_metrics(self, metrics, step, epoch):
+        """Curves: {'train/loss': 0.5, 'val/acc': 0.9, ...} at optimizer step `step`."""
+        self._to_trackers('log_metrics', dict(metrics), step, epoch)
+
+    def log_pictures(self, sources, draw, step):
+        """Pictures of evaluated batches: `sources` {batch number: (batch, outputs) on the host} are
+        drawn by `draw` (the task's `pictures`) on the writer thread, logged as 'val/<name>'."""
+        if self.trackers and sources:
+            self.writer.submit(self._log_pictures, sources, draw, step)
+
+    def _log_pictures(self, sources, draw, step):
+        for batch, outputs in sources.values():
+            self.trackers.log_images({f'val/{name}': picture for name, picture in draw(batch, outputs).items()}, step)
+
+    def save_pictures(self, sources, draw, folder):
+        """Pictures of evaluated batches, drawn and saved as `<folder>/<name>_batch<N>.png` on the writer thread."""
+        if sources:
+            self.writer.submit(self._save_pictures, sources, draw, folder)
+
+    @staticmethod
+    def _save_pictures(sources, draw, folder):
+        for number, (batch, outputs) in sources.items():
+            for name, picture in draw(batch, outputs).items():
+                save_png(picture, os.path.join(folder, f'{name}_batch{number:04d}.png'))
+
+    def log_text(self, tag, text, step):
+        """A text (Markdown), e.g. the run's options."""
+        self._to_trackers('log_text', tag, text, step)
+
+    def log_hparams(self, hparams):
+        """The run's options, shown beside its final metrics (TensorBoard's HParams tab, ...)."""
+        self._to_trackers('log_hparams', dict(hparams))
+
+    def commit(self, step):
+        """The checkpoint of `step` is written (submit this after it): every point up to `step` is final."""
+        self._to_trackers('commit', step)
+
+    def submit(self, function, *args):
+        """Run `function(*args)` on the writer thread after everything logged so far (files of the run)."""
+        self.writer.submit(function, *args)
+
+    def _to_trackers(self, method, *args):
+        if self.trackers:
+            self.writer.submit(getattr(self.trackers, method), *args)
+
+    # the end ------------------------------------------------------------------------------------------
+    def wait(self):
+        """Block until everything logged so far is written; raise a failed write's error."""
+        self.writer.wait()
+
+    def close(self, final_metrics=None):
+        """Write what is pending, `finish` the trackers with `final_metrics` (a run that ended as planned
+        or was stopped cleanly; None: it failed), and close them (always, even after an error)."""
+        try:
+            if final_metrics is not None:
+                self._to_trackers('finish', final_metrics)
+            self.wait()
+        finally:
+            self.trackers.close()
