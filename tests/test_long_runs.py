@@ -88,38 +88,56 @@ RESUME_CONFIGS = {
         '0',
     ],
 }
+RESUME_EXTRA = ['--save_interval', '1', '--deterministic', '--print_freq', '5']
+# Where the runs are killed: right after the third checkpoint (a resume then starts within the second
+# the killed run started in, the timing that once lost TensorBoard points), and at two steps drawn from
+# KILN_TEST_SEED (set it to try others; every failure names the seed and the step).
+KILL_SEED = int(os.environ.get('KILN_TEST_SEED', '2026'))
+KILL_POINTS = [(config, 3) for config in RESUME_CONFIGS] + [
+    (config, step)
+    for config in RESUME_CONFIGS
+    for step in random.Random(f'{KILL_SEED}-{config}').sample(range(4, 36), 2)
+]
 
 
-@pytest.mark.parametrize('config', list(RESUME_CONFIGS))
-def test_run_killed_at_a_random_step_resumes_bitwise_exact(tiny_shapes, tmp_path, config):
-    extra = RESUME_CONFIGS[config] + ['--save_interval', '1', '--deterministic', '--print_freq', '5']
-    whole = tiny_run_args(tiny_shapes, tmp_path / 'whole')
-    _train(whole, *extra)
+@pytest.fixture(scope='module')
+def uninterrupted(tiny_shapes, tmp_path_factory):
+    """The never-interrupted run of each configuration, made once: {config: its experiment folder}."""
+    folders = {}
+    for config, extra in RESUME_CONFIGS.items():
+        whole = tiny_run_args(tiny_shapes, tmp_path_factory.mktemp(f'whole_{config}'))
+        _train(whole, *extra, *RESUME_EXTRA)
+        folders[config] = _folder(whole)
+    return folders
 
+
+@pytest.mark.parametrize(('config', 'kill_after'), KILL_POINTS)
+def test_run_killed_at_a_random_step_resumes_bitwise_exact(tiny_shapes, tmp_path, uninterrupted, config, kill_after):
+    extra = RESUME_CONFIGS[config] + RESUME_EXTRA
+    where = f'{config} run killed after the checkpoint of step {kill_after} (KILN_TEST_SEED={KILL_SEED})'
     killed = tiny_run_args(tiny_shapes, tmp_path / 'killed')
-    kill_after = random.Random().randrange(3, 36)
     process = _start(killed, *extra)
     _wait_for_save(process, _folder(killed), kill_after)
     process.send_signal(signal.SIGKILL)
     process.wait()
     stopped_at = _load(os.path.join(_folder(killed), 'last.pth'))
     total = 40 if config == 'iterations' else 48
-    assert _step(stopped_at) < total, 'the run finished before it was killed'
+    assert _step(stopped_at) < total, f'the run finished before it was killed: {where}'
     result = _train(killed, *extra, '--resume')
-    assert f'step {_step(stopped_at)}' in result.stdout
+    assert f'step {_step(stopped_at)}' in result.stdout, where
 
-    final_whole = _load(os.path.join(_folder(whole), 'last.pth'))
+    final_whole = _load(os.path.join(uninterrupted[config], 'last.pth'))
     final_resumed = _load(os.path.join(_folder(killed), 'last.pth'))
-    assert (_step(final_resumed), _step(final_whole)) == (total, total)
+    assert (_step(final_resumed), _step(final_whole)) == (total, total), where
     for name, tensor in final_whole['model'].items():
-        assert torch.equal(tensor, final_resumed['model'][name]), f'{name} differs (killed after {kill_after})'
-    assert final_resumed['history'] == final_whole['history']
+        assert torch.equal(tensor, final_resumed['model'][name]), f'{name} differs: {where}'
+    assert final_resumed['history'] == final_whole['history'], where
     # TensorBoard: the same points, none twice, in order, although the killed run wrote some twice
     for tag in ('val/acc', 'train/loss', 'train/lr'):
-        assert _scalars(_folder(killed), tag) == _scalars(_folder(whole), tag), tag
+        assert _scalars(_folder(killed), tag) == _scalars(uninterrupted[config], tag), f'{tag}: {where}'
     with open(os.path.join(_folder(killed), 'reproduce.json')) as f:
         starts = json.load(f)
-    assert len(starts) == 2 and starts[1]['args']['resume'] == 'last'
+    assert len(starts) == 2 and starts[1]['args']['resume'] == 'last', where
 
 
 @pytest.mark.parametrize('signame', ['SIGINT', 'SIGUSR1'])  # SIGTERM: tests/test_faults.py (two runs of a folder)

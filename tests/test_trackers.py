@@ -154,6 +154,32 @@ def test_tensorboard_resume_has_every_point_once(tmp_path, kill):
     assert 'args/text_summary' in events.Tags()['tensors']
 
 
+def test_tensorboard_reads_a_resumed_run_after_the_run_it_continues(tmp_path):
+    """TensorBoard reads a folder's event files in name order, and names start with the time in seconds:
+    the killed run's file is renamed here as if its clock were ahead (or as if the resume started in the
+    same second from a lower process id). The resumed run's file must still be read after it."""
+    import os
+    import time
+
+    folder = tmp_path / 'run'
+    first = build_trackers(['tensorboard'], folder, 'run', METRIC_NAMES)
+    for step in range(1, 8):
+        log_step(first, step)
+    first.state_dict()
+    (killed,) = os.listdir(folder)
+    ahead = killed.split('.')
+    ahead[3], ahead[5] = str(int(time.time()) + 3600), '999999'
+    os.rename(folder / killed, folder / '.'.join(ahead))
+    second = build_trackers(['tensorboard'], folder, 'run', METRIC_NAMES, resume_step=RESUME_STEP, states={})
+    for step in range(RESUME_STEP + 1, LAST_STEP + 1):
+        log_step(second, step)
+    second.close()
+    assert sorted(os.listdir(folder))[0] == '.'.join(ahead)
+    events = read_events(folder)
+    for name, expected in EXPECTED.items():
+        assert [(e.step, e.value) for e in events.Scalars(name)] == sorted(expected.items())
+
+
 def test_tensorboard_is_imported_only_when_something_is_written(tmp_path, monkeypatch):
     # None in sys.modules makes any import of it fail: building, keeping the options and
     # checkpointing must not import it; the first point does, and fails with the install line

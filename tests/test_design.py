@@ -1,0 +1,254 @@
+"""The parts the design names (Trainer, Evaluator, a Recorder-backed Logger) are the code that runs,
+and the defects found around them stay fixed: options that shape the metrics reach eval.py, state_dict()
+of any part never talks to other processes, args files are durable, predict lists with spaces."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, run_script, timeout, tiny_run_args
+
+
+def _train(args, *extra):
+    result = run_script('train.py', *args, *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _folder(args, model='small_cnn', data='list'):
+    return os.path.join(args[args.index('--checkpoints_dir') + 1], f'{model}_{data}_default')
+
+
+# --- the named parts are the ones that run ---------------------------------------------------------
+
+
+def test_train_eval_and_logging_run_through_trainer_evaluator_and_logger(tiny_shapes, tmp_path, monkeypatch):
+    """train.py's and eval.py's main, with the named methods counted; every tracker call comes from the
+    Logger (or, for the trackers' state, the checkpointer's job on the writer thread)."""
+    import eval as evaluation
+    import train
+    from utils.background import BackgroundWriter
+    from utils.logger import Logger
+    from utils.trackers import Trackers
+
+    calls = {}
+
+    def counting(owner, name):
+        method = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls[f'{owner.__name__}.{name}'] = calls.get(f'{owner.__name__}.{name}', 0) + 1
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    for name in ('build', 'train', 'train_step', 'optimizer_step', 'validate', 'save'):
+        counting(train.Trainer, name)
+    counting(evaluation.Evaluator, 'eval')
+    for name in ('record', 'summary', 'log_metrics', 'log_pictures'):
+        counting(Logger, name)
+    callers, submitters = set(), set()  # who calls the trackers; who hands tracker calls to the writer thread
+    for name in ('log_metrics', 'log_images', 'log_text', 'log_hparams', 'commit', 'finish', 'state_dict'):
+        method = getattr(Trackers, name)
+
+        def watched(self, *args, method=method):
+            callers.add(os.path.relpath(sys._getframe(1).f_code.co_filename, REPO))
+            return method(self, *args)
+
+        monkeypatch.setattr(Trackers, name, watched)
+    submit = BackgroundWriter.submit
+
+    def noted(self, function, *args):
+        if isinstance(getattr(function, '__self__', None), Trackers):
+            submitters.add(os.path.relpath(sys._getframe(1).f_code.co_filename, REPO))
+        return submit(self, function, *args)
+
+    monkeypatch.setattr(BackgroundWriter, 'submit', noted)
+
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    train.main(args)  # what `python train.py ARGS` runs (the modules patched above are its own)
+    evaluation.main(['--load_model_path', _folder(args), '--cpu', '--no-progress_bar'])
+    steps = 2 * 6  # 2 epochs of 96 images in batches of 16
+    assert calls['Trainer.build'] == 1 and calls['Trainer.train'] == 1 and calls['Evaluator.eval'] == 1
+    assert calls['Trainer.train_step'] == calls['Trainer.optimizer_step'] == calls['Logger.record'] == steps
+    assert calls['Trainer.validate'] == calls['Trainer.save'] == calls['Logger.summary'] == 2
+    assert calls['Logger.log_metrics'] == calls['Logger.log_pictures'] == 2
+    # directly by the writer thread's jobs (the trackers' state: the checkpointer's), handed over by the Logger
+    assert callers == {'utils/background.py', 'utils/logger.py', 'utils/checkpointer.py'}, callers
+    assert submitters == {'utils/logger.py'}, submitters
+
+
+def test_a_custom_training_step_is_one_overridden_method(tiny_shapes, tmp_path):
+    """A second loss term (an L2 penalty on the head) by overriding train_step alone."""
+    import train
+    from options import parse_args, parse_train_args, resolve
+    from utils.run_folder import open_experiment
+
+    penalties = []
+
+    class PenalizedTrainer(train.Trainer):
+        def train_step(self, batch, group_size, update):
+            model = self.setup.wrapped
+            with self.setup.autocast():
+                outputs = self.task.forward(model, batch)
+                penalty = 0.1 * model.head.weight.square().sum()
+                loss = self.task.loss(outputs, batch) + penalty
+            loss.backward()
+            penalties.append(penalty.detach())
+            self.logger.record('train/loss', loss, self.task.count(batch))
+            self.logger.record('train/penalty', penalty, self.task.count(batch))
+            self.logger.record_outputs(outputs, batch)
+            return self.task.count(batch)
+
+    argv = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1', '--loggers', 'csv']
+    options, lock = open_experiment(argv, resolve(parse_args(parse_train_args, argv)))
+    trainer = PenalizedTrainer.build(options, lock)
+    assert type(trainer) is PenalizedTrainer
+    assert trainer.run() is None
+    assert len(penalties) == 6
+    with open(os.path.join(options.model_dir, 'metrics.csv')) as f:
+        header = f.readline().strip().split(',')
+    assert 'train/penalty' in header and 'val/acc' in header
+
+
+# --- options that shape the metrics reach eval.py unchanged ----------------------------------------
+
+
+def test_eval_reproduces_the_validation_numbers_of_training(tiny_shapes, tmp_path):
+    """Every option that decides what validation measures (top-k, loss, image size, mixed precision) is
+    taken from the checkpoint: eval.py's result equals the last validation of training."""
+    from options import INHERITED
+
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    extra = ['--topk', '5', '--loss', 'label_smoothing', '--img_size', '24', '--amp', 'bf16', '--channels_last']
+    _train(args, *extra, '--epochs', '1', '--limit_train_batches', '2')
+    folder = _folder(args)
+    with open(os.path.join(folder, 'history.json')) as f:
+        validated = {name[4:]: values[-1] for name, values in json.load(f)['metrics'].items() if name[:4] == 'val/'}
+    assert 'top5' in validated
+    result = run_script('eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--cpu', '--no-progress_bar')
+    assert result.returncode == 0, result.stderr
+    (evaluated,) = [os.path.join(folder, 'eval', name) for name in os.listdir(os.path.join(folder, 'eval'))]
+    with open(os.path.join(evaluated, 'result.json')) as f:
+        metrics = json.load(f)['metrics']
+    assert {name: pytest.approx(value, abs=1e-6) for name, value in validated.items()} == {
+        name: metrics[name] for name in validated
+    }
+    # the options eval.py ran with, saved in its result folder: the training run's, not the parser's defaults
+    with open(os.path.join(evaluated, 'args.yaml')) as f:
+        saved = yaml.safe_load(f)
+    trained = torch.load(os.path.join(folder, 'last.pth'), weights_only=True, map_location='cpu')['args']
+    assert {name: saved[name] for name in INHERITED} == {name: trained[name] for name in INHERITED}
+    # given on the command line, an option wins over the checkpoint
+    result = run_script(
+        'eval.py', '--load_model_path', folder, '--topk', '2', '--save_prefix', 'top2', '--cpu', '--no-progress_bar'
+    )
+    assert 'top2' in result.stdout and 'top5' not in result.stdout, result.stdout + result.stderr
+
+
+# --- state_dict() talks to no other process ----------------------------------------------------------
+
+STATE_WORKER = textwrap.dedent("""\
+    import datetime, json, os, sys
+    sys.path.insert(0, {repo!r})
+    import torch
+    import torch.distributed as dist
+    from metrics import ClassificationMetrics
+    from utils.checkpointer import Checkpointer, RandomStates
+    from utils.recorder import Recorder
+
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    recorder, metrics = Recorder(), ClassificationMetrics(3, topk=2)
+    recorder.record('train/loss', torch.tensor(float(rank + 1)), 4)
+    metrics.update(torch.eye(3)[[0, 1, 2, rank]], {{'label': torch.tensor([0, 1, 2, 0])}})
+    if rank == 0:  # as checkpoint code usually does: ask rank 0 alone
+        alone = [recorder.state_dict(), metrics.state_dict()['matrix'].tolist(), len(RandomStates().state_dict())]
+    parts = {{'recorder': recorder, 'metrics': metrics, 'rng': RandomStates()}}
+    state = Checkpointer(parts, per_process=['rng'], summed=['recorder', 'metrics']).state_dict()
+    if rank == 0:
+        with open(sys.argv[1], 'w') as f:
+            json.dump({{'alone': alone, 'recorder': state['recorder'], 'matrix': state['metrics']['matrix'].tolist(),
+                       'processes': len(state['rng']['per_rank'])}}, f)
+    dist.destroy_process_group()
+""")
+
+
+def test_state_dicts_need_no_other_process_and_the_checkpointer_adds_them_up(tmp_path):
+    script, output = tmp_path / 'worker.py', tmp_path / 'state.json'
+    script.write_text(STATE_WORKER.format(repo=REPO))
+    result = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node=2', str(script), str(output)],
+        capture_output=True,
+        text=True,
+        timeout=timeout(300),
+        env={**os.environ, 'OMP_NUM_THREADS': '1'},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = json.loads(output.read_text())
+    recorder, matrix, streams = state['alone']
+    assert recorder == {'train/loss': [4.0, 4]} and sum(map(sum, matrix)) == 4 and streams == 4  # rank 0's own
+    assert state['recorder'] == {'train/loss': [4.0 + 8.0, 8]}  # both processes' sums
+    assert sum(map(sum, state['matrix'])) == 8 and state['matrix'][1][1] == 2
+    assert state['processes'] == 2
+
+
+# --- durable run records -------------------------------------------------------------------------
+
+
+def test_args_files_are_fsynced_before_they_replace_the_old_ones(tmp_path, monkeypatch):
+    from options import parse_args, parse_train_args
+    from utils.run_folder import save_args
+
+    synced, fsync = [], os.fsync
+
+    def recording(fd):
+        synced.append(os.path.basename(os.readlink(f'/proc/self/fd/{fd}')))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, 'fsync', recording)
+    save_args(parse_args(parse_train_args, ['--epochs', '3']), str(tmp_path))
+    for name in ('args.txt', 'args.yaml'):
+        assert any(name in path for path in synced), (name, synced)
+        assert (tmp_path / name).read_text()
+
+
+def test_a_checkpoint_keeps_one_epoch_counter(tiny_shapes, tmp_path):
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--epochs', '1', '--loggers', 'csv')
+    checkpoint = torch.load(os.path.join(_folder(args), 'last.pth'), weights_only=True, map_location='cpu')
+    assert checkpoint['position']['epoch'] == 1 and set(checkpoint['history']) == {'metrics'}
+
+
+# --- predict lists of plain paths ----------------------------------------------------------------
+
+
+def test_a_predict_list_of_plain_paths_with_spaces(tiny_shapes, tmp_path):
+    import shutil
+
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--epochs', '1', '--loggers', 'csv', '--limit_train_batches', '1')
+    images = tmp_path / 'my images'
+    images.mkdir()
+    sources = sorted(os.listdir(os.path.join(tiny_shapes, 'images', 'val')))[:3]
+    for index, name in enumerate(sources):
+        shutil.copy(os.path.join(tiny_shapes, 'images', 'val', name), images / f'photo {index} with spaces.png')
+    listed = tmp_path / 'list.txt'
+    listed.write_text(''.join(f'{images / name}\n' for name in sorted(os.listdir(images))))  # what `find` writes
+    result = run_script('predict.py', '--load_model_path', _folder(args), '--input', listed, '--cpu')
+    assert result.returncode == 0 and '3 images predicted' in result.stdout, result.stdout + result.stderr
+
+    listed.write_text(f'{images / "photo 9 with spaces.png"}\n')
+    result = run_script(
+        'predict.py', '--load_model_path', _folder(args), '--input', listed, '--cpu', '--save_prefix', 'b'
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and 'Traceback' not in result.stderr, result.stderr
+    assert f'{listed}:1' in lines[0] and 'quoted' in lines[0]
