@@ -115,7 +115,7 @@ class Evaluator:
         if is_main_process():
             self.logger.save_pictures(evaluation.pictures, self.task.pictures, self.folder)
             self.write_results(evaluation)
-            self.logger.wait()
+            self.logger.close()  # the pictures are written
             main_metrics = {k: v for k, v in evaluation.metrics.items() if '/' not in k}
             print(f'{o.load_model_path}: ' + ' '.join(f'{k} {v:.4f}' for k, v in main_metrics.items()))
             print(

@@ -59,6 +59,7 @@ from utils.run_folder import (
     checkpoint_path,
     discard_folder_if_setup_fails,
     open_experiment,
+    reproducibility_record,
 )
 from utils.run_history import RunHistory
 from utils.seeding import set_deterministic, set_seed
@@ -206,7 +207,7 @@ class Trainer:
                 checkpoint.get('trackers') if checkpoint else None,
                 options,
             )
-        logger = Logger(trackers, task.train_metrics())
+        logger = Logger(trackers, task)
         keeper = None
         if is_main_process():
             keeper = CheckpointKeeper(options.model_dir, options.keep_last, options.keep_best, options.monitor_mode)
@@ -328,7 +329,7 @@ class Trainer:
         count = task.count(batch)
         self.stopper.watch_loss(loss, self.position.step + 1)
         self.logger.record('train/loss', loss, count)
-        self.logger.record_outputs(task.outputs_to_float(outputs), batch)
+        self.logger.record_outputs(outputs, batch)
         return count
 
     def optimizer_step(self):
@@ -430,7 +431,7 @@ class Trainer:
 
     def record_start(self):
         """Write run_config.json, add this start to reproduce.json and give the trackers the options
-        (on the writer thread: git and file writes need not delay the first step)."""
+        (the files on the writer thread)."""
         o = self.options
         self.logger.log_text(
             'args', '\n'.join(f'    {k}: {v}' for k, v in sorted(saved_options(o).items())), self.position.step
@@ -453,8 +454,7 @@ class Trainer:
             mixed_precision=o.amp,
         )
         self.logger.submit(config.save, o.model_dir)
-        command = [sys.executable, *sys.argv]
-        self.logger.submit(append_reproducibility_record, o.model_dir, o, command, os.getcwd())
+        self.logger.submit(append_reproducibility_record, o.model_dir, reproducibility_record(o))
 
     def final_metrics(self):
         """The last value of every metric and the best --monitor value."""

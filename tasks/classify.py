@@ -12,7 +12,7 @@ class ClassifyTask(Task):
     default_data = ('shapes', 'list')
     monitor = 'val/acc'
     targets = ('label',)
-    pictured = 32
+    pictured = 16
 
     @classmethod
     def metric_names(cls, options):
@@ -22,7 +22,7 @@ class ClassifyTask(Task):
         return ClassificationMetrics(self.num_classes, self.options.topk)
 
     def pictures(self, batch, outputs):
-        count = min(32, self.count(batch))
+        count = min(self.pictured, self.count(batch))
         predicted, true = self.to_host(outputs[:count].argmax(1), batch['label'][:count])
         return {
             'predictions': labeled_grid(

@@ -148,10 +148,31 @@ def test_recorder_weighs_by_batch_size_and_keeps_no_graph():
     recorder.record('train/loss', (weight * 2).sum(), n=3)
     recorder.record('train/loss', torch.tensor(4.0), n=1)
     recorder.record('train/lr', 0.5)
-    assert not recorder.sums['train/loss'].requires_grad
+    assert not any(value.requires_grad for values in recorder.kept['train/loss'].values() for value in values)
     assert recorder.means() == {'train/loss': pytest.approx(2.5), 'train/lr': 0.5}
     assert recorder.summary() == {'train/loss': pytest.approx(2.5), 'train/lr': 0.5}
     assert recorder.summary() == {}  # reset after summary
+
+
+def test_batched_train_metrics_and_recorder_folds_add_up_like_step_by_step_updates():
+    from metrics import BatchedUpdates, ClassificationMetrics
+
+    seed = 7
+    generator = torch.Generator().manual_seed(seed)
+    direct, batched = ClassificationMetrics(5, topk=2), BatchedUpdates(ClassificationMetrics(5, topk=2), every=4)
+    recorder, total, count = Recorder(), 0.0, 0
+    for step in range(150):  # more than FOLD_EVERY values, two batch sizes
+        n = 3 if step % 10 == 9 else 8
+        logits, labels = torch.randn(n, 5, generator=generator), torch.randint(0, 5, (n,), generator=generator)
+        direct.update(logits, {'label': labels})
+        batched.update(logits, {'label': labels, 'image': torch.zeros(n, 3, 2, 2)})
+        loss = logits.square().mean()
+        recorder.record('train/loss', loss, n)
+        total, count = total + loss.double().item() * n, count + n
+        if step == 70:  # a checkpoint in between
+            assert batched.state_dict()['matrix'].sum() == direct.state_dict()['matrix'].sum()
+    assert batched.compute(list('abcde')) == direct.compute(list('abcde')), f'seed {seed}'
+    assert recorder.means() == {'train/loss': pytest.approx(total / count, rel=1e-12)}, f'seed {seed}'
 
 
 class _Net(nn.Module):

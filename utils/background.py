@@ -39,9 +39,21 @@ class BackgroundWriter:
             self._jobs.join()
         self._raise_error()
 
+    def close(self):
+        """Run what is pending, then end the thread (a later `submit` starts a new one)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise_error()
+
     def _work(self):
         while True:
-            function, args = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            function, args = job
             try:
                 if not self._cancelled:
                     function(*args)

@@ -1,6 +1,7 @@
 """User-facing errors: one clear line and a non-zero exit instead of a traceback (imports no torch)."""
 
 import os
+import signal
 import sys
 
 
@@ -38,12 +39,21 @@ def quiet_interrupts():
     """Make a Ctrl-C before `run_cli` takes over (while torch loads, say) print one line and exit 130.
 
     By the time the hook runs the stack has unwound, so every `finally` (e.g. removing a half-generated
-    dataset) has already run.
+    dataset) has already run. A Ctrl-C can also surface as another error: one that lands while a C
+    extension initializes (numpy's) leaves it half-loaded, and the next import of it fails with an
+    ImportError; so any error after a Ctrl-C counts as the interruption.
     """
-    default = sys.excepthook
+    default, interrupted = sys.excepthook, []
+
+    def on_interrupt(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
+        signal.signal(signal.SIGINT, on_interrupt)
 
     def hook(kind, value, traceback):
-        if issubclass(kind, KeyboardInterrupt):
+        if issubclass(kind, KeyboardInterrupt) or interrupted:
             _interrupted()
         default(kind, value, traceback)
 

@@ -12,6 +12,7 @@ writing call does nothing, so callers never ask which rank they are on.
 
 import os
 
+from metrics import BatchedUpdates
 from utils.background import BackgroundWriter
 from utils.recorder import Recorder
 from utils.trackers import Trackers
@@ -19,13 +20,15 @@ from utils.viz import save_png
 
 
 class Logger:
-    """Recorder-backed logging to `trackers` (a utils.trackers.Trackers; empty for none) with the task's
-    `train_metrics` (or None), writing on `writer` (a BackgroundWriter, made when not given)."""
+    """Recorder-backed logging to `trackers` (a utils.trackers.Trackers; empty for none), writing on
+    `writer` (a BackgroundWriter, made when not given). With a `task`, its train metrics add up the
+    training batches' outputs (batched: metrics.BatchedUpdates)."""
 
-    def __init__(self, trackers=None, train_metrics=None, writer=None):
+    def __init__(self, trackers=None, task=None, writer=None):
         self.trackers = trackers if trackers is not None else Trackers()
         self.recorder = Recorder()
-        self.train_metrics = train_metrics
+        metrics = task.train_metrics() if task is not None else None
+        self.train_metrics = None if metrics is None else BatchedUpdates(metrics, task.outputs_to_float)
         self.writer = writer or BackgroundWriter()
 
     # per step: on the device, no host sync -----------------------------------------------------------
@@ -34,9 +37,9 @@ class Logger:
         self.recorder.record(name, value, count)
 
     def record_outputs(self, outputs, batch):
-        """Add a training batch's outputs to the task's train metrics (train/acc, ...)."""
+        """Add a training batch's outputs (as the model gave them) to the task's train metrics (train/acc, ...)."""
         if self.train_metrics is not None:
-            self.train_metrics.update(outputs.detach(), batch)
+            self.train_metrics.update(outputs, batch)
 
     # at print and validation time ----------------------------------------------------------------------
     def running_means(self):
@@ -109,6 +112,6 @@ class Logger:
         try:
             if final_metrics is not None:
                 self._to_trackers('finish', final_metrics)
-            self.wait()
+            self.writer.close()
         finally:
             self.trackers.close()

@@ -4,29 +4,48 @@ import torch
 
 from utils.distributed import all_reduce_sum, collective_device
 
+FOLD_EVERY = 64  # recorded tensors kept per name before they are added up in one go
+
 
 class Recorder:
     """Accumulates named values step by step; `summary()` returns their batch-size-weighted means.
 
-    Tensor values are kept detached on their device and summed there (in float64), so recording
-    never waits for the GPU; only `summary()` / `means()` copy the totals to the host, in one go.
-    With `all_ranks=True` the sums and counts of every torchrun process are added first, so the
-    means are those of all samples, exactly as one process would compute them.
+    A recorded tensor is only kept (detached): no kernel runs per step. Every FOLD_EVERY values, and
+    whenever the sums are read, the kept ones are added up on their device in float64 in one go, so
+    recording never waits for the GPU; only `summary()` / `means()` copy the totals to the host, in one
+    go. The points where values are added up depend only on what was recorded and read, so a resumed
+    run adds up exactly as the run it continues. With `all_ranks=True` the sums and counts of every
+    torchrun process are added first, so the means are those of all samples, as one process would
+    compute them.
     """
 
     def __init__(self):
         self.sums = {}
         self.counts = {}
+        self.kept = {}  # name -> {samples per value: [tensors]}, not yet in `sums`
 
     def record(self, name, value, n=1):
         """Add `value` (a tensor or number, the mean over `n` samples) under `name`."""
-        value = value.detach().to(torch.float64) * n if torch.is_tensor(value) else float(value) * n
-        self.sums[name] = self.sums[name] + value if name in self.sums else value
         self.counts[name] = self.counts.get(name, 0) + n
+        if not torch.is_tensor(value):
+            self.sums[name] = self.sums.get(name, 0.0) + float(value) * n
+            return
+        kept = self.kept.setdefault(name, {})
+        kept.setdefault(n, []).append(value.detach())
+        if sum(map(len, kept.values())) >= FOLD_EVERY:
+            self._fold(name)
+
+    def _fold(self, name):
+        """Add the kept tensors of `name` to its sum: one stack and sum per batch size."""
+        for n, values in self.kept.pop(name, {}).items():
+            total = torch.stack(values).double().sum() * n
+            self.sums[name] = self.sums[name] + total if name in self.sums else total
 
     def totals(self, all_ranks=False):
         """{name: (sum, count)} as host numbers (one sync; a collective when `all_ranks`)."""
-        names = list(self.sums)
+        for name in list(self.kept):
+            self._fold(name)
+        names = list(self.counts)
         if not names:
             return {}
         device = next((v.device for v in self.sums.values() if torch.is_tensor(v)), None)
@@ -53,6 +72,7 @@ class Recorder:
         """Continue from sums saved by `state_dict` (under torchrun, rank 0 loads everyone's)."""
         self.sums = {name: total for name, (total, _) in state.items()}
         self.counts = {name: count for name, (_, count) in state.items()}
+        self.kept = {}
 
     def summary(self, all_ranks=False):
         """The weighted means (see `means`), then a reset for the next interval."""

@@ -245,33 +245,34 @@ def _version(package):
         return None
 
 
-def append_reproducibility_record(folder, args, command, cwd):
-    """Add this start of the run (the first, or a resume) to `folder`/reproduce.json.
+def reproducibility_record(args):
+    """This start of a run (the first, or a resume): the command line and its working folder, the
+    resolved options, the git commit and the diff of uncommitted changes, library versions, the host
+    and the start time. Call it from the main thread before DataLoader workers are forked: a fork while
+    git starts in another thread would leave git's pipe open in the worker, and that thread waiting."""
+    commit = _git('rev-parse', 'HEAD')
+    return {
+        'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
+        'command': [sys.executable] + sys.argv,
+        'cwd': os.getcwd(),
+        'args': {k: v for k, v in sorted(vars(args).items())},
+        'git_commit': commit.strip() if commit else None,
+        'git_diff': _git('diff', 'HEAD'),
+        'python': platform.python_version(),
+        **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
+        'host': socket.gethostname(),
+        'platform': platform.platform(),
+    }
 
-    Each entry holds the `command` line and its working folder `cwd`, the resolved options, the git
-    commit and the diff of uncommitted changes, library versions, the host and the start time.
-    """
+
+def append_reproducibility_record(folder, record):
+    """Add `record` (a `reproducibility_record`) to `folder`/reproduce.json, one entry per start."""
     path = os.path.join(folder, 'reproduce.json')
     entries = []
     with contextlib.suppress(OSError, ValueError):
         with open(path) as f:
             entries = json.load(f)
-    commit = _git('rev-parse', 'HEAD')
-    entries.append(
-        {
-            'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-            'command': command,
-            'cwd': cwd,
-            'args': {k: v for k, v in sorted(vars(args).items())},
-            'git_commit': commit.strip() if commit else None,
-            'git_diff': _git('diff', 'HEAD'),
-            'python': platform.python_version(),
-            **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
-            'host': socket.gethostname(),
-            'platform': platform.platform(),
-        }
-    )
-    atomic_write_json(entries, path)
+    atomic_write_json([*entries, record], path)
 
 
 def checkpoint_path(path):

@@ -6,6 +6,7 @@ Everything returns an HxWx3 uint8 numpy array (save it with `save_png`).
 import functools
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw, ImageFont
 
 GOOD = (40, 170, 60)
@@ -17,25 +18,41 @@ def _font(size):
     return ImageFont.load_default(size=size)
 
 
+def tiles(images, tile):
+    """Float images (N, 3, H, W) in [0, 1] as uint8 tiles (N, T, T, 3) of side about `tile`: small
+    images enlarged by a whole factor (pixels stay sharp), larger ones shrunk by averaging."""
+    images = images.detach().float().cpu().clamp(0, 1)
+    side = images.shape[-1]
+    if side < tile:
+        factor = max(1, tile // side)
+        images = images.repeat_interleave(factor, dim=2).repeat_interleave(factor, dim=3)
+    elif side > tile:
+        images = torch.nn.functional.interpolate(images, size=(tile, tile), mode='area')
+    return (images * 255).round().byte().permute(0, 2, 3, 1).numpy()
+
+
 def labeled_grid(images, predicted, true, class_names=None, columns=8, tile=96):
     """Grid of images, each captioned 'predicted / true' in green when right, red when wrong.
 
     `images` is a float tensor (N, 3, H, W) in [0, 1]; `predicted` and `true` are label lists.
     """
     name = (lambda i: class_names[i]) if class_names else str
-    pixels = (images.detach().float().cpu().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
-    count = len(pixels)
+    pixels = tiles(images, tile)
+    count, side = len(pixels), pixels.shape[1]
     columns = min(columns, count)
     rows = (count + columns - 1) // columns
     caption = 16
-    canvas = Image.new('RGB', (columns * tile, rows * (tile + caption)), 'white')
+    grid = np.full((rows * (side + caption), columns * side, 3), 255, np.uint8)
+    for i in range(count):
+        x, y = (i % columns) * side, (i // columns) * (side + caption)
+        grid[y : y + side, x : x + side] = pixels[i]
+    canvas = Image.fromarray(grid)
     draw = ImageDraw.Draw(canvas)
     font = _font(11)
     for i in range(count):
-        x, y = (i % columns) * tile, (i // columns) * (tile + caption)
-        canvas.paste(Image.fromarray(pixels[i]).resize((tile, tile), Image.NEAREST), (x, y))
+        x, y = (i % columns) * side, (i // columns) * (side + caption)
         colour = GOOD if predicted[i] == true[i] else BAD
-        draw.text((x + 2, y + tile + 1), f'{name(predicted[i])} / {name(true[i])}', fill=colour, font=font)
+        draw.text((x + 2, y + side + 1), f'{name(predicted[i])} / {name(true[i])}', fill=colour, font=font)
     return np.asarray(canvas)
 
 
@@ -49,16 +66,10 @@ def mask_colours(num_classes):
 
 def segmentation_grid(images, predicted, true, num_classes, tile=96):
     """Rows of image | predicted mask | true mask (HxWx3 uint8); `images` in [0, 1], masks (N, H, W)."""
-    colours = mask_colours(num_classes)
-    pixels = (images.detach().float().cpu().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
-    predicted, true = predicted.cpu().numpy(), true.cpu().numpy()
-    canvas = Image.new('RGB', (3 * tile, len(pixels) * tile), 'white')
-    for row, columns in enumerate(
-        zip(pixels, colours[predicted.clip(0, num_classes - 1)], colours[true.clip(0, num_classes - 1)])
-    ):
-        for column, picture in enumerate(columns):
-            canvas.paste(Image.fromarray(picture).resize((tile, tile), Image.NEAREST), (column * tile, row * tile))
-    return np.asarray(canvas)
+    colours = torch.from_numpy(mask_colours(num_classes)).float() / 255
+    masks = [colours[m.cpu().long().clip(0, num_classes - 1)].permute(0, 3, 1, 2) for m in (predicted, true)]
+    pixels = [tiles(picture, tile) for picture in (images, *masks)]  # (N, T, T, 3) each
+    return np.concatenate([np.concatenate(row, axis=1) for row in zip(*pixels)], axis=0)
 
 
 def confusion_matrix_image(matrix, class_names=None, cell=44):
