@@ -24,6 +24,7 @@ RESUME_CHANGEABLE = (
     'print_freq',
     'progress_bar',
     'log_images',
+    'image_interval',
     'loggers',
     'mlflow_uri',
     'wandb_project',
@@ -387,7 +388,15 @@ def parse_train_args(parser):
         '--log_images',
         action=argparse.BooleanOptionalAction,
         default=True,
-        help='log pictures of validation batches at every validation',
+        help='log pictures of a validation batch (see --image_interval)',
+    )
+    parser.add_argument(
+        '--image_interval',
+        type=_non_negative_float,
+        default=30.0,
+        metavar='SECONDS',
+        help='log validation pictures at most every SECONDS of training, and at the last validation '
+        '(0: at every validation); drawing them costs more than a short epoch',
     )
     debug = parser.add_argument_group('debugging')
     debug.add_argument(

@@ -158,6 +158,7 @@ class Trainer:
         self.updates_per_epoch = math.ceil(len(train_data) / options.grad_accum_steps)
         self.max_steps = options.max_iteration or options.epochs * self.updates_per_epoch
         self.first_step_seconds = None
+        self.pictured_at = None  # when validation pictures were last logged (see --image_interval)
 
     @classmethod
     def build(cls, options, lock=None):
@@ -279,6 +280,7 @@ class Trainer:
         o, position, stopper = self.options, self.position, self.stopper
         self.record_start()
         start, seen = time.perf_counter(), 0
+        self.pictured_at = start
         with stopper, training_profiler(o.profile, o.model_dir) as profiler:
             while stopper.stop is None and position.step < self.max_steps:
                 if self.finetuning.unfreezes_at(position.epoch, position.batch):  # --unfreeze_at_epoch
@@ -364,14 +366,18 @@ class Trainer:
         o, step = self.options, self.position.step
         metrics = self.logger.summary()  # train/* since the last validation, over every process
         metrics['train/lr'] = self.optimizer.param_groups[0]['lr']
+        last = step >= self.max_steps
+        pictures = o.log_images and (last or time.perf_counter() - self.pictured_at >= o.image_interval)
         evaluation = evaluate(
             self.setup.wrapped,
             self.val_data,
             self.task,
             self.setup.autocast,
-            picture_batches={0} if o.log_images else (),
+            picture_batches={0} if pictures else (),
             progress_bar=o.progress_bar and is_main_process(),
         )
+        if pictures:
+            self.pictured_at = time.perf_counter()
         self.finetuning.train_mode(self.setup.wrapped)
         metrics.update({f'val/{k}': v for k, v in evaluation.metrics.items()})
         for name, value in metrics.items():

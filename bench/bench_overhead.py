@@ -4,7 +4,8 @@
    printed lines, a full checkpoint every epoch) against a minimal hand-written loop over the same
    data path (the same device-resident uint8 batches and batched augmentation, data/loader.py), the
    same model, optimizer and schedule, for the same epochs. The two alternate --repeats times in one
-   process, so machine noise hits both alike; images/s and the median ratio are printed.
+   process, so machine noise hits both alike; images/s and the median ratio are printed, and the ratio
+   per epoch, from runs --more_epochs longer (what a run pays once, its records and final flush, left out).
 2. Saving one checkpoint (the full training state), relative to one epoch.
 3. Time from starting `python train.py` to its first optimizer step, beside `python -c "import torch"`
    and beside the shortest hand-written script that makes one optimizer step of the same model.
@@ -70,12 +71,15 @@ def timed(function):
     return time.perf_counter() - start
 
 
+DEFAULTS = 'the defaults: progress bar, TensorBoard curves and pictures, a checkpoint every epoch'
+
+
 def bench_training(options, scratch, quiet):
-    """Print each repeat's images/s and the median Kiln/hand-written time ratio; return the last Trainer and
-    the seconds of one of its epochs."""
+    """Print each repeat's images/s and the median Kiln/hand-written time ratio of runs of --epochs, and
+    the ratio per epoch: the difference between runs of --epochs and --epochs + --more_epochs, which
+    leaves out what a run pays once (its records, the final flush); return the last Trainer and the
+    seconds of one of its epochs."""
     argv = [
-        '--epochs',
-        str(options.epochs),
         '--model_type',
         options.model_type,
         '--print_freq',
@@ -83,30 +87,43 @@ def bench_training(options, scratch, quiet):
         *(['--cpu'] if options.device == 'cpu' else []),
         *options.extra,
     ]
-    ratios, speeds = [], []
+    runs = {}  # (epochs, 'kiln' or 'hand') -> seconds of each repeat
+    lengths = (options.epochs, options.epochs + options.more_epochs) if options.more_epochs else (options.epochs,)
     for repeat in range(options.repeats):
-        trainer = train.start(argv + ['--checkpoints_dir', os.path.join(scratch, f'run{repeat}')])
+        for epochs in lengths:
+            folder = os.path.join(scratch, f'run{repeat}_{epochs}')
+            trainer = train.start(argv + ['--epochs', str(epochs), '--checkpoints_dir', folder])
+            if repeat % 2:  # alternate which goes first, so warm-up and drift do not favour one
+                runs.setdefault((epochs, 'hand'), []).append(timed(lambda: hand_written_loop(trainer, epochs)))
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+                runs.setdefault((epochs, 'kiln'), []).append(timed(trainer.run))
+            if not repeat % 2:
+                runs.setdefault((epochs, 'hand'), []).append(timed(lambda: hand_written_loop(trainer, epochs)))
+        kiln, hand = runs[options.epochs, 'kiln'][-1], runs[options.epochs, 'hand'][-1]
         images = options.epochs * len(trainer.train_data) * trainer.options.batch_size
-        if repeat % 2:  # alternate which goes first, so warm-up and drift do not favour one
-            hand = timed(lambda: hand_written_loop(trainer, options.epochs))
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            kiln = timed(trainer.run)
-        if not repeat % 2:
-            hand = timed(lambda: hand_written_loop(trainer, options.epochs))
-        ratios.append(kiln / hand)
-        speeds.append((images / kiln, images / hand))
         print(
-            f'  repeat {repeat + 1}: Kiln {kiln:.2f}s ({images / kiln:.0f} img/s)  hand-written {hand:.2f}s '
-            f'({images / hand:.0f} img/s)  ratio {kiln / hand:.3f}',
+            f'  repeat {repeat + 1}: {options.epochs} epochs: Kiln {kiln:.2f}s ({images / kiln:.0f} img/s)  '
+            f'hand-written {hand:.2f}s ({images / hand:.0f} img/s)  ratio {kiln / hand:.3f}',
             flush=True,
         )
+    median = {key: statistics.median(values) for key, values in runs.items()}
+    ratios = [k / h for k, h in zip(runs[options.epochs, 'kiln'], runs[options.epochs, 'hand'])]
+    images = options.epochs * len(trainer.train_data) * trainer.options.batch_size
     print(
-        f'training: Kiln {statistics.median(s for s, _ in speeds):.0f} img/s, hand-written '
-        f'{statistics.median(h for _, h in speeds):.0f} img/s; median ratio {statistics.median(ratios):.3f} '
+        f'training: Kiln {images / median[options.epochs, "kiln"]:.0f} img/s, hand-written '
+        f'{images / median[options.epochs, "hand"]:.0f} img/s; median ratio {statistics.median(ratios):.3f} '
         f'({options.repeats} alternating runs of {options.epochs} epochs, {options.model_type} on {trainer.device}, '
-        f'progress bar + TensorBoard + a checkpoint every epoch on)'
+        f'{" ".join(options.extra) or DEFAULTS})'
     )
-    return trainer, kiln / options.epochs
+    if options.more_epochs:
+        long = options.epochs + options.more_epochs
+        kiln = (median[long, 'kiln'] - median[options.epochs, 'kiln']) / options.more_epochs
+        hand = (median[long, 'hand'] - median[options.epochs, 'hand']) / options.more_epochs
+        print(
+            f'per epoch (runs of {long} less runs of {options.epochs} epochs, medians): Kiln {kiln * 1000:.1f} ms, '
+            f'hand-written {hand * 1000:.1f} ms: ratio {kiln / hand:.3f}'
+        )
+    return trainer, median[options.epochs, 'kiln'] / options.epochs
 
 
 def bench_checkpoint(trainer, epoch_seconds):
@@ -227,6 +244,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--device', choices=['cpu', 'cuda'], default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--epochs', type=int, default=2)
+    parser.add_argument(
+        '--more_epochs', type=int, default=6, help='a second, longer run for the per-epoch ratio (0: none)'
+    )
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--model_type', default='small_cnn')
     parser.add_argument('extra', nargs='*', help='more train.py options after --, e.g. -- --amp bf16 --compile')

@@ -183,6 +183,8 @@ def tracker_runs(tiny_shapes, tmp_path_factory, wrapper):
     extra = [
         '--valid_interval',
         '2',
+        '--image_interval',
+        '0',  # pictures at every validation, so that every tracker's pictures are compared across the kill
         '--save_interval',
         '1',
         '--deterministic',

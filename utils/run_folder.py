@@ -227,11 +227,26 @@ class TrainerRunConfig:
 
 
 def _git(*command):
+    """`git COMMAND` in the template's folder, started now (its output is read by `_output`), or None."""
     try:
-        result = subprocess.run(['git', *command], cwd=REPO, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
+        return subprocess.Popen(
+            ['git', *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+    except OSError:
         return None
-    return result.stdout if result.returncode == 0 else None
+
+
+def _output(process):
+    """What a `_git` process printed, or None when it failed or took more than 20 s."""
+    if process is None:
+        return None
+    try:
+        stdout, _ = process.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        return None
+    return stdout if process.returncode == 0 else None
 
 
 def _version(package):
@@ -248,15 +263,15 @@ def _version(package):
 def reproducibility_record(args):
     """This start of a run (the first, or a resume): the command line and its working folder, the
     resolved options, the git commit and the diff of uncommitted changes, library versions, the host
-    and the start time. Call it from the main thread before DataLoader workers are forked: a fork while
-    git starts in another thread would leave git's pipe open in the worker, and that thread waiting."""
-    commit = _git('rev-parse', 'HEAD')
+    and the start time. Call it from the main thread before DataLoader workers are forked (git starts
+    here; a fork while git started on another thread would leave git's pipe open in the worker, and
+    that thread waiting); `append_reproducibility_record` reads git's answers."""
     return {
         'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
         'command': [sys.executable] + sys.argv,
         'cwd': os.getcwd(),
         'args': {k: v for k, v in sorted(vars(args).items())},
-        'git_commit': commit.strip() if commit else None,
+        'git_commit': _git('rev-parse', 'HEAD'),
         'git_diff': _git('diff', 'HEAD'),
         'python': platform.python_version(),
         **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
@@ -266,7 +281,10 @@ def reproducibility_record(args):
 
 
 def append_reproducibility_record(folder, record):
-    """Add `record` (a `reproducibility_record`) to `folder`/reproduce.json, one entry per start."""
+    """Add `record` (a `reproducibility_record`, once git has answered) to `folder`/reproduce.json, one
+    entry per start."""
+    commit = _output(record['git_commit'])
+    record = {**record, 'git_commit': commit.strip() if commit else None, 'git_diff': _output(record['git_diff'])}
     path = os.path.join(folder, 'reproduce.json')
     entries = []
     with contextlib.suppress(OSError, ValueError):

@@ -41,19 +41,26 @@ def labeled_grid(images, predicted, true, class_names=None, columns=8, tile=96):
     count, side = len(pixels), pixels.shape[1]
     columns = min(columns, count)
     rows = (count + columns - 1) // columns
-    caption = 16
-    grid = np.full((rows * (side + caption), columns * side, 3), 255, np.uint8)
+    grid = np.full((rows * (side + CAPTION), columns * side, 3), 255, np.uint8)
     for i in range(count):
-        x, y = (i % columns) * side, (i // columns) * (side + caption)
+        x, y = (i % columns) * side, (i // columns) * (side + CAPTION)
         grid[y : y + side, x : x + side] = pixels[i]
-    canvas = Image.fromarray(grid)
-    draw = ImageDraw.Draw(canvas)
-    font = _font(11)
-    for i in range(count):
-        x, y = (i % columns) * side, (i // columns) * (side + caption)
         colour = GOOD if predicted[i] == true[i] else BAD
-        draw.text((x + 2, y + side + 1), f'{name(predicted[i])} / {name(true[i])}', fill=colour, font=font)
-    return np.asarray(canvas)
+        grid[y + side : y + side + CAPTION, x : x + side] = caption(
+            f'{name(predicted[i])} / {name(true[i])}', colour, side
+        )
+    return grid
+
+
+CAPTION = 16  # pixels of caption under a tile
+
+
+@functools.lru_cache(maxsize=4096)  # a run's captions repeat: drawing text is the slow part of a grid
+def caption(text, colour, width):
+    """`text` in `colour` on white, as a (CAPTION, width, 3) uint8 array."""
+    image = Image.new('RGB', (width, CAPTION), 'white')
+    ImageDraw.Draw(image).text((2, 1), text, fill=colour, font=_font(11))
+    return np.asarray(image)
 
 
 def mask_colours(num_classes):
