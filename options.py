@@ -60,6 +60,8 @@ INHERITED = (
     'val_list',
     'num_classes',
     'img_size',
+    'resize',
+    'crop_pct',
     'loss',
     'topk',
     'amp',
@@ -74,7 +76,7 @@ TASK_DEFAULTS = {
     'monitor': 'monitor',
     'monitor_mode': 'monitor_mode',
 }
-AUGMENTATIONS = ('crop', 'hflip', 'vflip')  # the names data/augment.py knows
+AUGMENTATIONS = ('crop', 'resized_crop', 'hflip', 'vflip')  # the names data/augment.py knows
 LOGGERS = ('tensorboard', 'csv', 'wandb', 'mlflow')
 
 
@@ -103,6 +105,7 @@ _non_negative_int = _number(int, lambda v: v >= 0, '0 or more')
 _positive_float = _number(float, lambda v: v > 0, 'a positive number')
 _non_negative_float = _number(float, lambda v: v >= 0, '0 or more')
 _image_side = _number(int, lambda v: 8 <= v <= 4096, 'an image side from 8 to 4096 pixels')
+_fraction = _number(float, lambda v: 0 < v <= 1, 'a fraction in (0, 1]')
 
 
 def _count_or_fraction(text):
@@ -211,6 +214,16 @@ def parse_common_args(parser):
         type=_image_side,
         help="images are resized to this side (default: the task's, e.g. 32 to classify)",
     )
+    parser.add_argument(
+        '--resize',
+        choices=['squash', 'crop'],
+        help='how an image becomes a square: squash (all of it, its aspect ratio lost) or crop (its aspect '
+        "ratio kept: a centred square of --crop_pct of its shorter side, as ImageNet's resize 256 and crop "
+        "224); default: the dataset's (squash for the generated shapes, crop for photos)",
+    )
+    parser.add_argument(
+        '--crop_pct', type=_fraction, default=0.875, help='--resize crop: the share of the shorter side kept'
+    )
     parser.add_argument('--batch_size', type=_positive_int, default=128, help='images per step and process')
     parser.add_argument(
         '--num_workers',
@@ -254,8 +267,24 @@ def parse_train_args(parser):
         '--augment',
         type=_augmentations,
         default='default',
-        help='training augmentation, done on the device per batch: default (what the dataset '
-        'declares), none, or a comma list of crop, hflip, vflip',
+        help='training augmentation: default (what the dataset declares), none, or a comma list of crop '
+        '(a shift with reflected borders), resized_crop (RandomResizedCrop, see --crop_scale), hflip, vflip',
+    )
+    parser.add_argument(
+        '--crop_scale',
+        type=_fraction,
+        nargs=2,
+        default=[0.08, 1.0],
+        metavar=('MIN', 'MAX'),
+        help="resized_crop: the share of the image's area a crop covers",
+    )
+    parser.add_argument(
+        '--crop_ratio',
+        type=_positive_float,
+        nargs=2,
+        default=[3 / 4, 4 / 3],
+        metavar=('MIN', 'MAX'),
+        help="resized_crop: the range of a crop's width / height (drawn log-uniformly)",
     )
     parser.add_argument(
         '--load_model_path',
@@ -537,6 +566,10 @@ def parse_args(add_args, argv=None, base_config=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = add_args(KilnArgumentParser(description=add_args.__doc__))
     args = parser.parse_args(_config_and_flags(parser, argv, base_config))
+    for name in ('crop_scale', 'crop_ratio'):
+        low, high = getattr(args, name, None) or (0, 0)
+        if low > high:
+            parser.error(f'argument --{name}: MIN {low:g} is above MAX {high:g}')
     _check_names(args)
     return args
 

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from data.augment import BatchTransform
-from data.image_io import decode_image
+from data.image_io import IMAGE_EXTENSIONS, decode_image
 from data.list_file import read_image_paths
 from eval import load_for_inference
 from options import given_options, prefix_map
@@ -31,8 +31,6 @@ from utils.errors import KilnError
 from utils.model_setup import setup_model
 from utils.progress import progress
 from utils.run_folder import checkpoint_path, create_run_folder, discard_folder_if_setup_fails, result_folder
-
-IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.gif', '.tif', '.tiff', '.webp')
 
 
 def images_to_predict(source):
@@ -54,15 +52,16 @@ def images_to_predict(source):
     return paths
 
 
-def read_batches(paths, size, batch_size, unreadable):
-    """Yield (paths, uint8 images) batches of the readable images; add (path, reason) of the others to `unreadable`."""
+def read_batches(paths, options, unreadable):
+    """Yield (paths, uint8 images) batches of the readable images, resized as the model was trained
+    (--img_size, --resize, --crop_pct); add (path, reason) of the others to `unreadable`."""
     batch = []
     for path in paths:
         try:
-            batch.append((path, decode_image(path, size)))
+            batch.append((path, decode_image(path, options.img_size, resize=options.resize, crop_pct=options.crop_pct)))
         except KilnError as error:
             unreadable.append((path, str(error)))
-        if len(batch) == batch_size:
+        if len(batch) == options.batch_size:
             yield batch
             batch = []
     if batch:
@@ -75,7 +74,7 @@ def predict(options, task, setup, device, paths, folder):
     transform = BatchTransform((), options.img_size, options.channels_last)
     setup.wrapped.eval()
     unreadable, rows = [], []
-    batches = read_batches(paths, options.img_size, options.batch_size, unreadable)
+    batches = read_batches(paths, options, unreadable)
     for batch in progress(batches, options.progress_bar, 'predict', total=-(-len(paths) // options.batch_size)):
         names, images = zip(*batch)
         inputs = transform({'image': torch.stack(images).to(device, non_blocking=True)})

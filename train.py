@@ -27,8 +27,9 @@ import sys
 import torch
 from tqdm import tqdm
 
-from data.augment import augmentation_names
+from data.augment import AUGMENTATIONS, augmentation_names
 from data.data_entry import select_dataset
+from data.list_dataset import check_classes
 from data.loader import Batches
 from options import prefix_map, resolve, saved_options
 from tasks.task_entry import TASKS, task_class
@@ -100,6 +101,9 @@ def batches(options, task, dataset, device, train):
     """The train or validation batches of `dataset` as the options ask (see data/loader.py)."""
     overfit = options.overfit_batches
     augment = augmentation_names(options.augment, getattr(dataset, 'augment', ())) if train and not overfit else ()
+    if 'resized_crop' in augment and callable(getattr(dataset, 'decode_crops', None)):  # read from disk
+        dataset.decode_crops(AUGMENTATIONS['resized_crop'](options.img_size, options))  # from the full image
+        augment = tuple(name for name in augment if name != 'resized_crop')
     limit = overfit or (options.limit_train_batches if train else options.limit_val_batches)
     return Batches(
         dataset,
@@ -114,6 +118,7 @@ def batches(options, task, dataset, device, train):
         fixed_order=bool(overfit),
         channels_last=options.channels_last,
         image_size=options.img_size,
+        options=options,
     )
 
 
@@ -170,12 +175,16 @@ class Trainer:
         device = select_device(options.cpu, options.gpus)
         task_type = task_class(options.task)
         train_set = select_dataset(options, 'train')
-        options = options.replace(num_classes=options.num_classes or train_set.num_classes)
+        options = options.replace(
+            num_classes=options.num_classes or train_set.num_classes,
+            resize=options.resize or getattr(train_set, 'resize', None),
+        )
         check_monitor(options, task_type)
         task = task_type(options, train_set.class_names)
         task.check_dataset(train_set, options.data_type)
         # --overfit_batches validates on the very batches it trains on
         val_set = train_set if options.overfit_batches else select_dataset(options, 'val')
+        check_classes(val_set, train_set.class_names, options.train_list)
         train_data = batches(options, task, train_set, device, True)
         val_data = batches(options, task, val_set, device, False)
 

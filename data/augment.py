@@ -8,8 +8,11 @@ sample gets the same augmentation whatever the batch size, number of workers or 
 whether the run was interrupted. All of it is index arithmetic on fixed shapes: no host sync.
 
 Add an augmentation: a class with `draw(count, generator)` and `apply(batch, params)`, one line in
-AUGMENTATIONS, and its name in options.AUGMENTATIONS.
+AUGMENTATIONS (it gets the image size and the run's options, for its settings), and its name in
+options.AUGMENTATIONS.
 """
+
+import math
 
 import torch
 
@@ -94,10 +97,81 @@ class Flip:
         return batch
 
 
-AUGMENTATIONS = {
-    'crop': RandomCrop,
-    'hflip': lambda image_size: Flip(image_size, dim=-1),
-    'vflip': lambda image_size: Flip(image_size, dim=-2),
+class RandomResizedCrop:
+    """torchvision's RandomResizedCrop, batched: each image's box covers a random share `scale` of its
+    area at a random aspect `ratio` (log-uniform), the first of 10 tries that fits, else the largest
+    centred box of an allowed ratio; the box is then resized to the whole picture. In-memory images are
+    cropped here on the device (bilinear; masks nearest; boxes moved, those pushed out dropped); datasets
+    read from disk crop at decode time, from the full-resolution image (data/image_io.decode_image),
+    with the same `draw_boxes`."""
+
+    def __init__(self, image_size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+        self.scale, self.ratio = tuple(scale), tuple(ratio)
+
+    def draw_boxes(self, widths, heights, generator=None):
+        """Boxes (N, 4) as (x0, y0, x1, y1) pixels in images of `widths` x `heights` (tensors (N,));
+        draws the same number of values for every image, so a sample's box depends only on its seed."""
+        count, tries = len(widths), 10
+        widths, heights = widths.double(), heights.double()
+        area = (widths * heights)[:, None] * torch.empty(count, tries, dtype=torch.float64).uniform_(
+            *self.scale, generator=generator
+        )
+        log_ratio = [math.log(r) for r in self.ratio]
+        aspect = torch.empty(count, tries, dtype=torch.float64).uniform_(*log_ratio, generator=generator).exp()
+        w, h = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()
+        fits = (w > 0) & (w <= widths[:, None]) & (h > 0) & (h <= heights[:, None])
+        first = fits.double().argmax(1, keepdim=True)
+        w, h = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0]
+        # no try fitted: the whole image, cut to the nearest allowed aspect ratio
+        shape = widths / heights
+        fallback_w = torch.where(shape > self.ratio[1], (heights * self.ratio[1]).round(), widths)
+        fallback_h = torch.where(shape < self.ratio[0], (widths / self.ratio[0]).round(), heights)
+        fitted = fits.any(1)
+        w, h = torch.where(fitted, w, fallback_w), torch.where(fitted, h, fallback_h)
+        corner = torch.rand(count, 2, dtype=torch.float64, generator=generator)
+        x0 = torch.where(fitted, (corner[:, 0] * (widths - w + 1)).floor(), ((widths - w) / 2).floor())
+        y0 = torch.where(fitted, (corner[:, 1] * (heights - h + 1)).floor(), ((heights - h) / 2).floor())
+        return torch.stack([x0, y0, x0 + w, y0 + h], dim=1).float()
+
+    def draw(self, count, generator):
+        square = torch.ones(count)
+        return {'box': self.draw_boxes(square, square, generator)}  # in units of the image side
+
+    def apply(self, batch, params):
+        box = params['box']
+        x0, y0, x1, y1 = box.unbind(1)
+        theta = torch.zeros(len(box), 2, 3, device=box.device)
+        theta[:, 0, 0], theta[:, 0, 2] = x1 - x0, x0 + x1 - 1
+        theta[:, 1, 1], theta[:, 1, 2] = y1 - y0, y0 + y1 - 1
+        image = batch['image']
+        grid = torch.nn.functional.affine_grid(theta, list(image.shape), align_corners=False)
+        for key, mode in (('image', 'bilinear'), ('mask', 'nearest')):
+            if key in batch:
+                values = batch[key] if batch[key].dim() == 4 else batch[key][:, None]
+                sampled = torch.nn.functional.grid_sample(
+                    values.float(), grid, mode=mode, padding_mode='border', align_corners=False
+                )
+                batch[key] = sampled.round().clamp(0, 255).to(values.dtype).view(batch[key].shape)
+        if 'boxes' in batch:
+            height, width = image.shape[-2:]
+            scale = torch.stack([width / (x1 - x0), height / (y1 - y0)], dim=1).repeat(1, 2)[:, None]
+            offset = (box * box.new_tensor([width, height, width, height]))[:, None, :2].repeat(1, 1, 2)
+            boxes = (batch['boxes'] - offset) * scale
+            limit = boxes.new_tensor([width, height, width, height])
+            boxes = torch.minimum(boxes.clamp(min=0), limit)
+            gone = (boxes[..., 2] - boxes[..., 0] < 1) | (boxes[..., 3] - boxes[..., 1] < 1)
+            batch['boxes'] = boxes
+            batch['box_labels'] = batch['box_labels'].masked_fill(gone, -1)
+        return batch
+
+
+AUGMENTATIONS = {  # name -> augmentation(image size, the run's options or None)
+    'crop': lambda image_size, options: RandomCrop(image_size),
+    'resized_crop': lambda image_size, options: RandomResizedCrop(
+        image_size, getattr(options, 'crop_scale', (0.08, 1.0)), getattr(options, 'crop_ratio', (3 / 4, 4 / 3))
+    ),
+    'hflip': lambda image_size, options: Flip(image_size, dim=-1),
+    'vflip': lambda image_size, options: Flip(image_size, dim=-2),
 }
 
 
@@ -112,9 +186,9 @@ class BatchTransform:
     """Turns a batch of uint8 images into normalized float images on the device, augmenting them
     first when it has augmentations (training); float images are taken as already preprocessed."""
 
-    def __init__(self, names, image_size, channels_last=False):
+    def __init__(self, names, image_size, channels_last=False, options=None):
         self.names = tuple(names)
-        self.augmentations = [AUGMENTATIONS[name](image_size) for name in self.names]
+        self.augmentations = [AUGMENTATIONS[name](image_size, options) for name in self.names]
         self.channels_last = channels_last
         self.scales = {}  # device -> (255 x mean, 255 x std), made once: a copy per batch would wait for the GPU
 

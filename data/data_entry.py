@@ -11,6 +11,7 @@ DATASETS = {
     'shapes': 'data.shapes_dataset:ShapesDataset',
     'list': 'data.list_dataset:ListDataset',
     'mem_list': 'data.mem_list_dataset:MemListDataset',
+    'photos': 'data.photos_dataset:PhotosDataset',  # class folders of photos: aspect kept, resized crops
     'shapes_seg': 'data.shapes_seg_dataset:ShapesSegDataset',  # segmentation (--task segment)
     'seg_list': 'data.seg_list_dataset:SegListDataset',
     'shapes_det': 'data.shapes_det_dataset:ShapesDetDataset',  # detection (--task detect)

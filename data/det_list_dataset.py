@@ -10,7 +10,6 @@ and encodings as for every list file (data/list_file.py).
 import numpy as np
 import torch
 
-from data.image_io import decode_image
 from data.list_dataset import ListDataset
 from utils.errors import KilnError
 
@@ -57,7 +56,11 @@ class DetListDataset(ListDataset):
                 )
 
     def __getitem__(self, index):
-        path, (boxes, labels), number = self.samples[index]
-        image, (width, height) = decode_image(path, self.size, f' ({self.list_path}:{number})', with_size=True)
-        scale = torch.tensor([self.size / width, self.size / height] * 2, dtype=torch.float32)
-        return {'image': image, 'boxes': torch.from_numpy(boxes) * scale, 'box_labels': torch.from_numpy(labels)}
+        _, (boxes, labels), _ = self.samples[index]
+        image, (x0, y0, x1, y1) = self.read(index, with_box=True)
+        # into the picture's pixels: the shown part `box` of the image became size x size
+        scale = torch.tensor([self.size / (x1 - x0), self.size / (y1 - y0)] * 2, dtype=torch.float32)
+        boxes = ((torch.from_numpy(boxes) - torch.tensor([x0, y0, x0, y0])) * scale).clamp(0, self.size)
+        labels = torch.from_numpy(labels)
+        kept = (boxes[:, 2] - boxes[:, 0] >= 1) & (boxes[:, 3] - boxes[:, 1] >= 1)  # a box cropped away is dropped
+        return {'image': image, 'boxes': boxes[kept], 'box_labels': labels[kept]}

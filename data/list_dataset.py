@@ -1,8 +1,11 @@
 """A dataset read from a list file of `image_path label` lines (see data/list_file.py for the format:
-paths relative to the list file, comments, quotes, tabs, CSV, any common encoding).
+paths relative to the list file, comments, quotes, tabs, CSV, any common encoding), or from a folder
+with a subfolder of images per class.
 
 A `classes.txt` beside the list file (one class name per line) names the classes and fixes their
-number; without it the number of classes is the largest label + 1.
+number; without it the number of classes is the largest label + 1. A folder's classes are its
+subfolders' names, in sorted order (saved with the run), and its images are every file below them
+in a format Kiln decodes, at any depth.
 """
 
 import os
@@ -10,9 +13,52 @@ import os
 import torch
 from torch.utils.data import Dataset
 
-from data.image_io import check_images, decode_image
+from data.image_io import CROP_PCT, IMAGE_EXTENSIONS, check_images, decode_image
 from data.list_file import read_list_file, resolve_path
 from utils.errors import KilnError
+
+
+def read_class_folders(folder):
+    """(samples [(path, label, path relative to `folder`)], class names) of a folder holding a subfolder
+    per class: classes in sorted order, each subfolder's images (any depth) in sorted order. A class
+    folder without images is a KilnError."""
+    names = sorted(
+        name for name in os.listdir(folder) if not name.startswith('.') and os.path.isdir(os.path.join(folder, name))
+    )
+    if not names:
+        raise KilnError(f'{folder} holds no class folders; put the images of each class in a folder of its own')
+    samples = []
+    for label, name in enumerate(names):
+        found = sorted(
+            os.path.join(root, file)
+            for root, _, files in os.walk(os.path.join(folder, name))
+            for file in files
+            if file.lower().endswith(IMAGE_EXTENSIONS) and not file.startswith('.')
+        )
+        if not found:
+            raise KilnError(
+                f'{os.path.join(folder, name)} holds no images ({", ".join(IMAGE_EXTENSIONS)}); add some or '
+                f'remove the folder'
+            )
+        samples += [(path, label, os.path.relpath(path, folder)) for path in found]
+    return samples, names
+
+
+def check_classes(dataset, class_names, source):
+    """A KilnError naming the first class that `dataset` (a folder of classes) lacks, holds in addition,
+    or orders differently than `class_names` (those of `source`: the training data or the checkpoint)."""
+    found = getattr(dataset, 'class_names', None)
+    if not getattr(dataset, 'from_folder', False) or not class_names or found == list(class_names):
+        return
+    missing = [name for name in class_names if name not in found]
+    extra = [name for name in found if name not in class_names]
+    if missing:
+        problem = f'has no folder (or no images) for class {missing[0]!r}, which {source} has'
+    elif extra:
+        problem = f'has a folder {extra[0]!r} that is no class of {source}'
+    else:
+        problem = f'orders its classes differently from {source}'
+    raise KilnError(f'{dataset.list_path} {problem}; give it the same class folders ({", ".join(class_names)})')
 
 
 def read_class_names(list_path, file_names=('classes.txt',)):
@@ -36,19 +82,34 @@ class ListDataset(Dataset):
     targets = ('label',)  # what a sample holds besides 'image' (tasks check it)
     columns = 2  # fields per line: the image path and its label
     augment = ('crop',)  # default training augmentation (data/augment.py); --augment overrides it
+    resize = 'squash'  # default --resize: the whole image to a square ('crop': keep the aspect ratio)
     class_files = ('classes.txt',)  # where class names are looked for, beside the list file
 
     def __init__(self, args, split):
         self.list_path = getattr(args, f'{split}_list', None) or self.default_list(args, split)
         self.size = args.img_size
-        self.samples = [
-            (resolve_path(self.list_path, fields[0]), self.parse_target(fields[1:], number), number)
-            for number, fields in read_list_file(self.list_path, columns=self.columns)
-        ]
+        self.resize = getattr(args, 'resize', None) or self.resize
+        self.crop_pct = getattr(args, 'crop_pct', None) or CROP_PCT
+        self.crop = None  # a RandomResizedCrop done at decode time (see decode_crops)
+        self.from_folder = os.path.isdir(self.list_path)
+        if self.from_folder:
+            if self.targets != ('label',):
+                raise KilnError(f'{self.list_path} is a folder: --data_type {args.data_type} reads list files')
+            self.samples, self.class_names = read_class_folders(self.list_path)
+        else:
+            self.samples = [
+                (resolve_path(self.list_path, fields[0]), self.parse_target(fields[1:], number), number)
+                for number, fields in read_list_file(self.list_path, columns=self.columns)
+            ]
+            self.class_names = read_class_names(self.list_path, self.class_files)
         self.check_files()
-        self.class_names = read_class_names(self.list_path, self.class_files)
         self.num_classes = args.num_classes or self.count_classes()
         self.check_targets()
+
+    def decode_crops(self, crop):
+        """From now on, read every image through `crop` (a data.augment.RandomResizedCrop): the training
+        crop made at decode time from the full-resolution image, not on the device after."""
+        self.crop = crop
 
     def parse_target(self, fields, number):
         """The target of one line from its fields after the image path: an integer label >= 0."""
@@ -95,10 +156,19 @@ class ListDataset(Dataset):
         """Paths of all samples, in dataset order."""
         return [path for path, _, _ in self.samples]
 
-    def read(self, index):
-        """The uint8 image tensor (3, S, S) of sample `index`."""
+    def read(self, index, with_box=False):
+        """The uint8 image tensor (3, S, S) of sample `index` (with `with_box`, and the part of the image it
+        shows: see data/image_io.decode_image)."""
         path, _, number = self.samples[index]
-        return decode_image(path, self.size, f' ({self.list_path}:{number})')
+        return decode_image(
+            path,
+            self.size,
+            f' ({self.list_path}:{number})',
+            resize=self.resize,
+            crop=self.crop,
+            crop_pct=self.crop_pct,
+            with_box=with_box,
+        )
 
     def __len__(self):
         return len(self.samples)

@@ -108,12 +108,13 @@ class Batches:
         fixed_order=False,
         channels_last=False,
         image_size=32,
+        options=None,
     ):
         self.dataset, self.device, self.seed = dataset, device, seed
         self.sampler = ResumableBatchSampler(
             len(dataset), batch_size, shuffle, seed, rank(), world_size(), limit, fixed_order
         )
-        self.transform = BatchTransform(augment, image_size, channels_last)
+        self.transform = BatchTransform(augment, image_size, channels_last, options)
         tensors = getattr(dataset, 'tensors', None)
         self.memory = place_in_memory(tensors(), device) if tensors else None
         self.loader = None

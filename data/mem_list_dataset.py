@@ -76,18 +76,25 @@ class InMemory:
     def cache_path(self):
         stem = os.path.splitext(os.path.basename(self.list_path))[0]
         where = hashlib.sha256(os.path.abspath(self.list_path).encode()).hexdigest()[:12]
-        return os.path.join(self.cache_folder or '', f'{type(self).__name__}_{stem}_{where}_{self.size}.pt')
+        name = f'{type(self).__name__}_{stem}_{where}_{self.size}_{self.resize}.pt'
+        return os.path.join(self.cache_folder or '', name)
 
     def cache_key(self):
-        """A digest of the list file and of every file it names (path, size, modification time)."""
-        digest = hashlib.sha256(f'{type(self).__name__} {self.size}'.encode())
-        with open(self.list_path, 'rb') as f:
-            digest.update(f.read())
+        """A digest of how images are decoded, of the list file (or folder) and of every file it names
+        (path, size, modification time)."""
+        digest = hashlib.sha256(f'{type(self).__name__} {self.size} {self.resize} {self.crop_pct}'.encode())
+        if self.from_folder:
+            digest.update(os.path.abspath(self.list_path).encode())
+        else:
+            with open(self.list_path, 'rb') as f:
+                digest.update(f.read())
         for path, target, _ in self.samples:
             for file in (path, target) if isinstance(target, str) else (path,):
                 stat = os.stat(file)
                 digest.update(f'{file} {stat.st_size} {stat.st_mtime_ns}'.encode())
         return digest.hexdigest()
+
+    decode_crops = None  # decoded once: training crops are made on the device (data/augment.py)
 
     def check_files(self):
         """Nothing to do before decoding: every file is decoded (and so checked) at the start."""

@@ -42,14 +42,15 @@ class SegListDataset(ListDataset):
                 f'{self.list_path}: masks hold at most 256 classes (one byte per pixel), not {self.num_classes}'
             )
 
-    def read_mask(self, index):
-        """The uint8 mask (S, S) of sample `index`, checked against the number of classes."""
+    def read_mask(self, index, box):
+        """The uint8 mask (S, S) of sample `index`, the part `box` of it that its image shows (nearest
+        neighbour), checked against the number of classes."""
         _, path, number = self.samples[index]
         try:
             with Image.open(path) as mask:
                 mask = mask.convert('L') if mask.mode not in ('L', 'P', 'I', 'I;16') else mask
-                if mask.size != (self.size, self.size):
-                    mask = mask.resize((self.size, self.size), Image.NEAREST)
+                if mask.size != (self.size, self.size) or box != (0, 0, *mask.size):
+                    mask = mask.resize((self.size, self.size), Image.NEAREST, box=box)
                 values = np.asarray(mask).astype(np.int64)
         except (OSError, ValueError, SyntaxError) as error:
             raise KilnError(f'cannot read mask {path} ({self.list_path}:{number}): {error}') from None
@@ -61,4 +62,5 @@ class SegListDataset(ListDataset):
         return torch.from_numpy(values.astype(np.uint8))
 
     def __getitem__(self, index):
-        return {'image': self.read(index), 'mask': self.read_mask(index)}
+        image, box = self.read(index, with_box=True)
+        return {'image': image, 'mask': self.read_mask(index, box)}
