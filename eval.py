@@ -160,7 +160,11 @@ def evaluate_checkpoint(args, given, path):
     options = options.replace(result_dir=folder)
     run_on_main_process(create_run_folder, folder, options, 'choose a new --save_prefix to keep the old results')
     with discard_folder_if_setup_fails(folder) if is_main_process() else contextlib.nullcontext():
-        return Evaluator(options, checkpoint, task_type, folder).eval()
+        evaluator = Evaluator(options, checkpoint, task_type, folder)
+        try:
+            return evaluator.eval()
+        finally:
+            evaluator.data.close()
 
 
 def prepare_comparison(args, checkpoints):

@@ -602,7 +602,11 @@ def main(argv=None, args=None):
         fresh = is_main_process() and options.resume_from is None and not options.resume
         with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
             trainer = Trainer.build(options, lock)
-            stop = trainer.run()
+            try:
+                stop = trainer.run()
+            finally:
+                trainer.train_data.close()
+                trainer.val_data.close()
     finally:
         cleanup_distributed()
     finish(trainer, stop)

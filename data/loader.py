@@ -130,6 +130,15 @@ class Batches:
                 worker_init_fn=functools.partial(_init_worker, os.getpid()),
             )
 
+    def close(self):
+        """Stop this split's DataLoader workers now. Persistent workers ignore stop signals (see
+        _init_worker), so a run that ends by an error, while something still refers to them, would
+        otherwise wait for them at exit forever."""
+        iterator = getattr(self.loader, '_iterator', None)
+        if iterator is not None:
+            iterator._shutdown_workers()
+            self.loader._iterator = None
+
     def __len__(self):
         """Batches in a whole epoch."""
         return self.sampler.num_batches()
