@@ -154,7 +154,7 @@ class RandomResizedCrop:
                 batch[key] = sampled.round().clamp(0, 255).to(values.dtype).view(batch[key].shape)
         if 'boxes' in batch:
             height, width = image.shape[-2:]
-            scale = torch.stack([width / (x1 - x0), height / (y1 - y0)], dim=1).repeat(1, 2)[:, None]
+            scale = torch.stack([1 / (x1 - x0), 1 / (y1 - y0)], dim=1).repeat(1, 2)[:, None]
             offset = (box * box.new_tensor([width, height, width, height]))[:, None, :2].repeat(1, 1, 2)
             boxes = (batch['boxes'] - offset) * scale
             limit = boxes.new_tensor([width, height, width, height])

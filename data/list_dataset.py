@@ -104,7 +104,8 @@ class ListDataset(Dataset):
             self.class_names = read_class_names(self.list_path, self.class_files)
         self.check_files()
         self.num_classes = args.num_classes or self.count_classes()
-        self.check_targets()
+        if not self.from_folder:  # a folder's labels are its classes (data.list_dataset.check_classes compares them)
+            self.check_targets()
 
     def decode_crops(self, crop):
         """From now on, read every image through `crop` (a data.augment.RandomResizedCrop): the training
