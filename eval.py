@@ -99,6 +99,7 @@ class Evaluator:
             prefix_map=prefix_map(options),
         )
         self.logger = Logger()  # no trackers: results are files of the result folder
+        self.weights = checkpoint.get('weights', 'model')  # 'ema': the average of the weights (--ema_decay)
 
     def eval(self):
         """Evaluate the whole list, write the results (rank 0) and return the metrics."""
@@ -132,6 +133,7 @@ class Evaluator:
         folder, task = self.folder, self.task
         header = {
             'checkpoint': self.options.load_model_path,
+            'weights': self.weights,
             'list': getattr(self.dataset, 'list_path', None),
             'samples': len(self.dataset),
         }

@@ -76,7 +76,7 @@ TASK_DEFAULTS = {
     'monitor': 'monitor',
     'monitor_mode': 'monitor_mode',
 }
-AUGMENTATIONS = ('crop', 'resized_crop', 'hflip', 'vflip')  # the names data/augment.py knows
+AUGMENTATIONS = ('crop', 'resized_crop', 'hflip', 'vflip', 'color', 'erase', 'mixup', 'cutmix')  # data/augment.py's
 LOGGERS = ('tensorboard', 'csv', 'wandb', 'mlflow')
 
 
@@ -268,7 +268,36 @@ def parse_train_args(parser):
         type=_augmentations,
         default='default',
         help='training augmentation: default (what the dataset declares), none, or a comma list of crop '
-        '(a shift with reflected borders), resized_crop (RandomResizedCrop, see --crop_scale), hflip, vflip',
+        '(a shift with reflected borders), resized_crop (RandomResizedCrop, see --crop_scale), hflip, vflip, '
+        'color (--color_jitter), erase (random erasing, --erase_prob), mixup and cutmix (--mixup_alpha, '
+        '--cutmix_alpha; classification)',
+    )
+    parser.add_argument(
+        '--color_jitter',
+        type=_fraction,
+        default=0.4,
+        help='color: brightness, contrast and saturation each scaled by a factor in 1 +- this',
+    )
+    parser.add_argument(
+        '--erase_prob', type=_fraction, default=0.25, help='erase: the chance a picture has a box erased'
+    )
+    parser.add_argument('--mixup_alpha', type=_positive_float, default=0.8, help='mixup: lam ~ Beta(alpha, alpha)')
+    parser.add_argument('--cutmix_alpha', type=_positive_float, default=1.0, help='cutmix: lam ~ Beta(alpha, alpha)')
+    parser.add_argument(
+        '--mix_prob', type=_fraction, default=1.0, help='mixup/cutmix: the chance a pair of samples is mixed'
+    )
+    parser.add_argument(
+        '--mix_switch_prob',
+        type=_fraction,
+        default=0.5,
+        help='with both mixup and cutmix: the chance a pair is mixed by cutmix',
+    )
+    parser.add_argument(
+        '--ema_decay',
+        type=_fraction,
+        metavar='DECAY',
+        help='keep an exponential moving average of the weights (e.g. 0.9998; warmed up as timm does): '
+        'validation, best.pth, eval.py and predict.py use it',
     )
     parser.add_argument(
         '--crop_scale',

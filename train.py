@@ -27,7 +27,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from data.augment import AUGMENTATIONS, augmentation_names
+from data.augment import AUGMENTATIONS, MIXES, augmentation_names
 from data.data_entry import select_dataset
 from data.list_dataset import check_classes
 from data.loader import Batches
@@ -48,6 +48,7 @@ from utils.distributed import (
     run_on_main_process,
     world_size,
 )
+from utils.ema import ModelEma
 from utils.evaluation import evaluate
 from utils.finetune import FineTuning
 from utils.logger import Logger
@@ -151,6 +152,7 @@ class Trainer:
         history,
         logger,
         checkpointer,
+        ema=None,
         lock=None,
     ):
         self.options, self.task, self.device = options, task, device
@@ -159,6 +161,7 @@ class Trainer:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.position, self.stopper, self.monitor, self.history = position, stopper, monitor, history
         self.logger, self.checkpointer = logger, checkpointer
+        self.ema = ema  # the average of the weights that validation uses (--ema_decay), or None
         self.lock = lock  # the experiment folder's lock, held by rank 0 while the run lives
         self.updates_per_epoch = math.ceil(len(train_data) / options.grad_accum_steps)
         self.max_steps = options.max_iteration or options.epochs * self.updates_per_epoch
@@ -182,6 +185,12 @@ class Trainer:
         check_monitor(options, task_type)
         task = task_type(options, train_set.class_names)
         task.check_dataset(train_set, options.data_type)
+        mixing = set(augmentation_names(options.augment, getattr(train_set, 'augment', ()))) & set(MIXES)
+        if mixing and not task.mixes:
+            raise KilnError(
+                f'--task {options.task} cannot train on mixed samples ({", ".join(sorted(mixing))}); '
+                f'use --augment without them'
+            )
         # --overfit_batches validates on the very batches it trains on
         val_set = train_set if options.overfit_batches else select_dataset(options, 'val')
         check_classes(val_set, train_set.class_names, options.train_list)
@@ -202,6 +211,7 @@ class Trainer:
         max_steps = options.max_iteration or options.epochs * updates_per_epoch
         scheduler = SCHEDULERS[options.scheduler](optimizer, options, max_steps, updates_per_epoch)
         scaler = torch.amp.GradScaler(device.type, enabled=options.amp == 'fp16')
+        ema = ModelEma(setup.model, options.ema_decay) if options.ema_decay else None
         position, history = Position(), RunHistory()
         monitor = Monitor(
             options.monitor, options.monitor_mode, options.early_stop_patience, options.early_stop_min_delta
@@ -234,6 +244,8 @@ class Trainer:
             'monitor': monitor,
             'recorder': logger.recorder,
         }
+        if ema is not None:
+            parts['ema'] = ema
         if logger.train_metrics is not None:
             parts['train_metrics'] = logger.train_metrics
         checkpointer = Checkpointer(
@@ -261,6 +273,7 @@ class Trainer:
             history=history,
             logger=logger,
             checkpointer=checkpointer,
+            ema=ema,
             lock=lock,
         )
         if checkpoint is not None:
@@ -340,7 +353,7 @@ class Trainer:
         count = task.count(batch)
         self.stopper.watch_loss(loss, self.position.step + 1)
         self.logger.record('train/loss', loss, count)
-        self.logger.record_outputs(outputs, batch)
+        self.logger.record_outputs(outputs, task.metric_targets(batch))
         return count
 
     def optimizer_step(self):
@@ -358,6 +371,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if o.scheduler != 'plateau':
             self.scheduler.step()
+        if self.ema is not None:  # --ema_decay
+            self.ema.update()
 
     def after_update(self):
         """Validate and save as --valid_interval / --save_interval say (and before stopping)."""
@@ -378,7 +393,7 @@ class Trainer:
         last = step >= self.max_steps
         pictures = o.log_images and (last or time.perf_counter() - self.pictured_at >= o.image_interval)
         evaluation = evaluate(
-            self.setup.wrapped,
+            self.ema.module if self.ema is not None else self.setup.wrapped,  # what best.pth and eval.py use
             self.val_data,
             self.task,
             self.setup.autocast,
@@ -411,7 +426,12 @@ class Trainer:
             return
         metrics = metrics or {}
         monitored = metrics.get(self.options.monitor)
-        extra = {'args': saved_options(self.options), 'class_names': self.task.class_names, 'monitor_value': monitored}
+        extra = {
+            'args': saved_options(self.options),
+            'class_names': self.task.class_names,
+            'monitor_value': monitored,
+            'weights': 'ema' if self.ema is not None else 'model',  # which weights were validated: eval.py's
+        }
         self.checkpointer.save(self.position.epoch, self.position.step, monitored, bool(metrics.get('improved')), extra)
         self.logger.commit(self.position.step)  # after the file: every point up to this step is final
         if is_main_process():

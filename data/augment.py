@@ -14,6 +14,7 @@ options.AUGMENTATIONS.
 
 import math
 
+import numpy as np
 import torch
 
 MEAN = (0.5, 0.5, 0.5)
@@ -165,6 +166,115 @@ class RandomResizedCrop:
         return batch
 
 
+class ColorJitter:
+    """Brightness, contrast and saturation, each scaled by its own random factor in [1 - strength,
+    1 + strength] (torchvision's ColorJitter without hue), in that order; on uint8 images, batched."""
+
+    def __init__(self, image_size, strength=0.4):
+        self.strength = strength
+
+    def draw(self, count, generator):
+        return {'factors': 1 + self.strength * (2 * torch.rand(count, 3, generator=generator) - 1)}
+
+    def apply(self, batch, params):
+        factors = params['factors'].view(-1, 3, 1, 1, 1).unbind(1)
+        image = batch['image'].float() * factors[0]
+        mean = _gray(image).mean(dim=(-2, -1), keepdim=True)
+        image = (image - mean) * factors[1] + mean
+        gray = _gray(image)
+        image = (image - gray) * factors[2] + gray
+        batch['image'] = image.clamp(0, 255).round().to(torch.uint8)
+        return batch
+
+
+def _gray(image):
+    """The luma (ITU-R 601) of RGB images (N, 3, H, W), as (N, 1, H, W)."""
+    return 0.299 * image[:, 0:1] + 0.587 * image[:, 1:2] + 0.114 * image[:, 2:3]
+
+
+class RandomErasing:
+    """timm's RandomErasing: with probability `p`, a rectangle of 2% to 1/3 of the image at an aspect
+    ratio of 0.3 to 3.3, filled with one random colour; on uint8 images, batched."""
+
+    def __init__(self, image_size, p=0.25):
+        self.p = p
+
+    def draw(self, count, generator):
+        def uniform(low, high, *shape):
+            return low + (high - low) * torch.rand(count, *shape, generator=generator)
+
+        area, aspect = uniform(0.02, 1 / 3), uniform(math.log(0.3), math.log(1 / 0.3)).exp()
+        height, width = (area * aspect).sqrt().clamp(max=1), (area / aspect).sqrt().clamp(max=1)
+        top, left = uniform(0, 1) * (1 - height), uniform(0, 1) * (1 - width)
+        return {
+            'erase': torch.rand(count, generator=generator) < self.p,
+            'box': torch.stack([left, top, left + width, top + height], dim=1),  # in units of the side
+            'colour': torch.randint(0, 256, (count, 3), generator=generator, dtype=torch.uint8),
+        }
+
+    def apply(self, batch, params):
+        image = batch['image']
+        inside = _inside(params['box'], *image.shape[-2:]) & params['erase'].view(-1, 1, 1, 1)
+        batch['image'] = torch.where(inside, params['colour'].view(-1, 3, 1, 1), image)
+        return batch
+
+
+def _inside(box, height, width):
+    """(N, 1, H, W) bool: the pixels whose centres lie in each image's `box` (N, 4) of side fractions."""
+    rows = (torch.arange(height, device=box.device) + 0.5) / height
+    columns = (torch.arange(width, device=box.device) + 0.5) / width
+    x0, y0, x1, y1 = (value.view(-1, 1, 1, 1) for value in box.unbind(1))
+    return (rows.view(1, 1, -1, 1) >= y0) & (rows.view(1, 1, -1, 1) < y1) & (columns >= x0) & (columns < x1)
+
+
+class Mix:
+    """Mixup and CutMix of pairs of samples: the samples at positions 2k and 2k + 1 of an epoch's order
+    are mixed with each other (both with the pair's share), so a sample's mix is the same whatever the
+    (even) batch size, workers or processes; a sample whose partner is not in its batch is left alone.
+    Mixup blends the two images (share lam ~ Beta(alpha, alpha)); CutMix pastes a box of the partner
+    covering 1 - lam of the image (lam then the area actually kept). With both, each pair takes one of
+    them at random (`switch_prob` CutMix). The batch gets `mix_partner` (the partner's index in the batch)
+    and `mix_lam` (the share of the sample's own target), for the task's loss and train metrics."""
+
+    def __init__(self, mixup_alpha=0.0, cutmix_alpha=0.0, prob=1.0, switch_prob=0.5):
+        self.mixup_alpha, self.cutmix_alpha, self.prob, self.switch_prob = mixup_alpha, cutmix_alpha, prob, switch_prob
+
+    def draw(self, count, generator):
+        pairs = (count + 1) // 2
+        # Beta samples from numpy, seeded by the epoch's generator (torch's Beta takes no generator)
+        rng = np.random.default_rng(int(torch.randint(2**62, (1,), generator=generator)))
+
+        def beta(alpha):
+            return torch.from_numpy(rng.beta(alpha, alpha, pairs) if alpha > 0 else np.ones(pairs)).float()
+
+        mixup, cutmix = beta(self.mixup_alpha), beta(self.cutmix_alpha)
+        if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
+            cut = torch.from_numpy(rng.random(pairs) < self.switch_prob)
+        else:
+            cut = torch.full((pairs,), self.cutmix_alpha > 0)
+        side, centre = (1 - cutmix).sqrt(), torch.from_numpy(rng.random((pairs, 2))).float()
+        box = torch.cat([(centre - side[:, None] / 2).clamp(0, 1), (centre + side[:, None] / 2).clamp(0, 1)], dim=1)
+        kept = 1 - (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
+        mixed = torch.from_numpy(rng.random(pairs) < self.prob)
+        lam = torch.where(mixed, torch.where(cut, kept, mixup), torch.ones(pairs))
+        per_position = {'lam': lam, 'cut': cut & mixed, 'box': box}
+        return {key: value.repeat_interleave(2, dim=0)[:count] for key, value in per_position.items()}
+
+    def apply(self, batch, params, positions):
+        """Mix the (normalized, float) images of `batch`; `positions` are its samples' places in the epoch."""
+        image = batch['image']
+        index = torch.arange(len(image), device=image.device)
+        partner = (index ^ 1).clamp(max=len(image) - 1)
+        partner = torch.where(positions[partner] == positions ^ 1, partner, index)
+        lam = torch.where(partner == index, torch.ones_like(params['lam']), params['lam'])
+        other = image[partner]
+        pasted = torch.where(_inside(params['box'], *image.shape[-2:]), other, image)
+        blended = torch.lerp(other, image, lam.view(-1, 1, 1, 1).to(image.dtype))
+        batch['image'] = torch.where(params['cut'].view(-1, 1, 1, 1), pasted, blended)
+        batch['mix_partner'], batch['mix_lam'] = partner, lam
+        return batch
+
+
 AUGMENTATIONS = {  # name -> augmentation(image size, the run's options or None)
     'crop': lambda image_size, options: RandomCrop(image_size),
     'resized_crop': lambda image_size, options: RandomResizedCrop(
@@ -172,7 +282,10 @@ AUGMENTATIONS = {  # name -> augmentation(image size, the run's options or None)
     ),
     'hflip': lambda image_size, options: Flip(image_size, dim=-1),
     'vflip': lambda image_size, options: Flip(image_size, dim=-2),
+    'color': lambda image_size, options: ColorJitter(image_size, getattr(options, 'color_jitter', 0.4)),
+    'erase': lambda image_size, options: RandomErasing(image_size, getattr(options, 'erase_prob', 0.25)),
 }
+MIXES = ('mixup', 'cutmix')  # augmentation names that mix pairs of samples (Mix): classification only
 
 
 def augmentation_names(option, dataset_default):
@@ -188,7 +301,16 @@ class BatchTransform:
 
     def __init__(self, names, image_size, channels_last=False, options=None):
         self.names = tuple(names)
-        self.augmentations = [AUGMENTATIONS[name](image_size, options) for name in self.names]
+        self.augmentations = [AUGMENTATIONS[name](image_size, options) for name in self.names if name not in MIXES]
+        self.mix = None  # mixup / cutmix, after normalization
+        if set(self.names) & set(MIXES):
+            self.mix = Mix(
+                getattr(options, 'mixup_alpha', 0.8) if 'mixup' in self.names else 0.0,
+                getattr(options, 'cutmix_alpha', 1.0) if 'cutmix' in self.names else 0.0,
+                getattr(options, 'mix_prob', 1.0),
+                getattr(options, 'mix_switch_prob', 0.5),
+            )
+        self.random = [*self.augmentations, *([self.mix] if self.mix else [])]  # what draws parameters
         self.channels_last = channels_last
         self.scales = {}  # device -> (255 x mean, 255 x std), made once: a copy per batch would wait for the GPU
 
@@ -196,15 +318,20 @@ class BatchTransform:
         """Random parameters for `count` sample positions, as {(augmentation index, name): tensor (count, ...)}."""
         return {
             (i, key): value
-            for i, augmentation in enumerate(self.augmentations)
+            for i, augmentation in enumerate(self.random)
             for key, value in augmentation.draw(count, generator).items()
         }
 
-    def __call__(self, batch, params=None):
-        """Augment (with `params`, this batch's rows of `draw`) and normalize `batch` in place; return it."""
+    def __call__(self, batch, params=None, positions=None):
+        """Augment (with `params`, this batch's rows of `draw`, and `positions`, its samples' places in
+        the epoch) and normalize `batch` in place; return it."""
+
+        def own(i):
+            return {key: value for (index, key), value in params.items() if index == i}
+
         if params is not None:
             for i, augmentation in enumerate(self.augmentations):
-                augmentation.apply(batch, {key: value for (index, key), value in params.items() if index == i})
+                augmentation.apply(batch, own(i))
         image = batch['image']
         if image.dtype == torch.uint8:
             if image.device not in self.scales:
@@ -213,9 +340,11 @@ class BatchTransform:
                 )
             mean, std = self.scales[image.device]
             image = (image.float() - mean) / std
-        if self.channels_last and image.dim() == 4:
-            image = image.contiguous(memory_format=torch.channels_last)
         batch['image'] = image
+        if self.mix is not None and params is not None:
+            self.mix.apply(batch, own(len(self.augmentations)), positions)
+        if self.channels_last and batch['image'].dim() == 4:
+            batch['image'] = batch['image'].contiguous(memory_format=torch.channels_last)
         if 'mask' in batch:
             batch['mask'] = batch['mask'].long()
         return batch

@@ -151,12 +151,12 @@ class Batches:
         """Yield the batches of `epoch`, from batch number `start` on."""
         self.sampler.set_epoch(epoch, start)
         params = None
-        if self.transform.augmentations:  # every sample position's parameters, drawn once per epoch
+        if self.transform.random:  # every sample position's parameters, drawn once per epoch
             generator = torch.Generator().manual_seed(mix(self.seed, epoch, AUGMENT_STREAM))
             params = {k: v.to(self.device) for k, v in self.transform.draw(len(self.dataset), generator).items()}
         source = self._from_memory(epoch, start) if self.memory is not None else self._from_loader()
         for batch, positions in source:
-            yield self.transform(batch, params and {key: value[positions] for key, value in params.items()})
+            yield self.transform(batch, params and {key: value[positions] for key, value in params.items()}, positions)
 
     def _from_memory(self, epoch, start):
         batches = self.sampler.batches(epoch)[start:]

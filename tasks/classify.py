@@ -1,5 +1,7 @@
 """Image classification: one label per image; accuracy, top-k accuracy, per-class recall."""
 
+import torch
+
 from metrics import ClassificationMetrics
 from tasks.task import Task
 from utils.viz import confusion_matrix_image, labeled_grid
@@ -13,6 +15,7 @@ class ClassifyTask(Task):
     monitor = 'val/acc'
     targets = ('label',)
     pictured = 16
+    mixes = True
 
     @classmethod
     def metric_names(cls, options):
@@ -20,6 +23,23 @@ class ClassifyTask(Task):
 
     def metrics(self):
         return ClassificationMetrics(self.num_classes, self.options.topk)
+
+    def mixed_targets(self, batch):
+        """Class probabilities, as timm mixes them: share `mix_lam` of the sample's own label, the rest its
+        partner's."""
+        own, other = (torch.nn.functional.one_hot(label, self.num_classes) for label in self._pair_labels(batch))
+        lam = batch['mix_lam'].unsqueeze(1)
+        return lam * own + (1 - lam) * other
+
+    def metric_targets(self, batch):
+        if 'mix_lam' not in batch:
+            return batch
+        own, other = self._pair_labels(batch)
+        return {**batch, 'label': torch.where(batch['mix_lam'] >= 0.5, own, other)}
+
+    @staticmethod
+    def _pair_labels(batch):
+        return batch['label'], batch['label'][batch['mix_partner']]
 
     def pictures(self, batch, outputs):
         count = min(self.pictured, self.count(batch))

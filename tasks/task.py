@@ -31,6 +31,7 @@ class Task:
     monitor_mode = 'max'
     targets = ('label',)  # the batch keys a dataset must provide besides 'image'
     pictured = 8  # samples per pictured batch: `pictures` gets the first ones of a batch
+    mixes = False  # whether `loss` and `metric_targets` take mixed batches (mixup, cutmix: data/augment.Mix)
 
     def __init__(self, options, class_names=None):
         """`options` are the run's resolved options (num_classes is set); `class_names` may be None."""
@@ -70,8 +71,18 @@ class Task:
         return model(batch['image'])
 
     def loss(self, outputs, batch):
-        """The loss of one batch (a scalar tensor)."""
+        """The loss of one batch (a scalar tensor); of a mixed batch (mixup, cutmix), against its mixed targets."""
+        if 'mix_lam' in batch:
+            return self.criterion(outputs.float(), self.mixed_targets(batch))
         return self.criterion(outputs, batch[self.targets[0]])
+
+    def mixed_targets(self, batch):
+        """The targets of a mixed batch (tasks with `mixes` give them: e.g. class probabilities)."""
+        raise NotImplementedError
+
+    def metric_targets(self, batch):
+        """The batch as the train metrics see it (a mixed batch: the target of the larger share)."""
+        return batch
 
     def outputs_to_float(self, outputs):
         """Outputs in float32 (mixed precision gives half-precision ones), for metrics and pictures."""

@@ -116,13 +116,16 @@ def unwrap_model(model):
 
 
 def state_dict_of(checkpoint, prefix_map=None):
-    """The model weights inside a Kiln checkpoint, a `{'state_dict': ...}` file or a plain state dict
+    """The model weights inside a Kiln checkpoint (its average of the weights when it has one:
+    --ema_decay, what its run validated), a `{'state_dict': ...}` file or a plain state dict
     (torchvision's .pth files, .safetensors files), with wrapper prefixes (`module.`, `_orig_mod.`)
     stripped from the names, then names starting with a key of `prefix_map` renamed to start with
     its value instead (--load_prefix_map old.=new.)."""
     if not isinstance(checkpoint, dict):
         raise KilnError(f'expected a dict of tensors in the checkpoint, got {type(checkpoint).__name__}')
-    for key in ('model', 'state_dict'):
+    if checkpoint.get('weights') == 'ema' and isinstance(checkpoint.get('ema'), dict):
+        checkpoint = checkpoint['ema']
+    for key in ('model', 'module', 'state_dict'):
         if isinstance(checkpoint.get(key), dict):
             checkpoint = checkpoint[key]
             break

@@ -35,25 +35,30 @@ def _interrupted():
     os._exit(130)
 
 
+INTERRUPTED = []  # the Ctrl-Cs quiet_interrupts saw
+
+
 def quiet_interrupts():
     """Make a Ctrl-C before `run_cli` takes over (while torch loads, say) print one line and exit 130.
 
     By the time the hook runs the stack has unwound, so every `finally` (e.g. removing a half-generated
     dataset) has already run. A Ctrl-C can also surface as another error: one that lands while a C
     extension initializes (numpy's) leaves it half-loaded, and the next import of it fails with an
-    ImportError; so any error after a Ctrl-C counts as the interruption.
+    ImportError, or vanish; so any error after a Ctrl-C counts as the interruption, and `run_cli` stops
+    before it starts the work.
     """
-    default, interrupted = sys.excepthook, []
+    default = sys.excepthook
+    INTERRUPTED.clear()  # a new start (tests run the entry scripts in one process)
 
     def on_interrupt(signum, frame):
-        interrupted.append(signum)
+        INTERRUPTED.append(signum)
         raise KeyboardInterrupt
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
         signal.signal(signal.SIGINT, on_interrupt)
 
     def hook(kind, value, traceback):
-        if issubclass(kind, KeyboardInterrupt) or interrupted:
+        if issubclass(kind, KeyboardInterrupt) or INTERRUPTED:
             _interrupted()
         default(kind, value, traceback)
 
@@ -65,6 +70,8 @@ def run_cli(main, argv=None):
     KilnError, an OSError from the file system (disk full, read-only, no permission) and running out
     of memory. With `--debug` on the command line the full traceback is shown instead."""
     argv = sys.argv[1:] if argv is None else argv
+    if INTERRUPTED:  # a Ctrl-C while modules loaded, swallowed on its way
+        _interrupted()
     if '--debug' in argv:
         return main(argv)
     try:
