@@ -9,6 +9,7 @@ import json
 import re
 import struct
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -355,7 +356,13 @@ def read_offline_runs(folder, run_id):
     # A's and B's: offline-run-<start time>-<id>, with a -1 added when both started in the same second
     runs = sorted((folder / 'wandb').glob('offline-run-*'))
     assert len(runs) == 2 and all(re.fullmatch(rf'offline-run-\d+_\d+-{run_id}(-\d+)?', run.name) for run in runs)
-    return wandb_logged([run / f'run-{run_id}.wandb' for run in runs])
+    logs = [run / f'run-{run_id}.wandb' for run in runs]
+    # W&B's service writes the log on its own: under load, after finish() has returned
+    deadline = time.time() + 30
+    while not all(any(r.WhichOneof('record_type') == 'exit' for r in wandb_records(log)) for log in logs):
+        assert time.time() < deadline, 'a W&B run log never got its exit record'
+        time.sleep(0.1)
+    return wandb_logged(logs)
 
 
 def test_wandb_offline_resume_has_every_point_once_in_one_run(tmp_path, wandb_module):
