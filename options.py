@@ -180,7 +180,8 @@ def parse_common_args(parser):
     )
     parser.add_argument(
         '--model_type',
-        help="model name, see MODELS in model/model_entry.py (default: the task's own, e.g. small_cnn to classify)",
+        help='model name, see MODELS in model/model_entry.py, or timm:NAME for a timm backbone (the timm extra) '
+        "(default: the task's own, e.g. small_cnn to classify)",
     )
     parser.add_argument(
         '--data_type',
@@ -320,7 +321,9 @@ def parse_train_args(parser):
         help='weights to start from (a checkpoint, an experiment folder for its '
         'best.pth, a state dict or .safetensors)',
     )
-    parser.add_argument('--pretrained_path', help='local ImageNet weights for the tv_* models (never downloaded)')
+    parser.add_argument(
+        '--pretrained_path', help='local ImageNet weights for the tv_* and timm:* models (never downloaded)'
+    )
     parser.add_argument(
         '--freeze_to',
         type=int,
@@ -570,6 +573,8 @@ def _check_names(args):
 
     for option in REGISTRIES:
         value = getattr(args, option, None)
+        if option == 'model_type' and str(value).startswith('timm:'):
+            continue  # a timm backbone: timm knows its names (model/timm_nets)
         if value is not None:
             names = registry_names(option)
             if value not in names:
@@ -636,7 +641,8 @@ def resolve(args, **changes):
 def experiment_folder(options):
     """The experiment folder of a training run with resolved `options`:
     `<checkpoints_dir>/<model_type>_<data_type>_<save_prefix>`."""
-    return os.path.join(options.checkpoints_dir, f'{options.model_type}_{options.data_type}_{options.save_prefix}')
+    model = options.model_type.replace(':', '-')  # timm:convnext_tiny -> timm-convnext_tiny
+    return os.path.join(options.checkpoints_dir, f'{model}_{options.data_type}_{options.save_prefix}')
 
 
 def inherit(args, given, trained_with):

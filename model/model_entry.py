@@ -2,6 +2,7 @@
 
 To add a model: create a package model/my_net/ with an nn.Module taking `args` (it reads
 args.num_classes, args.img_size, ...), and add one line here: 'my_net': 'model.my_net:MyNet',
+Backbones from timm need no line: --model_type timm:<name> (model/timm_nets, the 'timm' extra).
 (This file imports nothing heavy: `--help` and name checks read it before torch loads.)
 """
 
@@ -23,6 +24,13 @@ MODELS = {
 }
 
 
+TIMM_PREFIX = 'timm:'  # --model_type timm:<name>: a timm backbone (model/timm_nets)
+
+
 def select_model(args):
     """Build the model named by --model_type."""
+    if args.model_type.startswith(TIMM_PREFIX):
+        from model.timm_nets import timm_net
+
+        return timm_net(args.model_type[len(TIMM_PREFIX) :], args)
     return load_entry(MODELS, args.model_type, '--model_type', 'model/model_entry.py')(args)

@@ -308,12 +308,16 @@ def _record_iterations(run):
     return iterations
 
 
-@pytest.mark.parametrize('data_type', ['list', 'mem_list'])  # from a DataLoader, and from memory by indexing
-def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, tmp_path, monkeypatch, data_type):
+RECIPE = ['--augment', 'resized_crop,hflip,color,erase,mixup,cutmix', '--ema_decay', '0.99']  # issue 19's
+
+
+# from a DataLoader, from memory by indexing, and with the whole training recipe
+@pytest.mark.parametrize(('data_type', 'extra'), [('list', []), ('mem_list', []), ('mem_list', RECIPE)])
+def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, tmp_path, monkeypatch, data_type, extra):
     """Count the host-syncing tensor calls that Kiln's own code makes, step by step, through the real loop."""
     import train
 
-    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4']
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4', *extra]
     args[args.index('--data_type') + 1] = data_type
     run = train.start(args)
     iterations = _record_iterations(run)
@@ -344,11 +348,11 @@ def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, t
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
-@pytest.mark.parametrize('data_type', ['list', 'mem_list'])
-def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, data_type):
+@pytest.mark.parametrize(('data_type', 'extra'), [('list', []), ('mem_list', []), ('mem_list', RECIPE)])
+def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, data_type, extra):
     import train
 
-    args = [a for a in tiny_run_args(tiny_shapes, tmp_path / 'ck') if a != '--cpu'] + ['--print_freq', '4']
+    args = [a for a in tiny_run_args(tiny_shapes, tmp_path / 'ck') if a != '--cpu'] + ['--print_freq', '4', *extra]
     args[args.index('--data_type') + 1] = data_type
     run = train.start(args)
     assert run.device.type == 'cuda'

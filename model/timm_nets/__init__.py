@@ -1,0 +1,3 @@
+from model.timm_nets.timm_nets import timm_net
+
+__all__ = ['timm_net']
