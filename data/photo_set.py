@@ -2,11 +2,12 @@
 its package (nothing is downloaded): `python -m data.photo_set DEST [--per_class N]`.
 
 Each class is one photograph (an astronaut, a cat, coffee, a rocket, a motorcycle, a retina); each
-image is a random crop of it (a tenth to two thirds of its area, aspect ratio 1:2 to 2:1), resized to a
-random size, sometimes mirrored or turned, and saved as a JPEG of random quality (some as PNG, some
-with an EXIF orientation). The result, DEST/train/<class>/*.jpg and DEST/val/<class>/*.jpg, is laid out
-the way people bring their photos; it is deterministic from the seed. It needs the dev extra
-(`python3 -m pip install -e '.[dev]'`: scikit-image).
+image is a random crop of it (5% to 40% of its area, aspect ratio 1:2 to 2:1; training images from its
+first 70%, validation images from the rest), resized to a random size, sometimes mirrored or turned,
+and saved as a JPEG of random quality (some as PNG, some with an EXIF orientation). The result,
+DEST/train/<class>/*.jpg and DEST/val/<class>/*.jpg, is laid out the way people bring their photos;
+it is deterministic from the seed. It needs the dev extra (`python3 -m pip install -e '.[dev]'`:
+scikit-image).
 """
 
 import argparse
@@ -42,9 +43,19 @@ def _photographs():
     }
 
 
+def _region(photo, split):
+    """The part of `photo` a split's crops come from: training's its first 70% along the longer side,
+    validation's the rest, so validation photos show what training never saw."""
+    cut = round(0.7 * max(photo.size))
+    if photo.width >= photo.height:
+        return photo.crop((0, 0, cut, photo.height) if split == 'train' else (cut, 0, photo.width, photo.height))
+    return photo.crop((0, 0, photo.width, cut) if split == 'train' else (0, cut, photo.width, photo.height))
+
+
 def _sample(photo, rng, sizes):
-    """A random crop of `photo`, resized to a random longer side in `sizes`, maybe mirrored."""
-    area = photo.width * photo.height * rng.uniform(0.1, 0.67)
+    """A random crop of `photo` (5% to 40% of its area), resized to a random longer side in `sizes`,
+    maybe mirrored."""
+    area = photo.width * photo.height * rng.uniform(0.05, 0.4)
     aspect = 2 ** rng.uniform(-1, 1)
     width = min(photo.width, round((area * aspect) ** 0.5))
     height = min(photo.height, round((area / aspect) ** 0.5))
@@ -89,7 +100,8 @@ def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0
             folder = os.path.join(partial, split, name)
             os.makedirs(folder)
             for index in range(count):
-                _save(_sample(rng.choice(photos), rng, sizes), os.path.join(folder, f'{index:04d}'), rng)
+                photo = _region(rng.choice(photos), split)
+                _save(_sample(photo, rng, sizes), os.path.join(folder, f'{index:04d}'), rng)
     with open(os.path.join(partial, 'photo_set.json'), 'w') as f:
         json.dump(settings, f)
     shutil.rmtree(root, ignore_errors=True)

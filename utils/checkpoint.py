@@ -225,6 +225,18 @@ def load_match_dict(model, checkpoint, prefix_map=None):
     return report
 
 
+def load_pretrained(model, path, name, how_to_get):
+    """Load the ImageNet weights file `path` (--pretrained_path) into `model` (net `name`), all of them
+    (safely, as every checkpoint); a missing file is a KilnError saying `how_to_get` it."""
+    if not os.path.isfile(path):
+        raise KilnError(
+            f'--pretrained_path {path} does not exist; Kiln never downloads weights: on a machine with internet '
+            f'{how_to_get} and copy it to {path}'
+        )
+    report = load_weights(model, path, strict=True)
+    print(f'{name}: {len(report.loaded)} tensors of ImageNet weights loaded from {path}')
+
+
 def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None):
     """Load model weights from `checkpoint` (a path or a loaded dict): all of them when `strict`,
     else the matching ones via load_match_dict, whose report is printed. Returns a LoadReport.

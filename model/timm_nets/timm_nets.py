@@ -3,10 +3,9 @@
 local file (--pretrained_path), loaded safely and checked tensor by tensor; nothing is downloaded."""
 
 import difflib
-import os
 
 from model.model_entry import TIMM_PREFIX
-from utils.checkpoint import load_weights
+from utils.checkpoint import load_pretrained
 from utils.errors import KilnError
 
 INSTALL = "python3 -m pip install -e '.[timm]'"
@@ -32,16 +31,14 @@ def timm_net(name, args):
         model = timm.create_model(name, pretrained=False, img_size=args.img_size)
     except TypeError:
         model = timm.create_model(name, pretrained=False)
-    path = getattr(args, 'pretrained_path', None)
-    if path:
-        if not os.path.isfile(path):
-            raise KilnError(
-                f'--pretrained_path {path} does not exist; Kiln never downloads weights: on a machine with '
-                f'internet run python -c "import timm; timm.create_model(\'{name}\', pretrained=True)" and copy '
-                f'the model.safetensors it saves under ~/.cache/huggingface/hub/ to {path}'
-            )
-        report = load_weights(model, path, strict=True)
-        print(f'{TIMM_PREFIX}{name}: {len(report.loaded)} tensors loaded from {path}')
+    if getattr(args, 'pretrained_path', None):
+        load_pretrained(
+            model,
+            args.pretrained_path,
+            TIMM_PREFIX + name,
+            f'run python -c "import timm; timm.create_model(\'{name}\', pretrained=True)": it saves a '
+            f'model.safetensors under ~/.cache/huggingface/hub/',
+        )
     if model.num_classes != args.num_classes:
         model.reset_classifier(args.num_classes)
     return model

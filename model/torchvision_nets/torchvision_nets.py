@@ -2,13 +2,11 @@
 weights in a local file (--pretrained_path); nothing is ever downloaded."""
 
 import functools
-import os
 
 import torchvision
 from torch import nn
 
-from utils.checkpoint import load_weights
-from utils.errors import KilnError
+from utils.checkpoint import load_pretrained
 
 # name -> (torchvision builder, dotted path of the final nn.Linear)
 TORCHVISION_NETS = {
@@ -25,16 +23,14 @@ def torchvision_net(name, args):
     """torchvision net `name` (a TORCHVISION_NETS key) with --pretrained_path weights and a --num_classes head."""
     builder, head_path = TORCHVISION_NETS[name]
     model = builder(weights=None)  # ImageNet shape (1000 classes), so a torchvision weights file fits it whole
-    path = getattr(args, 'pretrained_path', None)
-    if path:
-        if not os.path.isfile(path):
-            raise KilnError(
-                f'--pretrained_path {path} does not exist; Kiln never downloads weights: on a machine with internet '
-                f'run python -c "import torchvision; torchvision.models.{builder.__name__}(weights=\'DEFAULT\')" '
-                f'and copy the .pth file it saves under ~/.cache/torch/hub/checkpoints/ to {path}'
-            )
-        load_weights(model, path, strict=True)
-        print(f'{name}: ImageNet weights loaded from {path}')
+    if getattr(args, 'pretrained_path', None):
+        load_pretrained(
+            model,
+            args.pretrained_path,
+            name,
+            f'run python -c "import torchvision; torchvision.models.{builder.__name__}(weights=\'DEFAULT\')": it '
+            f'saves a .pth file under ~/.cache/torch/hub/checkpoints/',
+        )
     parent_path, _, attribute = head_path.rpartition('.')
     parent = model.get_submodule(parent_path) if parent_path else model
     head = parent[int(attribute)] if attribute.isdigit() else getattr(parent, attribute)
