@@ -246,7 +246,7 @@ def test_a_timm_backbone_trains_evaluates_and_predicts_from_local_weights(tiny_s
         'timm:test_convnext',
     ]
     result = _train(args, '--pretrained_path', weights, '--freeze_to', '-2', '--lr', '1e-3')
-    assert f'tensors loaded from {weights}' in result.stdout
+    assert f'tensors of ImageNet weights loaded from {weights}' in result.stdout
     folder = _folder(args, 'timm-test_convnext')
     trained = _load(os.path.join(folder, 'last.pth'))
     frozen = ['stem.0.weight', 'stem.0.bias']  # the stem's convolution (normalization layers stay trainable)
