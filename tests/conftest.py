@@ -116,6 +116,18 @@ def tiny_args(tiny_shapes, tmp_path):
     return tiny_run_args(tiny_shapes, tmp_path / 'ck')
 
 
+def train_succeeds(args, *extra):
+    """train.py with `args` and `extra` (see run_script), asserting that it succeeded; its CompletedProcess."""
+    result = run_script('train.py', *args, *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def experiment_of(args, model='small_cnn', data='list'):
+    """The experiment folder a run of tiny_run_args-style `args` makes: <checkpoints_dir>/<model>_<data>_default."""
+    return os.path.join(args[args.index('--checkpoints_dir') + 1], f'{model}_{data}_default')
+
+
 def run_files(folder):
     """The file names in a run folder, sorted, with every TensorBoard event file named 'events'."""
     return sorted(name if not name.startswith('events.') else 'events' for name in os.listdir(folder))

@@ -12,18 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, run_script, timeout, tiny_run_args
-
-
-def _train(args, *extra):
-    result = run_script('train.py', *args, *extra)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
-
-
-def _folder(args, model='small_cnn', data='list'):
-    return os.path.join(args[args.index('--checkpoints_dir') + 1], f'{model}_{data}_default')
-
+from conftest import REPO, experiment_of, run_script, timeout, tiny_run_args, train_succeeds
 
 # --- the named parts are the ones that run ---------------------------------------------------------
 
@@ -73,7 +62,7 @@ def test_train_eval_and_logging_run_through_trainer_evaluator_and_logger(tiny_sh
 
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     train.main(args)  # what `python train.py ARGS` runs (the modules patched above are its own)
-    evaluation.main(['--load_model_path', _folder(args), '--cpu', '--no-progress_bar'])
+    evaluation.main(['--load_model_path', experiment_of(args), '--cpu', '--no-progress_bar'])
     steps = 2 * 6  # 2 epochs of 96 images in batches of 16
     assert calls['Trainer.build'] == 1 and calls['Trainer.train'] == 1 and calls['Evaluator.eval'] == 1
     assert calls['Trainer.train_step'] == calls['Trainer.optimizer_step'] == calls['Logger.record'] == steps
@@ -127,8 +116,8 @@ def test_eval_reproduces_the_validation_numbers_of_training(tiny_shapes, tmp_pat
 
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     extra = ['--topk', '5', '--loss', 'label_smoothing', '--img_size', '24', '--amp', 'bf16', '--channels_last']
-    _train(args, *extra, '--epochs', '1', '--limit_train_batches', '2')
-    folder = _folder(args)
+    train_succeeds(args, *extra, '--epochs', '1', '--limit_train_batches', '2')
+    folder = experiment_of(args)
     with open(os.path.join(folder, 'history.json')) as f:
         validated = {name[4:]: values[-1] for name, values in json.load(f)['metrics'].items() if name[:4] == 'val/'}
     assert 'top5' in validated
@@ -222,8 +211,8 @@ def test_args_files_are_fsynced_before_they_replace_the_old_ones(tmp_path, monke
 
 def test_a_checkpoint_keeps_one_epoch_counter(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    _train(args, '--epochs', '1', '--loggers', 'csv')
-    checkpoint = torch.load(os.path.join(_folder(args), 'last.pth'), weights_only=True, map_location='cpu')
+    train_succeeds(args, '--epochs', '1', '--loggers', 'csv')
+    checkpoint = torch.load(os.path.join(experiment_of(args), 'last.pth'), weights_only=True, map_location='cpu')
     assert checkpoint['position']['epoch'] == 1 and set(checkpoint['history']) == {'metrics'}
 
 
@@ -234,7 +223,7 @@ def test_a_predict_list_of_plain_paths_with_spaces(tiny_shapes, tmp_path):
     import shutil
 
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    _train(args, '--epochs', '1', '--loggers', 'csv', '--limit_train_batches', '1')
+    train_succeeds(args, '--epochs', '1', '--loggers', 'csv', '--limit_train_batches', '1')
     images = tmp_path / 'my images'
     images.mkdir()
     sources = sorted(os.listdir(os.path.join(tiny_shapes, 'images', 'val')))[:3]
@@ -242,12 +231,12 @@ def test_a_predict_list_of_plain_paths_with_spaces(tiny_shapes, tmp_path):
         shutil.copy(os.path.join(tiny_shapes, 'images', 'val', name), images / f'photo {index} with spaces.png')
     listed = tmp_path / 'list.txt'
     listed.write_text(''.join(f'{images / name}\n' for name in sorted(os.listdir(images))))  # what `find` writes
-    result = run_script('predict.py', '--load_model_path', _folder(args), '--input', listed, '--cpu')
+    result = run_script('predict.py', '--load_model_path', experiment_of(args), '--input', listed, '--cpu')
     assert result.returncode == 0 and '3 images predicted' in result.stdout, result.stdout + result.stderr
 
     listed.write_text(f'{images / "photo 9 with spaces.png"}\n')
     result = run_script(
-        'predict.py', '--load_model_path', _folder(args), '--input', listed, '--cpu', '--save_prefix', 'b'
+        'predict.py', '--load_model_path', experiment_of(args), '--input', listed, '--cpu', '--save_prefix', 'b'
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and 'Traceback' not in result.stderr, result.stderr

@@ -12,17 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, run_script, timeout, tiny_run_args
-
-
-def _train(args, *extra):
-    result = run_script('train.py', *args, *extra)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
-
-
-def _folder(args, model='small_cnn', data='list'):
-    return os.path.join(args[args.index('--checkpoints_dir') + 1], f'{model}_{data}_default')
+from conftest import REPO, experiment_of, run_script, timeout, tiny_run_args, train_succeeds
 
 
 def _load(path):
@@ -160,18 +150,18 @@ def test_the_weight_average_follows_the_weights_with_timm_s_warm_up():
 
 def test_ema_runs_validate_save_and_evaluate_the_average(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '2', '--ema_decay', '0.9', '--loggers', 'csv']
-    _train(args)
-    last = _load(os.path.join(_folder(args), 'last.pth'))
+    train_succeeds(args)
+    last = _load(os.path.join(experiment_of(args), 'last.pth'))
     assert last['weights'] == 'ema' and last['ema']['updates'] == 12
     assert any(not torch.equal(last['ema']['module'][name], tensor) for name, tensor in last['model'].items())
-    with open(os.path.join(_folder(args), 'history.json')) as f:
+    with open(os.path.join(experiment_of(args), 'history.json')) as f:
         validated = {name[4:]: values[-1] for name, values in json.load(f)['metrics'].items() if name[:4] == 'val/'}
     result = run_script(
-        'eval.py', '--load_model_path', os.path.join(_folder(args), 'last.pth'), '--cpu', '--no-progress_bar'
+        'eval.py', '--load_model_path', os.path.join(experiment_of(args), 'last.pth'), '--cpu', '--no-progress_bar'
     )
     assert result.returncode == 0, result.stderr
-    (evaluated,) = os.listdir(os.path.join(_folder(args), 'eval'))
-    with open(os.path.join(_folder(args), 'eval', evaluated, 'result.json')) as f:
+    (evaluated,) = os.listdir(os.path.join(experiment_of(args), 'eval'))
+    with open(os.path.join(experiment_of(args), 'eval', evaluated, 'result.json')) as f:
         report = json.load(f)
     assert report['weights'] == 'ema'
     assert {name: pytest.approx(value, abs=1e-6) for name, value in validated.items()} == {
@@ -198,12 +188,12 @@ RECIPE = [
 
 def test_a_run_with_the_recipe_killed_and_resumed_ends_bitwise_equal(tiny_shapes, tmp_path):
     whole = tiny_run_args(tiny_shapes, tmp_path / 'whole') + RECIPE
-    _train(whole)
+    train_succeeds(whole)
     killed = tiny_run_args(tiny_shapes, tmp_path / 'killed') + RECIPE
     process = subprocess.Popen(
         [sys.executable, 'train.py', *killed], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    record = os.path.join(_folder(killed), 'checkpoints.json')
+    record = os.path.join(experiment_of(killed), 'checkpoints.json')
     deadline = time.time() + timeout(300)
     while True:  # kill after the checkpoint of step 7, in the middle of the first epoch
         assert process.poll() is None and time.time() < deadline, process.communicate()
@@ -216,9 +206,9 @@ def test_a_run_with_the_recipe_killed_and_resumed_ends_bitwise_equal(tiny_shapes
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert _load(os.path.join(_folder(killed), 'last.pth'))['position']['step'] < 24
-    _train(killed, '--resume')
-    final = [_load(os.path.join(_folder(args), 'last.pth')) for args in (whole, killed)]
+    assert _load(os.path.join(experiment_of(killed), 'last.pth'))['position']['step'] < 24
+    train_succeeds(killed, '--resume')
+    final = [_load(os.path.join(experiment_of(args), 'last.pth')) for args in (whole, killed)]
     assert final[0]['position'] == final[1]['position'] and final[0]['history'] == final[1]['history']
     for part in ('model', 'ema'):
         state = final[0][part] if part == 'model' else final[0][part]['module']
@@ -245,9 +235,9 @@ def test_a_timm_backbone_trains_evaluates_and_predicts_from_local_weights(tiny_s
         '--model_type',
         'timm:test_convnext',
     ]
-    result = _train(args, '--pretrained_path', weights, '--freeze_to', '-2', '--lr', '1e-3')
+    result = train_succeeds(args, '--pretrained_path', weights, '--freeze_to', '-2', '--lr', '1e-3')
     assert f'tensors of ImageNet weights loaded from {weights}' in result.stdout
-    folder = _folder(args, 'timm-test_convnext')
+    folder = experiment_of(args, 'timm-test_convnext')
     trained = _load(os.path.join(folder, 'last.pth'))
     frozen = ['stem.0.weight', 'stem.0.bias']  # the stem's convolution (normalization layers stay trainable)
     assert frozen and all(torch.equal(trained['model'][name], source.state_dict()[name]) for name in frozen)
