@@ -123,6 +123,12 @@ def batches(options, task, dataset, device, train):
     )
 
 
+def schedule_length(options, train_data):
+    """(optimizer steps per epoch, optimizer steps of the whole run) for the training batches `train_data`."""
+    updates_per_epoch = math.ceil(len(train_data) / options.grad_accum_steps)
+    return updates_per_epoch, options.max_iteration or options.epochs * updates_per_epoch
+
+
 class Trainer:
     """One training run: its parts, made by `Trainer.build` from the resolved options, and the loop
     that drives them, `train()`.
@@ -163,8 +169,7 @@ class Trainer:
         self.logger, self.checkpointer = logger, checkpointer
         self.ema = ema  # the average of the weights that validation uses (--ema_decay), or None
         self.lock = lock  # the experiment folder's lock, held by rank 0 while the run lives
-        self.updates_per_epoch = math.ceil(len(train_data) / options.grad_accum_steps)
-        self.max_steps = options.max_iteration or options.epochs * self.updates_per_epoch
+        self.updates_per_epoch, self.max_steps = schedule_length(options, train_data)
         self.first_step_seconds = None
         self.pictured_at = None  # when validation pictures were last logged (see --image_interval)
 
@@ -207,8 +212,7 @@ class Trainer:
         setup.wrap(options)
         groups = finetuning.param_groups(options.lr, options.head_lr, options.backbone_lr, options.unfrozen_lr_scale)
         optimizer = OPTIMIZERS[options.optimizer](groups, options)
-        updates_per_epoch = math.ceil(len(train_data) / options.grad_accum_steps)
-        max_steps = options.max_iteration or options.epochs * updates_per_epoch
+        updates_per_epoch, max_steps = schedule_length(options, train_data)
         scheduler = SCHEDULERS[options.scheduler](optimizer, options, max_steps, updates_per_epoch)
         scaler = torch.amp.GradScaler(device.type, enabled=options.amp == 'fp16')
         ema = ModelEma(setup.model, options.ema_decay) if options.ema_decay else None

@@ -6,7 +6,8 @@
    same model, optimizer and schedule, for the same epochs. The two alternate --repeats times in one
    process, so machine noise hits both alike; images/s and the median ratio are printed, and the ratio
    per epoch, from runs --more_epochs longer (what a run pays once, its records and final flush, left out).
-2. Saving one checkpoint (the full training state), relative to one epoch.
+2. Saving one checkpoint (the full training state): how long it holds up training, and how long until
+   its file is written on the writer thread, relative to one epoch.
 3. Time from starting `python train.py` to its first optimizer step, beside `python -c "import torch"`
    and beside the shortest hand-written script that makes one optimizer step of the same model.
 4. Evaluation: eval.py's loop (every result file and picture) against a bare forward loop.
