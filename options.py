@@ -592,13 +592,16 @@ def _config_and_flags(parser, argv, base_config):
     return [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)] + argv
 
 
+_PARSERS = {}  # add_args -> the parser parse_args built with it last (building one takes milliseconds)
+
+
 def parse_args(add_args, argv=None, base_config=None):
     """Parse `argv` with the options added by `add_args`, applying `--config FILE` first.
 
     `base_config` (a resumed run's args.yaml) comes before even that. Registered names are checked.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = add_args(KilnArgumentParser(description=add_args.__doc__))
+    parser = _PARSERS[add_args] = add_args(KilnArgumentParser(description=add_args.__doc__))
     args = parser.parse_args(_config_and_flags(parser, argv, base_config))
     for name in ('crop_scale', 'crop_ratio'):
         low, high = getattr(args, name, None) or (0, 0)
@@ -606,6 +609,12 @@ def parse_args(add_args, argv=None, base_config=None):
             parser.error(f'argument --{name}: MIN {low:g} is above MAX {high:g}')
     _check_names(args)
     return args
+
+
+def option_defaults(add_args):
+    """{name: default value} of the options `add_args` adds (reusing the parser of the last parse_args)."""
+    parser = _PARSERS.get(add_args) or add_args(KilnArgumentParser())
+    return vars(parser.parse_args([]))
 
 
 def given_options(add_args, argv):

@@ -31,7 +31,7 @@ from data.augment import AUGMENTATIONS, MIXES, augmentation_names
 from data.data_entry import select_dataset
 from data.list_dataset import check_classes
 from data.loader import Batches
-from options import prefix_map, resolve, saved_options
+from options import option_defaults, prefix_map, resolve, saved_options
 from tasks.task_entry import TASKS, task_class
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper
@@ -568,7 +568,7 @@ def hparams(options):
         'seed',
         'augment',
     )
-    defaults = vars(parse_args(parse_train_args, []))
+    defaults = option_defaults(parse_train_args)
     shown = {
         name: value
         for name, value in sorted(saved_options(options).items())

@@ -181,6 +181,27 @@ def test_tensorboard_reads_a_resumed_run_after_the_run_it_continues(tmp_path):
         assert [(e.step, e.value) for e in events.Scalars(name)] == sorted(expected.items())
 
 
+def test_event_records_carry_the_checksums_tensorboard_checks(tmp_path):
+    """Kiln computes the TFRecord checksums in C (google-crc32c); TensorBoard's reader checks them with
+    its own: every record of a file with scalars, a text and a picture reads back."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboards
+
+    from utils.trackers.tb_tracker import masked_crc32c
+
+    rng = np.random.default_rng(3)
+    for size in (0, 1, 8, 1000, 70001):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert masked_crc32c(data) == struct.pack('<I', tensorboards(data)), f'{size} bytes (seed 3)'
+    trackers = build_trackers(['tensorboard'], tmp_path / 'run', 'run', METRIC_NAMES)
+    for step in range(1, 11):
+        log_step(trackers, step)
+    trackers.log_text('args', 'lr: 0.1', 0)
+    trackers.close()
+    events = read_events(tmp_path / 'run')
+    assert [e.step for e in events.Images('val/predictions')] == IMAGE_STEPS
+    assert 'args/text_summary' in events.Tags()['tensors']
+
+
 def test_tensorboard_is_imported_only_when_something_is_written(tmp_path, monkeypatch):
     # None in sys.modules makes any import of it fail: building, keeping the options and
     # checkpointing must not import it; the first point does, and fails with the install line

@@ -226,6 +226,28 @@ def test_checkpoint_write_failure_keeps_the_previous_file(tmp_path, monkeypatch)
     assert os.listdir(tmp_path) == ['last.pth']  # the temporary file was cleaned up
 
 
+def test_random_states_come_back_through_a_safe_load_and_from_the_older_format(tmp_path):
+    """Python's generator state is saved as one tensor; checkpoints that kept it as a tuple of ints
+    (before) still resume."""
+    import random
+
+    from utils.seeding import rng_states, set_rng_states
+
+    random.seed(11)
+    torch.manual_seed(11)
+    states = rng_states()
+    expected = (random.random(), torch.rand(3))
+    save_checkpoint(states, str(tmp_path / 'rng.pth'))
+    for saved in (load_checkpoint(str(tmp_path / 'rng.pth')), dict(states, python=random_state_as_tuple(states))):
+        set_rng_states(saved)
+        assert random.random() == expected[0] and torch.equal(torch.rand(3), expected[1])
+
+
+def random_state_as_tuple(states):
+    version, internal, gauss = states['python']
+    return version, tuple(internal.tolist()), gauss
+
+
 def test_sampler_counts_batches_without_drawing_an_order():
     from data.sampler import ResumableBatchSampler
 

@@ -43,9 +43,13 @@ class DataOrder:
 
     def __init__(self, position, batches):
         self.position, self.batches = position, batches
+        self._drawn = (None, None)  # (epoch, its order): drawn once per epoch, not at every save
 
     def state_dict(self):
-        return {'order': torch.tensor(self.batches.order(self.position.epoch), dtype=torch.int32)}
+        epoch, order = self._drawn
+        if epoch != self.position.epoch:
+            epoch, order = self._drawn = self.position.epoch, torch.tensor(self.batches.order(self.position.epoch))
+        return {'order': order.to(torch.int32)}
 
     def load_state_dict(self, state):
         if state['order'].tolist() != self.batches.order(self.position.epoch):
@@ -124,9 +128,9 @@ class Checkpointer:
         self.late_parts, self.keeper, self.writer = late_parts or {}, keeper, writer
         self.previous_write = None
 
-    def state_dict(self, extra=None):
-        """The full state, less `late_parts` (every process must call it: one collective gathers the
-        per-process states and the sums)."""
+    def state_dict(self):
+        """The state of every part, less `late_parts` (every process must call it: one collective gathers
+        the per-process states and the sums)."""
         state = {name: part.state_dict() for name, part in self.parts.items()}
         shared = {name: state.pop(name) for name in self.per_process + self.summed}
         gathered = all_gather_objects(shared)
@@ -134,22 +138,23 @@ class Checkpointer:
             state[name] = {'per_rank': [process[name] for process in gathered]}
         for name in self.summed:
             state[name] = add_up([process[name] for process in gathered])
-        return {**state, **(extra or {})}
+        return state
 
     def save(self, epoch, step, metric=None, is_best=False, extra=None):
         """Take the state of (epoch, step) now and have rank 0's writer thread write it; `metric` is its
-        --monitor value. At most one checkpoint waits to be written: a second waits for the first."""
-        state = self.state_dict(extra)
+        --monitor value; `extra` holds plain values the file also keeps (the options, ...), given fresh
+        (they are not copied). At most one checkpoint waits to be written: a second waits for the first."""
+        state = self.state_dict()
         if self.keeper is None:
             return
         if self.previous_write is not None:  # one copy of the state in memory, not one per pending save
             self.previous_write.wait()
         self.previous_write = written = threading.Event()
-        self.writer.submit(self._write, Snapshot(state), epoch, step, metric, is_best, written)
+        self.writer.submit(self._write, Snapshot(state), extra or {}, epoch, step, metric, is_best, written)
 
-    def _write(self, snapshot, epoch, step, metric, is_best, written):
+    def _write(self, snapshot, extra, epoch, step, metric, is_best, written):
         try:
-            state = snapshot.get()
+            state = {**snapshot.get(), **extra}
             state.update({name: part.state_dict() for name, part in self.late_parts.items()})
             self.keeper.save(state, epoch, step, metric, is_best)
         finally:

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from metrics import reduced
+from metrics import BatchedUpdates, reduced
 from utils.checkpointer import host_copy
 from utils.distributed import all_gather_objects, is_main_process
 from utils.progress import progress
@@ -52,25 +52,28 @@ def evaluate(
     are the batch numbers whose first samples are kept for pictures (on rank 0).
     """
     model.eval()
-    metrics = task.metrics()
-    loss_sum, count = torch.zeros((), dtype=torch.float64), 0
+    metrics = BatchedUpdates(task.metrics())  # a few kernels per 32 batches, not per batch
+    losses, counts = [], []  # per batch: its mean loss and samples, added up at the end in one go
     rows, pictures = [], {}
     for i, batch in enumerate(progress(batches.epoch(0), progress_bar, description, total=len(batches))):
         with autocast():
             outputs = task.forward(model, batch)
             loss = task.loss(outputs, batch)
         outputs = task.outputs_to_float(outputs)
-        n = task.count(batch)
-        loss_sum, count = loss_sum.to(loss.device) + loss.detach().double() * n, count + n
+        losses.append(loss.detach())
+        counts.append(task.count(batch))
         metrics.update(outputs, batch)
         if keep_rows:
             rows += task.eval_rows(batch, outputs)
         if i in picture_batches and is_main_process():
             # copied without waiting: the metrics' host read at the end waits for these copies too
             pictures[i] = host_copy((first(batch, task.pictured), first(outputs, task.pictured)))
-    total_loss, total = reduced(loss_sum, torch.tensor(float(count)))
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    if losses:
+        loss_sum = torch.stack(losses).double() @ torch.tensor(counts, dtype=torch.float64, device=losses[0].device)
+    total_loss, total = reduced(loss_sum, torch.tensor(float(sum(counts))))
     results = {'loss': (total_loss / total.clamp(min=1)).item(), **metrics.compute(class_names)}
     if keep_rows:  # every process has every world_size-th sample: put them back in order
         per_rank = all_gather_objects(rows)
         rows = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
-    return Evaluation(results, metrics, rows, pictures)
+    return Evaluation(results, metrics.metrics, rows, pictures)

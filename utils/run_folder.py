@@ -265,7 +265,8 @@ def reproducibility_record(args):
     resolved options, the git commit and the diff of uncommitted changes, library versions, the host
     and the start time. Call it from the main thread before DataLoader workers are forked (git starts
     here; a fork while git started on another thread would leave git's pipe open in the worker, and
-    that thread waiting); `append_reproducibility_record` reads git's answers."""
+    that thread waiting); `append_reproducibility_record` reads git's answers and adds the rest (the
+    versions, host and platform, which take milliseconds to look up)."""
     return {
         'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
         'command': [sys.executable] + sys.argv,
@@ -273,18 +274,22 @@ def reproducibility_record(args):
         'args': {k: v for k, v in sorted(vars(args).items())},
         'git_commit': _git('rev-parse', 'HEAD'),
         'git_diff': _git('diff', 'HEAD'),
+    }
+
+
+def append_reproducibility_record(folder, record):
+    """Add `record` (a `reproducibility_record`) to `folder`/reproduce.json, one entry per start, once git
+    has answered, with the library versions, the host and the platform."""
+    commit = _output(record['git_commit'])
+    record = {
+        **record,
+        'git_commit': commit.strip() if commit else None,
+        'git_diff': _output(record['git_diff']),
         'python': platform.python_version(),
         **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
         'host': socket.gethostname(),
         'platform': platform.platform(),
     }
-
-
-def append_reproducibility_record(folder, record):
-    """Add `record` (a `reproducibility_record`, once git has answered) to `folder`/reproduce.json, one
-    entry per start."""
-    commit = _output(record['git_commit'])
-    record = {**record, 'git_commit': commit.strip() if commit else None, 'git_diff': _output(record['git_diff'])}
     path = os.path.join(folder, 'reproduce.json')
     entries = []
     with contextlib.suppress(OSError, ValueError):

@@ -28,10 +28,12 @@ def set_deterministic(enabled):
 
 def rng_states():
     """The states of python's, numpy's and torch's (CPU and CUDA) random generators, checkpointable
-    with weights_only loading (no numpy arrays)."""
+    with weights_only loading (no numpy arrays). Python's 625 numbers go in one tensor: as a tuple of
+    ints, copying and pickling them cost a small model's checkpoint more than its weights."""
     kind, keys, position, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
     return {
-        'python': random.getstate(),
+        'python': (version, torch.tensor(internal, dtype=torch.int64), gauss),
         'numpy': (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached),
         'torch': torch.get_rng_state(),
         'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -40,7 +42,8 @@ def rng_states():
 
 def set_rng_states(states):
     """Restore generator states saved by `rng_states` (CUDA states only where the GPUs are the same)."""
-    random.setstate(states['python'])
+    version, internal, gauss = states['python']
+    random.setstate((version, tuple(internal.tolist()) if torch.is_tensor(internal) else internal, gauss))
     kind, keys, position, has_gauss, cached = states['numpy']
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     torch.set_rng_state(states['torch'])

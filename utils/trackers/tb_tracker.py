@@ -4,6 +4,7 @@ import io
 import os
 import re
 import socket
+import struct
 import time
 
 from utils.trackers import Tracker, require
@@ -24,19 +25,20 @@ class EventFile:
 
     def __init__(self, folder, purge_step=None):
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-        from tensorboard.summary.writer.record_writer import RecordWriter
 
         self.Event = Event
         stamps = [int(match.group(1)) for match in map(EVENT_FILE.match, os.listdir(folder)) if match]
         stamp = max([int(time.time()), *(newest + 1 for newest in stamps)])
         name = f'events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}.kiln'
-        self.records = RecordWriter(open(os.path.join(folder, name), 'ab'))
+        self.records = open(os.path.join(folder, name), 'ab')
         self._write(Event(wall_time=time.time(), file_version='brain.Event:2'))
         if purge_step is not None:
             self._write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
 
     def _write(self, event):
-        self.records.write(event.SerializeToString())
+        data = event.SerializeToString()
+        header = struct.pack('<Q', len(data))
+        self.records.write(header + masked_crc32c(header) + data + masked_crc32c(data))
         self.records.flush()
 
     def add_summary(self, summary, step):
@@ -45,6 +47,16 @@ class EventFile:
 
     def close(self):
         self.records.close()
+
+
+def masked_crc32c(data):
+    """The checksum a TFRecord stores after its length and after its data, as 4 bytes: CRC-32C (by
+    google-crc32c in C; TensorBoard's own is pure Python and takes 25 ms for a 300 kB picture),
+    rotated and offset as TFRecord masks it."""
+    import google_crc32c
+
+    crc = google_crc32c.value(data)
+    return struct.pack('<I', (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
 
 
 def png_bytes(image):
