@@ -93,8 +93,13 @@ def host_copy(state):
             copy._metadata = state._metadata
         return copy
     if isinstance(state, (list, tuple)) and not hasattr(state, '_fields'):
+        if all(type(value) in PLAIN for value in state):  # a history's numbers: nothing to copy one by one
+            return type(state)(state)
         return type(state)(host_copy(value) for value in state)
     return state
+
+
+PLAIN = {int, float, str, bool, type(None)}
 
 
 class Snapshot:
