@@ -181,7 +181,7 @@ def test_tensorboard_reads_a_resumed_run_after_the_run_it_continues(tmp_path):
         assert [(e.step, e.value) for e in events.Scalars(name)] == sorted(expected.items())
 
 
-def test_event_records_carry_the_checksums_tensorboard_checks(tmp_path):
+def test_event_records_carry_the_checksums_tensorboard_checks(tmp_path, monkeypatch):
     """Kiln computes the TFRecord checksums in C (google-crc32c); TensorBoard's reader checks them with
     its own: every record of a file with scalars, a text and a picture reads back."""
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboards
@@ -192,6 +192,9 @@ def test_event_records_carry_the_checksums_tensorboard_checks(tmp_path):
     for size in (0, 1, 8, 1000, 70001):
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         assert masked_crc32c(data) == struct.pack('<I', tensorboards(data)), f'{size} bytes (seed 3)'
+    monkeypatch.setitem(sys.modules, 'google_crc32c', None)  # not installed: TensorBoard's own, same bytes
+    assert masked_crc32c(data) == struct.pack('<I', tensorboards(data))
+    monkeypatch.undo()
     trackers = build_trackers(['tensorboard'], tmp_path / 'run', 'run', METRIC_NAMES)
     for step in range(1, 11):
         log_step(trackers, step)

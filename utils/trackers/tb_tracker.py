@@ -50,12 +50,16 @@ class EventFile:
 
 
 def masked_crc32c(data):
-    """The checksum a TFRecord stores after its length and after its data, as 4 bytes: CRC-32C (by
-    google-crc32c in C; TensorBoard's own is pure Python and takes 25 ms for a 300 kB picture),
-    rotated and offset as TFRecord masks it."""
-    import google_crc32c
+    """The checksum a TFRecord stores after its length and after its data, as 4 bytes: CRC-32C,
+    rotated and offset as TFRecord masks it. Computed by google-crc32c in C: TensorBoard's own, used
+    when that package is missing, is pure Python and takes 25 ms for a 300 kB picture."""
+    try:
+        from google_crc32c import value as crc32c
+    except ImportError:
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as masked
 
-    crc = google_crc32c.value(data)
+        return struct.pack('<I', masked(data))
+    crc = crc32c(data)
     return struct.pack('<I', (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
 
 
