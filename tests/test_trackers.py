@@ -208,7 +208,7 @@ def test_event_records_carry_the_checksums_tensorboard_checks(tmp_path, monkeypa
 def test_tensorboard_is_imported_only_when_something_is_written(tmp_path, monkeypatch):
     # None in sys.modules makes any import of it fail: building, keeping the options and
     # checkpointing must not import it; the first point does, and fails with the install line
-    monkeypatch.setitem(sys.modules, 'torch.utils.tensorboard', None)
+    monkeypatch.setitem(sys.modules, 'tensorboard.compat.proto.summary_pb2', None)
     trackers = build_trackers(['tensorboard'], tmp_path / 'run', 'run', METRIC_NAMES)
     trackers.log_hparams(HPARAMS)
     trackers.state_dict()

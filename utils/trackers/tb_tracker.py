@@ -63,6 +63,68 @@ def masked_crc32c(data):
     return struct.pack('<I', (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
 
 
+# TensorBoard's summaries built from its protocol buffers: torch.utils.tensorboard builds the same, but
+# importing it imports torch.export, a tenth of a second holding the interpreter lock mid-training
+
+
+def _plugin_metadata(plugin, content):
+    from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+
+    return SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin, content=content))
+
+
+def text_summary(tag, text):
+    """A Summary that TensorBoard's Text tab shows as `<tag>/text_summary` (Markdown)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
+
+    tensor = TensorProto(
+        dtype='DT_STRING', string_val=[text.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
+    )
+    metadata = _plugin_metadata('text', TextPluginData(version=0).SerializeToString())
+    return Summary(value=[Summary.Value(tag=f'{tag}/text_summary', metadata=metadata, tensor=tensor)])
+
+
+def hparams_summaries(values, metric_names):
+    """The three Summaries of TensorBoard's HParams tab: the experiment (which options and metrics it
+    shows), this run's option `values` (numbers, strings, bools; None left out) and its end."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.plugins.hparams.api_pb2 import DataType, Experiment, HParamInfo, MetricInfo, MetricName, Status
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionEndInfo, SessionStartInfo
+
+    start, infos = SessionStartInfo(), []
+    for name, value in values.items():
+        if value is None:
+            continue
+        # bool before int: a bool is an int in Python
+        field, kind = next(
+            (field, kind)
+            for types, field, kind in (
+                (bool, 'bool_value', 'DATA_TYPE_BOOL'),
+                ((int, float), 'number_value', 'DATA_TYPE_FLOAT64'),
+                (str, 'string_value', 'DATA_TYPE_STRING'),
+            )
+            if isinstance(value, types)
+        )
+        setattr(start.hparams[name], field, value)
+        infos.append(HParamInfo(name=name, type=DataType.Value(kind)))
+    experiment = Experiment(hparam_infos=infos, metric_infos=[MetricInfo(name=MetricName(tag=n)) for n in metric_names])
+    # the tags, data version and plugin name of tensorboard.plugins.hparams.metadata, whose import takes 0.1 s
+    end = SessionEndInfo(status=Status.STATUS_SUCCESS)
+    parts = {
+        '_hparams_/experiment': HParamsPluginData(version=0, experiment=experiment),
+        '_hparams_/session_start_info': HParamsPluginData(version=0, session_start_info=start),
+        '_hparams_/session_end_info': HParamsPluginData(version=0, session_end_info=end),
+    }
+    summaries = []
+    for tag, content in parts.items():
+        plugin = _plugin_metadata('hparams', content.SerializeToString())
+        summaries.append(Summary(value=[Summary.Value(tag=tag, metadata=plugin)]))
+    return summaries
+
+
 def png_bytes(image):
     """An HxWx3 uint8 array as PNG bytes, compressed lightly (fast; pictures are small)."""
     from PIL import Image
@@ -90,12 +152,11 @@ class TensorBoardTracker(Tracker):
         self.file = None
 
     def _file(self):
-        # importing TensorBoard takes a while: only a run that writes something pays for it
+        # importing TensorBoard's protocol buffers takes a while: only a run that writes something pays
         if self.file is None:
-            require('torch.utils.tensorboard', self.name, 'tensorboard', 'python3 -m pip install tensorboard')
-            from torch.utils.tensorboard import summary
-
-            self.summaries = summary
+            require(
+                'tensorboard.compat.proto.summary_pb2', self.name, 'tensorboard', 'python3 -m pip install tensorboard'
+            )
             self.file = EventFile(self.folder, self.purge_step)
         return self.file
 
@@ -105,7 +166,8 @@ class TensorBoardTracker(Tracker):
     def log_metrics(self, metrics, step, epoch):
         self.last_step = max(self.last_step, step)
         file = self._file()
-        Summary = self.summaries.Summary
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
         file.add_summary(
             Summary(value=[Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]), step
         )
@@ -113,7 +175,8 @@ class TensorBoardTracker(Tracker):
     def log_images(self, images, step):
         self.last_step = max(self.last_step, step)
         file = self._file()
-        Summary = self.summaries.Summary
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
         for tag, image in images.items():
             height, width, channels = image.shape
             picture = Summary.Image(
@@ -122,7 +185,7 @@ class TensorBoardTracker(Tracker):
             file.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
     def log_text(self, tag, text, step):
-        self._file().add_summary(self.summaries.text(tag, text), step)
+        self._file().add_summary(text_summary(tag, text), step)
 
     def commit(self, step):
         self.last_step = max(self.last_step, step)
@@ -138,7 +201,7 @@ class TensorBoardTracker(Tracker):
             for name, value in self.hparams.items()
         }
         # written at the last step, not step 0, so that a resume of this run purges them too
-        for summary in self.summaries.hparams(values, declared):
+        for summary in hparams_summaries(values, declared):
             file.add_summary(summary, self.last_step)
         self.log_metrics(
             {name: value for name, value in final_metrics.items() if value is not None}, self.last_step, None
