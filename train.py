@@ -432,7 +432,7 @@ class Trainer:
         monitored = metrics.get(self.options.monitor)
         extra = {
             'args': saved_options(self.options),
-            'class_names': self.task.class_names,
+            'class_names': list(self.task.class_names),
             'monitor_value': monitored,
             'weights': 'ema' if self.ema is not None else 'model',  # which weights were validated: eval.py's
         }

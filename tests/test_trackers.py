@@ -205,6 +205,38 @@ def test_event_records_carry_the_checksums_tensorboard_checks(tmp_path, monkeypa
     assert 'args/text_summary' in events.Tags()['tensors']
 
 
+TENSORBOARD_IMPORTS = """
+import sys
+import numpy as np
+from utils.trackers import build_trackers
+trackers = build_trackers(['tensorboard'], sys.argv[1], 'run', ['final/val/acc'])
+trackers.log_hparams({'lr': 0.1, 'amp': False, 'task': 'classify'})
+trackers.log_text('args', 'lr: 0.1', 0)
+trackers.log_metrics({'val/acc': 0.5}, 1, 0)
+trackers.log_images({'val/predictions': np.zeros((8, 8, 3), np.uint8)}, 1)
+trackers.finish({'final/val/acc': 0.5})
+trackers.close()
+slow = ('torch.utils.tensorboard', 'tensorboard.compat.tensorflow_stub', 'boto3')
+print(sorted(name for name in slow if name in sys.modules))
+"""
+
+
+def test_writing_every_kind_of_tensorboard_record_imports_only_its_protocol_buffers(tmp_path):
+    """torch.utils.tensorboard imports torch.export, and TensorBoard's file layer imports boto3: a tenth of
+    a second each, on the writer thread holding the interpreter lock while training runs."""
+    import subprocess
+
+    from conftest import REPO
+
+    result = subprocess.run(
+        [sys.executable, '-c', TENSORBOARD_IMPORTS, str(tmp_path / 'run')], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == '[]'
+    events = read_events(tmp_path / 'run')
+    assert [e.step for e in events.Images('val/predictions')] == [1] and 'args/text_summary' in events.Tags()['tensors']
+
+
 def test_tensorboard_is_imported_only_when_something_is_written(tmp_path, monkeypatch):
     # None in sys.modules makes any import of it fail: building, keeping the options and
     # checkpointing must not import it; the first point does, and fails with the install line
