@@ -89,7 +89,7 @@ def text_summary(tag, text):
 
 def hparams_summaries(values, metric_names):
     """The three Summaries of TensorBoard's HParams tab: the experiment (which options and metrics it
-    shows), this run's option `values` (numbers, strings, bools; None left out) and its end."""
+    shows), this run's option `values` (numbers, bools, anything else as text; None left out) and its end."""
     from tensorboard.compat.proto.summary_pb2 import Summary
     from tensorboard.plugins.hparams.api_pb2 import DataType, Experiment, HParamInfo, MetricInfo, MetricName, Status
     from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionEndInfo, SessionStartInfo
@@ -98,16 +98,12 @@ def hparams_summaries(values, metric_names):
     for name, value in values.items():
         if value is None:
             continue
-        # bool before int: a bool is an int in Python
-        field, kind = next(
-            (field, kind)
-            for types, field, kind in (
-                (bool, 'bool_value', 'DATA_TYPE_BOOL'),
-                ((int, float), 'number_value', 'DATA_TYPE_FLOAT64'),
-                (str, 'string_value', 'DATA_TYPE_STRING'),
-            )
-            if isinstance(value, types)
-        )
+        if isinstance(value, bool):  # before numbers: a bool is an int in Python
+            field, kind = 'bool_value', 'DATA_TYPE_BOOL'
+        elif isinstance(value, (int, float)):
+            field, kind = 'number_value', 'DATA_TYPE_FLOAT64'
+        else:
+            field, kind, value = 'string_value', 'DATA_TYPE_STRING', str(value)
         setattr(start.hparams[name], field, value)
         infos.append(HParamInfo(name=name, type=DataType.Value(kind)))
     experiment = Experiment(hparam_infos=infos, metric_infos=[MetricInfo(name=MetricName(tag=n)) for n in metric_names])
