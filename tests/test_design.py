@@ -241,3 +241,24 @@ def test_a_predict_list_of_plain_paths_with_spaces(tiny_shapes, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and 'Traceback' not in result.stderr, result.stderr
     assert f'{listed}:1' in lines[0] and 'quoted' in lines[0]
+
+
+def test_processes_are_started_from_the_main_thread_only(tiny_args, monkeypatch):
+    """A process started from the writer thread while the main thread forks DataLoader workers can hang the
+    run: a worker inherits the pipe the writer waits on. git, and `uname` (platform.platform() runs it the
+    first time), must start on the main thread; platform's cache is emptied so that it runs here."""
+    import platform
+    import threading
+
+    started = []
+    original = subprocess.Popen.__init__
+
+    def recording(self, *args, **kwargs):
+        started.append((threading.current_thread().name, args[0] if args else kwargs.get('args')))
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, '__init__', recording)
+    monkeypatch.setattr(platform, '_uname_cache', None, raising=False)
+    train_succeeds(tiny_args, '--num_workers', '2', '--loggers', 'tensorboard', 'csv')
+    assert started, 'the run started no process: git and uname were expected'
+    assert {thread for thread, _ in started} == {threading.main_thread().name}, started

@@ -265,8 +265,9 @@ def reproducibility_record(args):
     resolved options, the git commit and the diff of uncommitted changes, library versions, the host
     and the start time. Call it from the main thread before DataLoader workers are forked (git starts
     here; a fork while git started on another thread would leave git's pipe open in the worker, and
-    that thread waiting); `append_reproducibility_record` reads git's answers and adds the rest (the
-    versions, host and platform, which take milliseconds to look up)."""
+    that thread waiting; `platform.platform()` runs `uname -p` the first time, so it is asked here too);
+    `append_reproducibility_record` reads git's answers and adds the versions and the host, which take
+    milliseconds to look up and start no process."""
     return {
         'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
         'command': [sys.executable] + sys.argv,
@@ -274,12 +275,13 @@ def reproducibility_record(args):
         'args': {k: v for k, v in sorted(vars(args).items())},
         'git_commit': _git('rev-parse', 'HEAD'),
         'git_diff': _git('diff', 'HEAD'),
+        'platform': platform.platform(),
     }
 
 
 def append_reproducibility_record(folder, record):
     """Add `record` (a `reproducibility_record`) to `folder`/reproduce.json, one entry per start, once git
-    has answered, with the library versions, the host and the platform."""
+    has answered, with the library versions and the host."""
     commit = _output(record['git_commit'])
     record = {
         **record,
@@ -288,7 +290,6 @@ def append_reproducibility_record(folder, record):
         'python': platform.python_version(),
         **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
         'host': socket.gethostname(),
-        'platform': platform.platform(),
     }
     path = os.path.join(folder, 'reproduce.json')
     entries = []
