@@ -46,10 +46,10 @@ class DataOrder:
         self._drawn = (None, None)  # (epoch, its order): drawn once per epoch, not at every save
 
     def state_dict(self):
-        epoch, order = self._drawn
-        if epoch != self.position.epoch:
-            epoch, order = self._drawn = self.position.epoch, torch.tensor(self.batches.order(self.position.epoch))
-        return {'order': order.to(torch.int32)}
+        epoch = self.position.epoch
+        if self._drawn[0] != epoch:
+            self._drawn = epoch, torch.tensor(self.batches.order(epoch), dtype=torch.int32)
+        return {'order': self._drawn[1]}  # the checkpointer copies it
 
     def load_state_dict(self, state):
         if state['order'].tolist() != self.batches.order(self.position.epoch):
