@@ -7,7 +7,7 @@ gets its result folder and a comparison table is written too. The evaluation loo
 validation runs (utils/evaluation.py), so the numbers agree with training's.
 """
 
-from utils.errors import quiet_interrupts, run_cli
+from utils.errors import quiet_interrupts, run_cli, run_to_exit
 
 quiet_interrupts()
 from options import parse_args, parse_test_args
@@ -223,4 +223,4 @@ def main(argv=None, args=None):
 
 
 if __name__ == '__main__':
-    run_cli(lambda argv: main(argv, ARGS))
+    run_to_exit(lambda argv: main(argv, ARGS))

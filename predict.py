@@ -7,7 +7,7 @@ Images that cannot be read are listed in unreadable.txt and make the exit code n
 skipped silently.
 """
 
-from utils.errors import quiet_interrupts, run_cli
+from utils.errors import quiet_interrupts, run_cli, run_to_exit
 
 quiet_interrupts()
 from options import parse_args, parse_predict_args
@@ -120,4 +120,4 @@ def main(argv=None, args=None):
 
 
 if __name__ == '__main__':
-    run_cli(lambda argv: main(argv, ARGS))
+    run_to_exit(lambda argv: main(argv, ARGS))

@@ -11,7 +11,7 @@ import time
 
 STARTED = time.perf_counter()  # for the time-to-first-step figure
 
-from utils.errors import KilnError, quiet_interrupts, run_cli
+from utils.errors import KilnError, quiet_interrupts, run_cli, run_to_exit
 
 quiet_interrupts()  # a Ctrl-C while torch loads: one line, exit 130
 from options import parse_args, parse_train_args
@@ -688,4 +688,4 @@ def fast_dev_run(argv, args):
 
 
 if __name__ == '__main__':
-    run_cli(lambda argv: main(argv, ARGS))
+    run_to_exit(lambda argv: main(argv, ARGS))

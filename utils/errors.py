@@ -1,8 +1,10 @@
 """User-facing errors: one clear line and a non-zero exit instead of a traceback (imports no torch)."""
 
+import atexit
 import os
 import signal
 import sys
+import threading
 
 
 class KilnError(Exception):
@@ -96,3 +98,35 @@ def run_cli(main, argv=None):
             raise
         print('error: out of memory; lower --batch_size or --img_size (--debug shows where)', file=sys.stderr)
         sys.exit(2)
+
+
+def run_to_exit(main, argv=None):
+    """An entry script's last line: `run_cli(main, argv)`, then the end of the process.
+
+    A torchrun worker (WORLD_SIZE > 1) ends with `os._exit` once the other threads it started, the
+    atexit handlers and its output are done, skipping the interpreter's teardown: DistributedDataParallel
+    keeps the gloo process group and its threads alive after destroy_process_group, and a gloo thread that
+    lets go of a collective's tensor during the teardown aborts the process ("terminate called without
+    an active exception", SIGABRT) after a run that succeeded. Elsewhere Python exits as usual."""
+    if int(os.environ.get('WORLD_SIZE', '1')) <= 1:
+        run_cli(main, argv)
+        return
+    try:
+        run_cli(main, argv)
+        status = 0
+    except SystemExit as exit:
+        status = exit.code
+    except BaseException:  # noqa: BLE001 - shown as Python would (--debug, or an unexpected error)
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    if not isinstance(status, int):  # sys.exit(None) is success, sys.exit('text') prints it and fails
+        if status is not None:
+            print(status, file=sys.stderr)
+        status = 0 if status is None else 1
+    for thread in threading.enumerate():  # what Python's exit waits for
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -5,7 +5,7 @@ It is torchrun itself (torch.distributed.run), with two endings changed:
   as torchrun does, lets the workers save (they stop within a step), then exits 128 + the signal
   number with one line, not with torchrun's exit code 1 and its SignalException traceback;
 - when a worker fails, the worker's own `error: ...` line is the cause the user sees; this adds one
-  line naming the failed rank and its exit code instead of torchrun's error dump, and exits with that
+  line naming the failed rank (one killed by a signal first) and its exit code instead of torchrun's error dump, and exits with that
   code.
 """
 
@@ -26,7 +26,10 @@ def main(argv=None):
         print(f'torchrun: stopped by {name}; the workers saved what they had', file=sys.stderr, flush=True)
         sys.exit(128 + error.sigval)
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        # a worker killed by a signal is the cause; the others then fail on the broken connection
+        rank, failure = min(
+            error.failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp, item[0])
+        )
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -9: killed by SIGKILL
         how = (
             f'exit code {failure.exitcode}'
