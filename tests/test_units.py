@@ -306,6 +306,39 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
         assert exit_info.value.code == 2 and line.startswith('error: ') and needle in line and line.count('\n') == 1
 
 
+@pytest.mark.parametrize(
+    'exits, blamed, line',
+    [
+        # torchrun SIGTERMs the survivors after a failure: the SIGKILLed worker is the cause, even in a tie
+        ({0: -15, 1: -9}, 1, 'rank 1 was killed by SIGKILL (signal 9); often the out-of-memory killer'),
+        ({0: 1, 1: -9}, 1, 'rank 1 was killed by SIGKILL'),  # rank 0 then failed on the broken connection
+        ({0: -15, 1: 2}, 1, 'rank 1 failed with exit code 2 (its error is above)'),
+        ({0: 2, 1: 2}, 0, 'rank 0 failed with exit code 2'),
+    ],
+)
+def test_torchrun_names_the_worker_that_caused_the_failure(exits, blamed, line, monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    import utils.torchrun
+
+    failures = {
+        rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file='')
+        for rank, code in exits.items()
+    }
+    for failure in failures.values():
+        failure.timestamp = 1  # the same second, as torchrun often records them
+
+    def failed_job(argv):
+        raise ChildFailedError('train.py', failures)
+
+    monkeypatch.setattr(utils.torchrun, 'torchrun_main', failed_job)
+    with pytest.raises(SystemExit) as exit_info:
+        utils.torchrun.main([])
+    code = exits[blamed]
+    assert exit_info.value.code == (code if code > 0 else 128 - code)
+    assert line in capsys.readouterr().err
+
+
 def test_an_in_memory_dataset_too_big_for_memory_is_refused(tiny_shapes, monkeypatch):
     import data.mem_list_dataset as mem
 
