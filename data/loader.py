@@ -15,6 +15,7 @@ import functools
 import os
 import signal
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -163,7 +164,8 @@ class Batches:
         if not batches:
             return
         where = next(iter(self.memory.values())).device
-        pairs = torch.tensor([pair for batch in batches for pair in batch]).to(where)  # one copy per epoch
+        # one copy per epoch; through numpy, which reads a list of pairs 3x faster than torch.tensor
+        pairs = torch.from_numpy(np.array([pair for batch in batches for pair in batch], dtype=np.int64)).to(where)
         for chunk in pairs.split([len(batch) for batch in batches]):
             positions, indices = chunk[:, 0], chunk[:, 1]
             batch = {key: tensor.index_select(0, indices) for key, tensor in self.memory.items()}
