@@ -339,7 +339,7 @@ class BatchTransform:
                     torch.tensor(values, device=image.device).view(1, -1, 1, 1) * 255 for values in (MEAN, STD)
                 )
             mean, std = self.scales[image.device]
-            image = (image.float() - mean) / std
+            image = image.float().sub_(mean).div_(std)  # in place: one new tensor, not three (same values)
         batch['image'] = image
         if self.mix is not None and params is not None:
             self.mix.apply(batch, own(len(self.augmentations)), positions)
