@@ -81,6 +81,9 @@ def add_up(states):
     return sum(states[1:], first)
 
 
+PLAIN = {int, float, str, bool, type(None)}  # values host_copy hands over as they are
+
+
 def host_copy(state):
     """A copy of `state` with every tensor copied to host memory, so the run can go on changing its own
     tensors while this copy is written. GPU tensors are copied without waiting (call `.wait()` on the
@@ -97,9 +100,6 @@ def host_copy(state):
             return type(state)(state)
         return type(state)(host_copy(value) for value in state)
     return state
-
-
-PLAIN = {int, float, str, bool, type(None)}
 
 
 class Snapshot:
