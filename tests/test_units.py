@@ -410,3 +410,25 @@ def test_the_small_image_resnet18_runs_and_has_layer_groups():
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 6)
     groups = [type(g).__name__ for g in ModelFreezer(model).get_layer_groups()]
     assert groups[0] == 'Conv2d' and groups[-1] == 'Linear' and groups.count('Sequential') == 4
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_png_writer_round_trips_through_pillow(tmp_path, seed):
+    """Kiln writes PNGs itself (utils/viz.png_bytes): Pillow must read back every pixel, for any size."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from utils.viz import png_bytes, save_png
+
+    rng = np.random.default_rng(seed)
+    height, width = rng.integers(1, 90, size=2)
+    for shape, mode in [((height, width, 3), 'RGB'), ((height, width), 'L'), ((height, width, 4), 'RGBA')]:
+        image = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        for level in (1, 9):
+            decoded = Image.open(io.BytesIO(png_bytes(image, level)))
+            assert decoded.mode == mode and (np.asarray(decoded) == image).all(), f'seed {seed}, {mode}, level {level}'
+    image = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    save_png(image, tmp_path / 'picture.png')
+    assert (np.asarray(Image.open(tmp_path / 'picture.png')) == image).all(), f'seed {seed}'

@@ -1,6 +1,5 @@
 """TensorBoard: event files in the experiment folder (`tensorboard --logdir <checkpoints_dir>`)."""
 
-import io
 import os
 import re
 import socket
@@ -8,6 +7,7 @@ import struct
 import time
 
 from utils.trackers import Tracker, require
+from utils.viz import png_bytes
 
 EVENT_FILE = re.compile(r'^events\.out\.tfevents\.(\d+)\.')
 
@@ -119,15 +119,6 @@ def hparams_summaries(values, metric_names):
         plugin = _plugin_metadata('hparams', content.SerializeToString())
         summaries.append(Summary(value=[Summary.Value(tag=tag, metadata=plugin)]))
     return summaries
-
-
-def png_bytes(image):
-    """An HxWx3 uint8 array as PNG bytes, compressed lightly (fast; pictures are small)."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format='PNG', compress_level=1)
-    return buffer.getvalue()
 
 
 class TensorBoardTracker(Tracker):
