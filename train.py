@@ -313,16 +313,16 @@ class Trainer:
                     self.finetuning.unfreeze()
                     self.setup.wrap(o)  # DDP syncs only what was trainable when it wrapped
                 self.finetuning.train_mode(self.setup.wrapped)
-                epoch = position.epoch
+                epoch, epoch_batches = position.epoch, len(self.train_data)
                 for batch in progress(
                     self.train_data.epoch(epoch, start=position.batch),
                     o.progress_bar and is_main_process(),
                     f'epoch {epoch + 1}',
-                    total=len(self.train_data) - position.batch,
+                    total=epoch_batches - position.batch,
                 ):
                     # the batches of one update: --grad_accum_steps of them, fewer at the end of the epoch
                     group_start = position.batch // o.grad_accum_steps * o.grad_accum_steps
-                    group_size = min(o.grad_accum_steps, len(self.train_data) - group_start)
+                    group_size = min(o.grad_accum_steps, epoch_batches - group_start)
                     position.batch += 1
                     update = position.batch == group_start + group_size
                     seen += self.train_step(batch, group_size, update)
@@ -337,7 +337,7 @@ class Trainer:
                         self.first_step_seconds = time.perf_counter() - STARTED
                     if position.step % o.print_freq == 0:  # the only host sync between validations
                         self.print_progress(seen / (time.perf_counter() - start))
-                    if position.batch == len(self.train_data):  # so a checkpoint saved now records a whole epoch
+                    if position.batch == epoch_batches:  # so a checkpoint saved now records a whole epoch
                         position.epoch, position.batch = epoch + 1, 0
                     self.after_update()
                     if stopper.stop or position.step >= self.max_steps:

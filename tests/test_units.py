@@ -130,6 +130,21 @@ def test_conv_bn_relu_keeps_size_and_up_block_doubles_it():
     assert UpBlock(4, 6, skip_channels=3)(x, skip).shape == (2, 6, 32, 32)
 
 
+@pytest.mark.parametrize('seed', [0, 1, 2, 3])
+def test_topk_hits_agree_with_torch_topk(seed):
+    """topk_hits counts the classes that score higher; without ties that is `topk`'s answer, for any k."""
+    from metrics import topk_hits
+
+    generator = torch.Generator().manual_seed(seed)
+    classes = int(torch.randint(2, 50, (), generator=generator))
+    logits = torch.randn(300, classes, generator=generator)
+    targets = torch.randint(0, classes, (300,), generator=generator)
+    for k in (1, 2, 5, classes, classes + 3):
+        top = logits.topk(min(k, classes), dim=1).indices
+        expected = (top == targets.unsqueeze(1)).any(dim=1)
+        assert torch.equal(topk_hits(logits, targets, k), expected), f'seed {seed}, {classes} classes, k {k}'
+
+
 def test_metrics():
     logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 3.0, 2.0], [1.0, 2.0, 3.0], [3.0, 1.0, 2.0]])
     targets = torch.tensor([0, 2, 0, 1])

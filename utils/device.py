@@ -1,5 +1,7 @@
 """Which device a process computes on, and mixed precision there."""
 
+import contextlib
+
 import torch
 
 from utils.distributed import is_distributed, local_rank
@@ -23,6 +25,9 @@ def select_device(cpu=False, gpus=None):
 
 
 def autocast_for(device, amp):
-    """A function giving the autocast context of --amp ('off', 'bf16', 'fp16') on `device`."""
+    """A function giving the autocast context of --amp ('off', 'bf16', 'fp16') on `device` (a null
+    context for 'off')."""
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(amp)
-    return lambda: torch.autocast(device.type, dtype, enabled=dtype is not None)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype)
