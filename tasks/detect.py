@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tasks.task import Task
 from utils.distributed import all_gather_objects
+from utils.viz import font_for
 
 STRIDE = 4  # input pixels per heatmap cell
 MIN_SCORE = 0.3  # detections shown in pictures and written as rows
@@ -288,6 +289,9 @@ def draw_detections(
     boxes in thin white. Per-image box lists may be padded (labels -1 are skipped)."""
     from torchvision.utils import draw_bounding_boxes, make_grid  # here: torchvision is slow to import
 
+    # names that Pillow's own font lacks glyphs for are drawn with a system font (torchvision takes its file)
+    font = font_for(' '.join(map(str, class_names or [])), 10)
+    text_font = {'font': font.path, 'font_size': 10} if isinstance(font.path, str) else {}
     tiles = []
     for i in range(min(count, len(images_uint8))):
         image = images_uint8[i].detach().cpu()
@@ -302,7 +306,12 @@ def draw_detections(
         if len(found):
             names = [f'{class_names[k] if class_names else k} {s:.2f}' for k, s in zip(kinds, confidence)]
             image = draw_bounding_boxes(
-                image, found * scale, labels=names, width=2, colors=[PALETTE[k % len(PALETTE)] for k in kinds]
+                image,
+                found * scale,
+                labels=names,
+                width=2,
+                colors=[PALETTE[k % len(PALETTE)] for k in kinds],
+                **text_font,
             )
         tiles.append(image)
     grid = make_grid(torch.stack(tiles), nrow=min(columns, len(tiles)), padding=4, pad_value=255)

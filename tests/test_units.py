@@ -447,3 +447,16 @@ def test_png_writer_round_trips_through_pillow(tmp_path, seed):
     image = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
     save_png(image, tmp_path / 'picture.png')
     assert (np.asarray(Image.open(tmp_path / 'picture.png')) == image).all(), f'seed {seed}'
+
+
+def test_pictures_draw_class_names_with_a_font_that_has_their_letters():
+    """Pillow's own font has ASCII only: 'élan' came out as '□lan'. A name it cannot draw is drawn with
+    a system font that can (where the system has one)."""
+    from utils.viz import _default_font, _has_glyphs, _system_fonts, font_for
+
+    assert font_for('cat / dog') is _default_font(11)
+    assert _has_glyphs(_default_font(11), 'cat / dog') and not _has_glyphs(_default_font(11), 'cat \U000ffffd')
+    name = 'élan / zèbre'
+    if not any(_has_glyphs(font, name) for font in [_default_font(11), *_system_fonts(11)]):
+        pytest.skip('no font on this system has accented letters (DejaVu, Noto or Arial)')
+    assert _has_glyphs(font_for(name), name)

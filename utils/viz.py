@@ -3,6 +3,7 @@
 Everything returns an HxWx3 uint8 numpy array (save it with `save_png`).
 """
 
+import contextlib
 import functools
 import struct
 import zlib
@@ -15,9 +16,50 @@ GOOD = (40, 170, 60)
 BAD = (210, 40, 40)
 
 
-@functools.cache  # loading the font takes longer than drawing a grid with it
-def _font(size):
+# Fonts for text that Pillow's own font lacks glyphs for (it has ASCII only: class names such as "élan" or
+# "猫" came out as boxes), by file name in the system's font folders: wide Latin, Greek and Cyrillic
+# first, then Chinese, Japanese and Korean; Linux, Windows and macOS names.
+FONTS = (
+    'DejaVuSans.ttf',
+    'NotoSans-Regular.ttf',
+    'arial.ttf',
+    'Arial Unicode.ttf',
+    'NotoSansCJK-Regular.ttc',
+    'wqy-microhei.ttc',
+    'msyh.ttc',
+    'PingFang.ttc',
+)
+
+
+@functools.cache  # loading a font takes longer than drawing a grid with it
+def _default_font(size):
     return ImageFont.load_default(size=size)
+
+
+@functools.cache  # looked for only when a text needs them
+def _system_fonts(size):
+    found = []
+    for name in FONTS:
+        with contextlib.suppress(OSError):
+            found.append(ImageFont.truetype(name, size))
+    return found
+
+
+def _has_glyphs(font, text):
+    """Whether `font` draws every character of `text` (a missing one is drawn as the font's box, the
+    glyph of a code point no font has)."""
+    missing = bytes(font.getmask('\U000ffffd'))
+    return all(character.isspace() or bytes(font.getmask(character)) != missing for character in set(text))
+
+
+@functools.lru_cache(maxsize=4096)
+def font_for(text, size=11):
+    """The first font that has every character of `text`: Pillow's own, else one of FONTS (Pillow's own
+    when none has them all)."""
+    default = _default_font(size)
+    if text.isascii():
+        return default
+    return next((font for font in [default, *_system_fonts(size)] if _has_glyphs(font, text)), default)
 
 
 def tiles(images, tile):
@@ -61,7 +103,7 @@ CAPTION = 16  # pixels of caption under a tile
 def caption(text, colour, width):
     """`text` in `colour` on white, as a (CAPTION, width, 3) uint8 array."""
     image = Image.new('RGB', (width, CAPTION), 'white')
-    ImageDraw.Draw(image).text((2, 1), text, fill=colour, font=_font(11))
+    ImageDraw.Draw(image).text((2, 1), text, fill=colour, font=font_for(text))
     return np.asarray(image)
 
 
@@ -89,7 +131,7 @@ def confusion_matrix_image(matrix, class_names=None, cell=44):
     margin = 70
     canvas = Image.new('RGB', (margin + count * cell + 4, margin + count * cell + 4), 'white')
     draw = ImageDraw.Draw(canvas)
-    font = _font(11)
+    font = font_for(' '.join(names))
     draw.text((margin, 2), 'predicted', fill='black', font=font)
     draw.text((2, 2), 'true', fill='black', font=font)
     row_totals = matrix.sum(axis=1, keepdims=True).clip(min=1)
