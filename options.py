@@ -528,7 +528,9 @@ def parse_predict_args(parser):
         required=True,
         help='the checkpoint to predict with (or an experiment folder: its best.pth)',
     )
-    parser.add_argument('--input', required=True, help='a folder of images, or a list file (first column: image)')
+    parser.add_argument(
+        '--input', required=True, help='a folder of images, one image, or a list file (first column: image)'
+    )
     return parser
 
 

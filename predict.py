@@ -1,5 +1,5 @@
 """Predict with a checkpoint on images without labels:
-`python predict.py --load_model_path checkpoints/<experiment>/best.pth --input FOLDER_OR_LIST`.
+`python predict.py --load_model_path checkpoints/<experiment>/best.pth --input FOLDER_IMAGE_OR_LIST`.
 
 Writes into `<experiment>/predict/<checkpoint>_<input>_<save_prefix>/` predictions.csv, with the
 rows the checkpoint's task gives (a class per image, a mask file per image, a row per box, ...).
@@ -34,8 +34,8 @@ from utils.run_folder import checkpoint_path, create_run_folder, discard_folder_
 
 
 def images_to_predict(source):
-    """Image paths from a folder (its image files, sorted, subfolders included) or a list file
-    (the first field of each entry; labels, masks or boxes after it are ignored)."""
+    """Image paths from a folder (its image files, sorted, subfolders included), one image file, or a
+    list file (the first field of each entry; labels, masks or boxes after it are ignored)."""
     if os.path.isdir(source):
         paths = sorted(
             os.path.join(folder, name)
@@ -43,10 +43,12 @@ def images_to_predict(source):
             for name in names
             if name.lower().endswith(IMAGE_EXTENSIONS)
         )
+    elif os.path.isfile(source) and source.lower().endswith(IMAGE_EXTENSIONS):
+        paths = [source]
     elif os.path.isfile(source):
         paths = read_image_paths(source)
     else:
-        raise KilnError(f'--input {source} is neither a folder nor a list file')
+        raise KilnError(f'--input {source} does not exist: give a folder of images, an image or a list file')
     if not paths:
         raise KilnError(f'--input {source} holds no images ({", ".join(IMAGE_EXTENSIONS)})')
     return paths
@@ -111,7 +113,8 @@ def main(argv=None, args=None):
             options, device, checkpoint, strict=not options.load_not_strict, source=path, prefix_map=prefix_map(options)
         )
         unreadable = predict(options, task, setup, device, paths, folder)
-    print(f'{len(paths) - len(unreadable)} images predicted in {folder}/predictions.csv')
+    predicted = len(paths) - len(unreadable)
+    print(f'{predicted} image{"" if predicted == 1 else "s"} predicted in {folder}/predictions.csv')
     if unreadable:
         raise KilnError(
             f'{len(unreadable)} of {len(paths)} images could not be read (listed with the '

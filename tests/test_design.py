@@ -2,6 +2,8 @@
 and the defects found around them stay fixed: options that shape the metrics reach eval.py, state_dict()
 of any part never talks to other processes, args files are durable, predict lists with spaces."""
 
+import csv
+import glob
 import json
 import os
 import subprocess
@@ -241,6 +243,20 @@ def test_a_predict_list_of_plain_paths_with_spaces(tiny_shapes, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and 'Traceback' not in result.stderr, result.stderr
     assert f'{listed}:1' in lines[0] and 'quoted' in lines[0]
+
+    # one image file, named as it is (not read as a list file), predicted as it was in the list
+    single = images / 'photo 1 with spaces.PNG'
+    os.rename(images / 'photo 1 with spaces.png', single)
+    result = run_script(
+        'predict.py', '--load_model_path', experiment_of(args), '--input', single, '--cpu', '--save_prefix', 'c'
+    )
+    assert result.returncode == 0 and '1 image predicted in' in result.stdout, result.stdout + result.stderr
+    rows = {}
+    for csv_path in glob.glob(os.path.join(experiment_of(args), 'predict', '*', 'predictions.csv')):
+        with open(csv_path) as f:
+            for row in list(csv.reader(f))[1:]:
+                rows.setdefault(os.path.basename(row[0]).lower(), []).append(row[1:])
+    assert len(rows['photo 1 with spaces.png']) == 2 and len({tuple(r) for r in rows['photo 1 with spaces.png']}) == 1
 
 
 def test_processes_are_started_from_the_main_thread_only(tiny_args, monkeypatch):
