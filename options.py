@@ -437,8 +437,8 @@ def parse_train_args(parser):
         nargs='?',
         const=RESUME_LATEST,
         metavar='CHECKPOINT',
-        help='continue this experiment from its newest checkpoint (or from CHECKPOINT); '
-        'starts it when there is nothing to continue',
+        help='continue this experiment from its newest checkpoint (or from CHECKPOINT: a .pth file, or an '
+        'experiment folder for its newest); starts it when there is nothing to continue',
     )
     parser.add_argument(
         '--deterministic',

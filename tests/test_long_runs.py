@@ -285,6 +285,13 @@ def test_resume_options(tiny_shapes, tmp_path):
     more = _train(args, '--resume', '--epochs', '3')  # a longer schedule continues
     assert _step(_load(os.path.join(_folder(args), 'last.pth'))) == 18 and 'epoch 3/3' in more.stdout
 
+    # the experiment folder alone names the run: its options and newest checkpoint
+    folder_only = run_script('train.py', '--resume', _folder(args), '--epochs', '4', '--no-progress_bar')
+    assert folder_only.returncode == 0 and 'resuming' in folder_only.stdout, folder_only.stdout + folder_only.stderr
+    assert _step(_load(os.path.join(_folder(args), 'last.pth'))) == 24 and 'epoch 4/4' in folder_only.stdout
+    not_a_run = run_script('train.py', *args, '--resume', str(tmp_path))
+    assert not_a_run.returncode == 2 and 'not an experiment folder' in not_a_run.stderr, not_a_run.stderr
+
     missing = run_script('train.py', *args, '--resume', str(tmp_path / 'nope.pth'))
     assert missing.returncode == 2 and 'no such checkpoint' in missing.stderr
     weights_only = tmp_path / 'weights.pth'

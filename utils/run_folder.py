@@ -136,26 +136,34 @@ def open_experiment(argv, args):
     options of `argv`, resolved (options.resolve). Returns (the run's options, with model_dir and
     resume_from, the FolderLock).
 
-    With --resume the run continues from its newest trustworthy checkpoint (or the one named): the
-    folder's args.yaml applies first, then the flags given now, and a flag that would change what the
-    run computes (anything but RESUME_CHANGEABLE) is refused before any file is touched. With nothing
-    to continue yet, --resume starts the run in that folder.
+    With --resume the run continues from its newest trustworthy checkpoint (or the file named, or the
+    newest of the experiment folder named): the folder's args.yaml applies first, then the flags given
+    now, and a flag that would change what the run computes (anything but RESUME_CHANGEABLE) is refused
+    before any file is touched. With nothing to continue yet, --resume starts the run in that folder.
     """
     folder = experiment_folder(args)
-    if args.resume and args.resume != 'last':
-        if not os.path.isfile(args.resume):
+    named = args.resume and args.resume != 'last' and args.resume  # a checkpoint file, or a folder
+    if named and os.path.isdir(named):  # an experiment folder: its newest trustworthy checkpoint
+        if not os.path.isfile(os.path.join(named, ARGS_YAML)):
             raise KilnError(
-                f'--resume {args.resume}: no such checkpoint file; give an existing .pth file, '
-                f"or --resume alone for the experiment's newest checkpoint"
+                f'--resume {named}: not an experiment folder (it has no {ARGS_YAML}); give the folder a '
+                f'training run made, or one of its .pth files'
             )
-        folder = os.path.dirname(os.path.abspath(args.resume))
+        folder, named = os.path.abspath(named), None
+    elif named:
+        if not os.path.isfile(named):
+            raise KilnError(
+                f'--resume {named}: no such checkpoint file or experiment folder; give an existing .pth file '
+                f"or experiment folder, or --resume alone for the experiment's newest checkpoint"
+            )
+        folder = os.path.dirname(os.path.abspath(named))
     if not args.resume or not os.path.isdir(folder):
         create_run_folder(
             folder, args, 'choose a new --save_prefix, add --resume to continue that run, or move that folder away'
         )
         return args.replace(model_dir=folder, resume_from=None), FolderLock(folder)
     # read-only checks first: a refused resume touches no file (not even the lock's)
-    resume_from = _checkpoint_to_resume(args, folder)
+    resume_from = named or _newest_checkpoint(folder)
     saved = os.path.join(folder, ARGS_YAML)
     if resume_from and not os.path.isfile(saved):
         raise KilnError(
@@ -178,10 +186,8 @@ def open_experiment(argv, args):
     return args.replace(model_dir=folder, resume_from=resume_from), lock
 
 
-def _checkpoint_to_resume(args, folder):
-    """The checkpoint --resume continues from: the one named, else the folder's newest whose bytes check out."""
-    if args.resume != 'last':
-        return args.resume
+def _newest_checkpoint(folder):
+    """The checkpoint a --resume without a file continues from: the folder's newest whose bytes check out."""
     path, skipped = CheckpointKeeper(folder).newest_trusted()
     for reason in skipped:
         print(f'skipping {os.path.join(folder, reason)}')
