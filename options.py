@@ -80,10 +80,23 @@ AUGMENTATIONS = ('crop', 'resized_crop', 'hflip', 'vflip', 'color', 'erase', 'mi
 LOGGERS = ('tensorboard', 'csv', 'wandb', 'mlflow')
 
 
+def did_you_mean(word, choices):
+    """' (did you mean X?)' for the choice closest to a mistyped `word`, or '' when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return f' (did you mean {close[0]}?)' if close else ''
+
+
 class KilnArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (no usage dump) with exit code 2."""
+    """An ArgumentParser whose errors are one line (no usage dump) with exit code 2; an unknown flag
+    comes with the nearest known one."""
 
     def error(self, message):
+        if message.startswith('unrecognized arguments:'):
+            flags = [action for action in self._actions for action in action.option_strings]
+            unknown = next((token for token in message.split()[2:] if token.startswith('--')), '')
+            message += did_you_mean(unknown.split('=')[0], flags)
         self.exit(2, f'error: {message} (see --help)\n')
 
 
@@ -552,7 +565,7 @@ def _config_to_argv(parser, path):
     for key, value in config.items():
         action = actions.get(key)
         if action is None or key in ('config', 'help'):
-            parser.error(f'--config {path}: unknown option {key!r}')
+            parser.error(f'--config {path}: unknown option {key!r}{did_you_mean(key, actions)}')
         flag = action.option_strings[0]
         if value is None:
             continue
@@ -581,8 +594,8 @@ def _check_names(args):
             names = registry_names(option)
             if value not in names:
                 raise KilnError(
-                    f'unknown --{option} {value!r}; choose one of: {", ".join(sorted(names))} '
-                    f'(or register it in {REGISTRIES[option][2]})'
+                    f'unknown --{option} {value!r}{did_you_mean(value, names)}; choose one of: '
+                    f'{", ".join(sorted(names))} (or register it in {REGISTRIES[option][2]})'
                 )
 
 

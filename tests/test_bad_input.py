@@ -134,6 +134,20 @@ def test_unknown_name_lists_the_valid_ones_and_leaves_no_folder(data, tmp_path, 
         assert (checkpoints_dir / 'small_cnn_list_retry' / 'best.pth').is_file()
 
 
+@pytest.mark.parametrize(
+    'argv, suggestion',
+    [
+        (['--model_type', 'resnet'], '(did you mean resnet18?)'),
+        (['--data_type', 'shape'], '(did you mean shapes?)'),
+        (['--batchsize', '8'], '--batchsize 8 (did you mean --batch_size?)'),
+        (['--save_prefx', 'x'], '(did you mean --save_prefix?)'),
+    ],
+)
+def test_a_mistyped_name_or_flag_comes_with_the_one_meant(data, tmp_path, argv, suggestion):
+    assert_one_error_line(train(tmp_path / 'ck', data, *argv), suggestion)
+    assert leftovers(tmp_path / 'ck') == []
+
+
 # 2. missing list file ------------------------------------------------------------------------------
 
 
@@ -383,7 +397,7 @@ def test_existing_eval_results_are_not_touched(trained):
     [
         (None, None),  # no such file
         (b'epochs: [1\nlr: 0.1\n', None),  # malformed YAML
-        (b'epochz: 1\n', 'epochz'),  # unknown option
+        (b'epochz: 1\n', "'epochz' (did you mean epochs?)"),  # unknown option, and the one meant
         (b'- epochs\n- 1\n', None),  # not a mapping
         (b'\xff\xfe\x00epochs: 1\n', None),  # not text at all
     ],
