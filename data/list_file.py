@@ -8,7 +8,10 @@ ending in .csv are read as CSV instead (see read_list_file).
 """
 
 import codecs
+import contextlib
 import csv
+import functools
+import gc
 import os
 import re
 
@@ -44,9 +47,17 @@ def _decode(path, data):
     return data.decode('utf-8', 'surrogateescape')
 
 
+# a field of a line without quotes or comments: a run of non-space characters, or with tabs, what lies
+# between two tabs less the spaces around it
+PLAIN_FIELD = {False: re.compile(r'\S+'), True: re.compile(r'[^\t\s](?:[^\t]*[^\t\s])?')}
+
+
 def _split(line, tabs):
     """(fields, spans, quoted) of one line, its comment cut off; `spans` are the fields' (start, end)
     in the line. Fields end at tabs when `tabs`, else at any whitespace. ValueError on a bad quote."""
+    if '"' not in line and "'" not in line and '#' not in line:  # most lines: a regular expression is 5x faster
+        matches = list(PLAIN_FIELD[tabs].finditer(line))
+        return [match.group() for match in matches], [match.span() for match in matches], False
     fields, spans, quoted, i, n = [], [], False, 0, len(line)
     while True:
         while i < n and line[i].isspace():
@@ -97,6 +108,21 @@ def _csv_rows(lines):
     return rows
 
 
+@contextlib.contextmanager
+def collections_paused():
+    """Python's cyclic garbage collector off for a while: reading a list of a million images makes
+    millions of small lists and tuples, and the collections they set off (which free nothing) took
+    half the time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@collections_paused()
 def _entries(path, columns=None):
     """(line_number, fields, text) of each entry of a list file; `text` is the line from its first field
     to its last, comment and surrounding quotes cut off (None for CSV files). See read_list_file."""
@@ -130,6 +156,7 @@ def _entries(path, columns=None):
     return entries
 
 
+@collections_paused()
 def read_list_file(path, columns=None):
     """The entries of a list file as (line_number, fields) pairs, `fields` a list of strings.
 
@@ -141,6 +168,7 @@ def read_list_file(path, columns=None):
     return [(number, fields) for number, fields, _ in _entries(path, columns)]
 
 
+@collections_paused()
 def read_image_paths(path):
     """The image paths of a list file whose first field is an image (predict.py's --input), absolute;
     what follows it (a label, a mask, boxes) is ignored. A line whose whole text names an existing
@@ -163,4 +191,9 @@ def read_image_paths(path):
 
 def resolve_path(list_path, field):
     """The absolute path of a list file's `field`: `~` expanded, relative paths taken from the list file's folder."""
-    return os.path.join(os.path.dirname(os.path.abspath(list_path)), os.path.expanduser(field))
+    return os.path.join(_folder_of(list_path, os.getcwd()), os.path.expanduser(field) if field[:1] == '~' else field)
+
+
+@functools.lru_cache(maxsize=16)  # asked once per line: a list of a million images asked a million times
+def _folder_of(list_path, working_folder):
+    return os.path.dirname(os.path.abspath(list_path))  # `working_folder` keys the cache: abspath reads it

@@ -33,11 +33,6 @@ class InMemory:
     """Mixin for a dataset class: decode every sample once (on first use) into whole-dataset tensors,
     `tensors()`, which data/loader.py keeps on the training device; samples are then rows of them."""
 
-    def __init__(self, args, split):
-        root = getattr(args, 'data_root', None)
-        self.cache_folder = os.path.join(root, 'cache') if root else None
-        super().__init__(args, split)
-
     def tensors(self):
         """{'image': (N, 3, S, S) uint8, <target>: (N, ...)}: every sample, variable-length targets padded."""
         if getattr(self, '_tensors', None) is None:
@@ -80,27 +75,15 @@ class InMemory:
         return os.path.join(self.cache_folder or '', name)
 
     def cache_key(self):
-        """A digest of how images are decoded, of the list file (or folder) and of every file it names
-        (path, size, modification time)."""
-        digest = hashlib.sha256(f'{type(self).__name__} {self.size} {self.resize} {self.crop_pct}'.encode())
-        if self.from_folder:
-            digest.update(os.path.abspath(self.list_path).encode())
-        else:
-            with open(self.list_path, 'rb') as f:
-                digest.update(f.read())
-        for path, target, _ in self.samples:
-            for file in (path, target) if isinstance(target, str) else (path,):
-                stat = os.stat(file)
-                digest.update(f'{file} {stat.st_size} {stat.st_mtime_ns}'.encode())
-        return digest.hexdigest()
+        """A digest of how images are decoded and of the files (ListDataset.files_digest)."""
+        decoding = f'{type(self).__name__} {self.size} {self.resize} {self.crop_pct} {self.files_digest()}'
+        return hashlib.sha256(decoding.encode()).hexdigest()
 
     decode_crops = None  # decoded once: training crops are made on the device (data/augment.py)
 
     def check_files(self):
-        """Nothing to do before decoding: every file is decoded (and so checked) at the start."""
-        for path, _, number in self.samples:
-            if not os.path.isfile(path):
-                raise KilnError(f'{self.list_path}:{number}: image {path} does not exist')
+        """Only that every file exists: every file is decoded (and so checked) at the start."""
+        self.files_digest()
 
     def __getitem__(self, index):
         return {key: value[index] for key, value in self.tensors().items()}

@@ -306,6 +306,46 @@ def test_check_images(tmp_path):
     assert check_images([]) == []
 
 
+def test_images_that_passed_the_header_check_are_not_checked_again_until_they_change(tmp_path, monkeypatch):
+    """The header check costs about 60 us an image (over a minute for a million); a second run on the same,
+    unchanged files skips it, and any change to the list or a file brings it back."""
+    import argparse
+    import time
+
+    import data.list_dataset
+    from data.list_dataset import ListDataset
+
+    checked, real_check = [], data.list_dataset.check_images
+
+    def counting(paths):
+        checked.append(len(paths))
+        return real_check(paths)
+
+    monkeypatch.setattr(data.list_dataset, 'check_images', counting)
+    images = [save(Image.new('RGB', (8, 8), (i, 0, 0)), tmp_path / f'{i}.png') for i in range(3)]
+    listed = tmp_path / 'train.txt'
+    listed.write_text(''.join(f'{os.path.basename(image)} {i}\n' for i, image in enumerate(images)))
+    args = argparse.Namespace(train_list=str(listed), img_size=8, num_classes=None, data_root=str(tmp_path / 'root'))
+
+    ListDataset(args, 'train')
+    ListDataset(args, 'train')
+    assert checked == [3], 'unchanged images were checked again'
+    time.sleep(0.01)
+    truncated_bytes = open(images[1], 'rb').read()[:30]  # damaged after it passed: a new size and time
+    with open(images[1], 'wb') as f:
+        f.write(truncated_bytes)
+    with pytest.raises(KilnError, match='cannot read image .*1.png'):
+        ListDataset(args, 'train')
+    assert checked == [3, 3]
+    listed.write_text(f'{os.path.basename(images[0])} 0\n')  # another list: checked, once
+    ListDataset(args, 'train')
+    ListDataset(args, 'train')
+    assert checked == [3, 3, 1]
+    os.remove(images[0])
+    with pytest.raises(KilnError, match='train.txt:1: image .*0.png does not exist'):
+        ListDataset(args, 'train')
+
+
 # ---- list files ----------------------------------------------------------------------------------
 
 
