@@ -515,8 +515,9 @@ class Trainer:
         existing = [name for name in (BEST, LAST) if os.path.exists(self.folder(name))]
         if existing:
             lines.append(f'  checkpoints: {", ".join(self.folder(name) for name in existing)}')
-        if 'tensorboard' in o.loggers:
-            lines.append(f'  TensorBoard: tensorboard --logdir {o.checkpoints_dir}')
+        if 'tensorboard' in o.loggers:  # beside the other runs, or alone where a resume found it
+            beside = os.path.dirname(os.path.abspath(folder)) == os.path.abspath(o.checkpoints_dir)
+            lines.append(f'  TensorBoard: tensorboard --logdir {o.checkpoints_dir if beside else folder}')
         if BEST in existing:
             lines.append(f'  evaluate:    python eval.py --load_model_path {folder}/{BEST}')
         if LAST in existing:

@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -289,6 +290,12 @@ def test_resume_options(tiny_shapes, tmp_path):
     folder_only = run_script('train.py', '--resume', _folder(args), '--epochs', '4', '--no-progress_bar')
     assert folder_only.returncode == 0 and 'resuming' in folder_only.stdout, folder_only.stdout + folder_only.stderr
     assert _step(_load(os.path.join(_folder(args), 'last.pth'))) == 24 and 'epoch 4/4' in folder_only.stdout
+    assert f'tensorboard --logdir {tmp_path / "ck"}' in folder_only.stdout, folder_only.stdout
+    moved = tmp_path / 'moved'  # copied elsewhere (from a cluster, say): continued there, curves shown there
+    shutil.copytree(_folder(args), moved)
+    resumed_there = run_script('train.py', '--resume', moved, '--epochs', '5', '--no-progress_bar')
+    assert resumed_there.returncode == 0 and f'tensorboard --logdir {moved}\n' in resumed_there.stdout
+    assert _step(_load(os.path.join(moved, 'last.pth'))) == 30
     not_a_run = run_script('train.py', *args, '--resume', str(tmp_path))
     assert not_a_run.returncode == 2 and 'not an experiment folder' in not_a_run.stderr, not_a_run.stderr
 
