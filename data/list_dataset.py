@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from data.image_io import CROP_PCT, IMAGE_EXTENSIONS, check_images, decode_image
 from data.list_file import collections_paused, read_list_file, resolve_path
+from utils.checkpoint import atomic_write_bytes
 from utils.errors import KilnError
 
 
@@ -132,10 +133,15 @@ class ListDataset(Dataset):
         """Stop before training at the first listed file that is missing or not a readable image. The
         header check takes about 60 us an image, over a minute for a million: images that passed it
         before, unchanged since (the same list, sizes and modification times), are not checked again
-        (an empty file named by their `files_digest` in `<data_root>/cache/` says that they passed)."""
-        passed = self.cache_folder and os.path.join(self.cache_folder, f'checked_{self.files_digest()}')
-        if passed and os.path.isfile(passed):
-            return
+        (`<data_root>/cache/checked_<list>_<hash of its path>` keeps the `files_digest` that passed)."""
+        digest, passed = self.files_digest(), self.cache_file('checked', '.txt')
+        if passed:
+            try:
+                with open(passed) as f:
+                    if f.read() == digest:
+                        return
+            except (OSError, ValueError):  # none yet, or unreadable: check them
+                pass
         for index, path, reason in check_images([path for path, _, _ in self.samples])[:1]:
             raise KilnError(
                 f'cannot read image {path} ({self.list_path}:{self.samples[index][2]}): {reason}; '
@@ -144,7 +150,16 @@ class ListDataset(Dataset):
         if passed:
             with contextlib.suppress(OSError):  # a read-only disk: they are checked again next time
                 os.makedirs(self.cache_folder, exist_ok=True)
-                open(passed, 'wb').close()
+                atomic_write_bytes(digest.encode(), passed)
+
+    def cache_file(self, kind, suffix):
+        """`<data_root>/cache/<kind>_<list name>_<hash of the list's path><suffix>`: one file per list and
+        kind, so the cache does not grow as lists change (None without a data root)."""
+        if not self.cache_folder:
+            return None
+        stem = os.path.splitext(os.path.basename(os.path.normpath(self.list_path)))[0]
+        where = hashlib.sha256(os.fsencode(os.path.abspath(self.list_path))).hexdigest()[:12]
+        return os.path.join(self.cache_folder, f'{kind}_{stem}_{where}{suffix}')
 
     def files_digest(self):
         """A digest of the list file (its bytes; a folder: its path) and of every file it names (path,
@@ -152,7 +167,7 @@ class ListDataset(Dataset):
         if self._files_digest is None:
             digest = hashlib.sha256()
             if self.from_folder:
-                digest.update(os.path.abspath(self.list_path).encode())
+                digest.update(os.fsencode(os.path.abspath(self.list_path)))
             else:
                 with open(self.list_path, 'rb') as f:
                     digest.update(f.read())
@@ -165,7 +180,7 @@ class ListDataset(Dataset):
                     if stat is None or not S_ISREG(stat.st_mode):
                         kind = 'image' if file == path else 'file'
                         raise KilnError(f'{self.list_path}:{number}: {kind} {file} does not exist')
-                    digest.update(f'{file} {stat.st_size} {stat.st_mtime_ns}'.encode())
+                    digest.update(os.fsencode(file) + f' {stat.st_size} {stat.st_mtime_ns}'.encode())
             self._files_digest = digest.hexdigest()
         return self._files_digest
 

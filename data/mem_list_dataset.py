@@ -69,10 +69,7 @@ class InMemory:
         return saved['tensors'] if saved.get('key') == self.cache_key() else None
 
     def cache_path(self):
-        stem = os.path.splitext(os.path.basename(self.list_path))[0]
-        where = hashlib.sha256(os.path.abspath(self.list_path).encode()).hexdigest()[:12]
-        name = f'{type(self).__name__}_{stem}_{where}_{self.size}_{self.resize}.pt'
-        return os.path.join(self.cache_folder or '', name)
+        return self.cache_file(type(self).__name__, f'_{self.size}_{self.resize}.pt')
 
     def cache_key(self):
         """A digest of how images are decoded and of the files (ListDataset.files_digest)."""

@@ -1,8 +1,10 @@
 """Shared fixtures: the repo root on sys.path, tiny generated datasets, and a script runner."""
 
 import contextlib
+import hashlib
 import io
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -68,6 +70,26 @@ def run_in_process(script, *args):
         sys.argv = saved_argv
         os.chdir(saved_cwd)
     return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+@pytest.fixture(scope='session', autouse=True)
+def no_cache_left_for_temporary_lists(tmp_path_factory):
+    """data/generated/cache keeps a file per list that runs read (decoded images, passed header checks),
+    named by a hash of the list's path. The suite's lists live in its temporary folders: at the end,
+    their cache files go too, so that the suite leaves the working tree as it found it."""
+    yield
+    cache = os.path.join(REPO, 'data', 'generated', 'cache')
+    if not os.path.isdir(cache):
+        return
+    temporary = set()
+    for folder, folders, files in os.walk(tmp_path_factory.getbasetemp()):
+        for name in folders + files:
+            temporary.add(hashlib.sha256(os.fsencode(os.path.join(folder, name))).hexdigest()[:12])
+    for name in os.listdir(cache):
+        match = re.search(r'_([0-9a-f]{12})[_.]', name)
+        if match and match.group(1) in temporary:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(cache, name))
 
 
 @pytest.fixture(scope='session')
