@@ -347,6 +347,28 @@ def test_images_that_passed_the_header_check_are_not_checked_again_until_they_ch
         ListDataset(args, 'train')
 
 
+def test_an_image_name_that_is_not_utf8_is_read_and_cached(tmp_path):
+    """A Latin-1 file name in a list (bytes that are no UTF-8): listed, checked, decoded and cached (the
+    cache's digest hashed such a name as text and failed with UnicodeEncodeError)."""
+    import argparse
+
+    from data.list_dataset import ListDataset
+    from data.mem_list_dataset import MemListDataset
+
+    image = os.fsencode(tmp_path) + b'/caf\xe9.png'
+    try:
+        save(Image.new('RGB', (8, 8), (200, 10, 10)), os.fsdecode(image))
+    except OSError:
+        pytest.skip('this file system takes UTF-8 file names only')
+    (tmp_path / 'train.txt').write_bytes(b'caf\xe9.png 0\n')
+    args = argparse.Namespace(
+        train_list=str(tmp_path / 'train.txt'), img_size=8, num_classes=None, data_root=str(tmp_path / 'root')
+    )
+    assert ListDataset(args, 'train')[0]['image'][0].float().mean() > 150
+    for _ in range(2):  # decoded, then from the cache
+        assert MemListDataset(args, 'train').tensors()['image'][0, 0].float().mean() > 150
+
+
 # ---- list files ----------------------------------------------------------------------------------
 
 
