@@ -94,7 +94,7 @@ class KilnArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         if message.startswith('unrecognized arguments:'):
-            flags = [action for action in self._actions for action in action.option_strings]
+            flags = [flag for action in self._actions for flag in action.option_strings]
             unknown = next((token for token in message.split()[2:] if token.startswith('--')), '')
             message += did_you_mean(unknown.split('=')[0], flags)
         self.exit(2, f'error: {message} (see --help)\n')

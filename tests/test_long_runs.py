@@ -296,6 +296,12 @@ def test_resume_options(tiny_shapes, tmp_path):
     resumed_there = run_script('train.py', '--resume', moved, '--epochs', '5', '--no-progress_bar')
     assert resumed_there.returncode == 0 and f'tensorboard --logdir {moved}\n' in resumed_there.stdout
     assert _step(_load(os.path.join(moved, 'last.pth'))) == 30
+    unstarted = tmp_path / 'unstarted'  # killed before its first checkpoint: its own options start it
+    unstarted.mkdir()
+    shutil.copy(os.path.join(_folder(args), 'args.yaml'), unstarted)
+    started = run_script('train.py', '--resume', unstarted, '--epochs', '1', '--no-progress_bar')
+    assert started.returncode == 0 and 'holds no checkpoint yet' in started.stdout, started.stdout + started.stderr
+    assert _step(_load(os.path.join(unstarted, 'last.pth'))) == 6  # the tiny list's 6 steps, not the shapes'
     not_a_run = run_script('train.py', *args, '--resume', str(tmp_path))
     assert not_a_run.returncode == 2 and 'not an experiment folder' in not_a_run.stderr, not_a_run.stderr
 

@@ -142,8 +142,9 @@ def open_experiment(argv, args):
     before any file is touched. With nothing to continue yet, --resume starts the run in that folder.
     """
     folder = experiment_folder(args)
-    named = args.resume and args.resume != 'last' and args.resume  # a checkpoint file, or a folder
-    if named and os.path.isdir(named):  # an experiment folder: its newest trustworthy checkpoint
+    named = args.resume if args.resume and args.resume != 'last' else None  # a checkpoint file, or a folder
+    named_folder = named and os.path.isdir(named)
+    if named_folder:  # an experiment folder: its options and newest trustworthy checkpoint
         if not os.path.isfile(os.path.join(named, ARGS_YAML)):
             raise KilnError(
                 f'--resume {named}: not an experiment folder (it has no {ARGS_YAML}); give the folder a '
@@ -170,7 +171,7 @@ def open_experiment(argv, args):
             f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint inside its '
             f'experiment folder (to start a new run from its weights, use --load_model_path)'
         )
-    if resume_from:
+    if resume_from or named_folder:  # a folder named alone has its options, even before its first checkpoint
         merged = parse_args(parse_train_args, argv, base_config=saved)
         _refuse_changes(parse_args(parse_train_args, [], base_config=saved), merged, folder)
         args = resolve(merged)
