@@ -327,8 +327,10 @@ def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, t
         def call(tensor, *a, **k):
             caller = sys._getframe(1).f_code.co_filename
             training_thread = threading.current_thread() is threading.main_thread()  # not the writer's host work
-            if iterations and training_thread and caller.startswith(REPO) and '/tests/' not in caller:
-                iterations[-1][2].append(f'{name} in {os.path.relpath(caller, REPO)}:{sys._getframe(1).f_lineno}')
+            where = os.path.relpath(caller, REPO)  # Kiln's own files: not ../venv/.../torch, not the tests
+            in_kiln = os.path.isabs(caller) and not where.startswith(('..', 'tests' + os.sep))
+            if iterations and training_thread and in_kiln:
+                iterations[-1][2].append(f'{name} in {where}:{sys._getframe(1).f_lineno}')
             return originals[name](tensor, *a, **k)
 
         return call
