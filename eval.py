@@ -112,7 +112,7 @@ class Evaluator:
             class_names=self.task.class_names,
             keep_rows=True,
             picture_batches=range(0, len(self.data), o.viz_freq) if o.save_viz else (),
-            progress_bar=o.progress_bar and is_main_process(),
+            progress_bar=o.progress_bar if is_main_process() else False,
             description='eval',
         )
         if is_main_process():

@@ -268,7 +268,11 @@ def parse_common_args(parser):
         help='with --compile: reduce-overhead uses CUDA graphs (small models on a GPU), '
         'max-autotune searches kernels longer for big ones',
     )
-    parser.add_argument('--progress_bar', action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        '--progress_bar',
+        action=argparse.BooleanOptionalAction,
+        help="default: where stderr is a terminal or PyCharm's console, not in log files",
+    )
     parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
     return parser
 

@@ -345,7 +345,8 @@ def compare_runs(runs, name, base, trained):
         newest, prefix = tables.format(prefix), next(prefixes)
     if not trained and newest and os.path.isfile(os.path.join(newest, 'comparison.txt')):
         return os.path.join(newest, 'comparison.txt')  # nothing new to compare
-    device = (['--cpu'] if base.cpu else []) + ([] if base.progress_bar else ['--no-progress_bar'])  # as training
+    quiet = ['--no-progress_bar'] if base.progress_bar is False else []  # as training
+    device = (['--cpu'] if base.cpu else []) + quiet
     device += (['--gpus', *map(str, base.gpus)] if base.gpus else []) + (
         [] if base.num_workers is None else ['--num_workers', str(base.num_workers)]
     )

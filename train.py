@@ -316,7 +316,7 @@ class Trainer:
                 epoch, epoch_batches = position.epoch, len(self.train_data)
                 for batch in progress(
                     self.train_data.epoch(epoch, start=position.batch),
-                    o.progress_bar and is_main_process(),
+                    o.progress_bar if is_main_process() else False,
                     f'epoch {epoch + 1}',
                     total=epoch_batches - position.batch,
                 ):
@@ -402,7 +402,7 @@ class Trainer:
             self.task,
             self.setup.autocast,
             picture_batches={0} if pictures else (),
-            progress_bar=o.progress_bar and is_main_process(),
+            progress_bar=o.progress_bar if is_main_process() else False,
         )
         if pictures:
             self.pictured_at = time.perf_counter()

@@ -86,6 +86,7 @@ def bench_training(options, scratch, quiet):
         options.model_type,
         '--print_freq',
         '20',
+        '--progress_bar',  # drawn (into /dev/null), as in a terminal: its cost is part of the defaults'
         *(['--cpu'] if options.device == 'cpu' else []),
         *options.extra,
     ]

@@ -189,3 +189,22 @@ def test_scripts_train_then_eval_on_the_default_dataset(tmp_path):
     # one epoch on 6000 images already beats chance (1/6) by far
     accuracy = float(result.split('acc: ')[1].split()[0])
     assert accuracy > 0.3
+
+
+def test_the_progress_bar_shows_where_stderr_is_read_live_not_in_log_files(tiny_shapes, tmp_path, monkeypatch):
+    """Without --progress_bar, a bar is drawn only where stderr is a terminal or PyCharm's console: a
+    log file (here, captured stderr) would keep every redraw. --progress_bar forces it, --no-progress_bar
+    stops it."""
+    args = [arg for arg in tiny_run_args(tiny_shapes, tmp_path / 'ck') if arg != '--no-progress_bar']
+    args += ['--epochs', '1', '--loggers', 'csv']
+
+    def bar_drawn(*extra, prefix):
+        result = run_script('train.py', *args, *extra, '--save_prefix', prefix)
+        assert result.returncode == 0, result.stderr
+        return 'batch/s' in result.stderr
+
+    assert not bar_drawn(prefix='log_file')
+    assert bar_drawn('--progress_bar', prefix='forced')
+    assert not bar_drawn('--no-progress_bar', prefix='stopped')
+    monkeypatch.setenv('PYCHARM_HOSTED', '1')
+    assert bar_drawn(prefix='pycharm')
