@@ -244,6 +244,7 @@ def test_nonfinite_loss_is_named_exactly_without_syncing_each_step(tiny_shapes, 
     monkeypatch.setattr(ClassifyTask, 'loss', nan_at_step_five)
     run = train.start(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--print_freq', '4', '--epochs', '3'])
     stop = run.train()
+    run.logger.close()
     assert stop.reason == StopReason.NONFINITE and stop.message == 'non-finite loss at step 5'
     # noticed at the next check point (the end-of-epoch save at step 6, before print step 8),
     # which then saves nothing: the first save would have been that one

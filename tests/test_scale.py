@@ -280,6 +280,7 @@ def test_clipping_bounds_the_update(tiny_shapes, tmp_path):
     )
     before = [p.detach().clone() for p in run.setup.model.parameters()]
     run.train()
+    run.logger.close()
     change = torch.cat([(p.detach() - b).flatten() for p, b in zip(run.setup.model.parameters(), before)])
     assert 0 < change.norm() <= 0.001 * 1.0001  # lr 1 x clipped gradient norm
 
@@ -339,6 +340,7 @@ def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, t
         monkeypatch.setattr(torch.Tensor, name, counted(name))
     run.train()
     monkeypatch.undo()
+    run.logger.close()  # its writer thread done: no file or import of this run in the next test's
 
     training = [(step, calls) for is_training, step, calls in iterations if is_training]
     assert len(training) == 12  # 2 epochs of 6 batches
@@ -376,6 +378,7 @@ def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, da
         run.train()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+        run.logger.close()
 
 
 def test_tensorboard_is_imported_only_when_logging_is_on(tiny_shapes, tmp_path, monkeypatch):
