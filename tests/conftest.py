@@ -6,6 +6,7 @@ import io
 import os
 import re
 import runpy
+import signal
 import subprocess
 import sys
 import traceback
@@ -54,6 +55,7 @@ def run_in_process(script, *args):
     """`python <script> <args>` in this process: its exit code, stdout and stderr as a CompletedProcess."""
     stdout, stderr = io.StringIO(), io.StringIO()
     saved_argv, saved_cwd, code = sys.argv, os.getcwd(), 0
+    saved_interrupt = signal.getsignal(signal.SIGINT)  # the script's own (utils.errors.quiet_interrupts) is for it
     sys.argv = [script, *args]
     os.chdir(REPO)
     try:
@@ -69,6 +71,7 @@ def run_in_process(script, *args):
     finally:
         sys.argv = saved_argv
         os.chdir(saved_cwd)
+        signal.signal(signal.SIGINT, saved_interrupt)
     return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(), stderr.getvalue())
 
 

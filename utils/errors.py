@@ -38,6 +38,7 @@ def _interrupted():
 
 
 INTERRUPTED = []  # the Ctrl-Cs quiet_interrupts saw
+RUNNING = []  # the entry points run_cli is running now (none while modules load)
 
 
 def quiet_interrupts():
@@ -54,6 +55,8 @@ def quiet_interrupts():
 
     def on_interrupt(signum, frame):
         INTERRUPTED.append(signum)
+        if not RUNNING:  # modules are loading: nothing to undo, and an exception raised in Python code
+            _interrupted()  # that a C++ extension called (torch's start-up) can abort the process instead
         raise KeyboardInterrupt
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
@@ -74,6 +77,14 @@ def run_cli(main, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if INTERRUPTED:  # a Ctrl-C while modules loaded, swallowed on its way
         _interrupted()
+    RUNNING.append(main)
+    try:
+        return _run_reporting_errors(main, argv)
+    finally:
+        RUNNING.pop()
+
+
+def _run_reporting_errors(main, argv):
     if '--debug' in argv:
         return main(argv)
     try:
