@@ -122,7 +122,6 @@ def collections_paused():
             gc.enable()
 
 
-@collections_paused()
 def _entries(path, columns=None):
     """(line_number, fields, text) of each entry of a list file; `text` is the line from its first field
     to its last, comment and surrounding quotes cut off (None for CSV files). See read_list_file."""
