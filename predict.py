@@ -22,7 +22,7 @@ import sys
 import torch
 
 from data.augment import BatchTransform
-from data.image_io import IMAGE_EXTENSIONS, decode_image
+from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images
 from data.list_file import read_image_paths
 from eval import load_for_inference
 from options import given_options, prefix_map
@@ -34,15 +34,10 @@ from utils.run_folder import checkpoint_path, create_run_folder, discard_folder_
 
 
 def images_to_predict(source):
-    """Image paths from a folder (its image files, sorted, subfolders included), one image file, or a
+    """Image paths from a folder (its image files, sorted, subfolders and links included), one image file, or a
     list file (the first field of each entry; labels, masks or boxes after it are ignored)."""
     if os.path.isdir(source):
-        paths = sorted(
-            os.path.join(folder, name)
-            for folder, _, names in os.walk(source)
-            for name in names
-            if name.lower().endswith(IMAGE_EXTENSIONS)
-        )
+        paths = find_images(source)
     elif os.path.isfile(source) and source.lower().endswith(IMAGE_EXTENSIONS):
         paths = [source]
     elif os.path.isfile(source):

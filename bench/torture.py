@@ -1,4 +1,4 @@
-"""A long fault-injection run, outside the test suite: `python bench/torture.py --trials 50`.
+"""A long fault-injection run, outside the test suite: `python bench/torture.py --trials 50 [--device cuda]`.
 
 Each trial picks a mode (epochs with 2 DataLoader workers, iteration mode with mid-run validation,
 gradient accumulation, in-memory data), starts a run that saves every step, SIGKILLs it right after
@@ -32,7 +32,8 @@ MODES = {
 }
 
 
-def base_args(data, folder):
+def base_args(data, folder, device='cpu'):
+    """train.py's options of every trial and reference run: tiny, saving every step, deterministic."""
     return [
         '--data_type',
         'list',
@@ -47,7 +48,7 @@ def base_args(data, folder):
         '--no-progress_bar',
         '--num_workers',
         '0',
-        '--cpu',
+        *(['--cpu'] if device == 'cpu' else []),
         '--deterministic',
         '--save_interval',
         '1',
@@ -112,6 +113,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--trials', type=int, default=50)
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--device', choices=['cpu', 'cuda'], default='cpu', help='where the runs train')
     options = parser.parse_args()
     chooser = random.Random(options.seed)
     counts = dict(
@@ -124,13 +126,13 @@ def main():
         references, steps = {}, {}
         for mode, extra in MODES.items():
             folder = os.path.join(scratch, f'reference_{mode}')
-            assert train(base_args(data, folder) + extra) == 0, mode
+            assert train(base_args(data, folder, options.device) + extra) == 0, mode
             references[mode] = final_state(folder)
             steps[mode] = references[mode][2]['step']
         for trial in range(options.trials):
             counts['trials'] += 1
             mode = chooser.choice(list(MODES))
-            args = base_args(data, os.path.join(scratch, f'trial{trial}')) + MODES[mode]
+            args = base_args(data, os.path.join(scratch, f'trial{trial}'), options.device) + MODES[mode]
             killed = train(args, kill_at=chooser.randrange(1, steps[mode]), delay=chooser.choice([0, 0, 0.05, 0.2]))
             counts['kills'] += killed == -signal.SIGKILL
             folder = args[args.index('--checkpoints_dir') + 1]

@@ -7,6 +7,7 @@ pixel values it cannot map to 0..255 rather than guessing.
 
 import io
 import math
+import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,7 +76,30 @@ def to_rgb(image):
     return image.convert('RGB')
 
 
-IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.gif', '.tif', '.tiff', '.webp')  # what folders are searched for
+# what folders are searched for
+IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.jfif', '.bmp', '.gif', '.tif', '.tiff', '.webp')
+
+
+def find_images(folder):
+    """The image files below `folder` (any depth, symbolic links followed, each folder once), sorted;
+    hidden files (.DS_Store, ._photo.jpg) left out."""
+    found, seen = [], {os.path.realpath(folder)}
+    for root, folders, files in os.walk(folder, followlinks=True):
+        here, kept = os.path.realpath(root), []
+        for name in folders:  # a link to a folder read already, or to one above, would read images twice or forever
+            target = os.path.realpath(os.path.join(root, name))
+            if target not in seen and os.path.commonpath([target, here]) != target:
+                seen.add(target)
+                kept.append(name)
+        folders[:] = kept
+        found += [
+            os.path.join(root, name)
+            for name in files
+            if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith('.')
+        ]
+    return sorted(found)
+
+
 CROP_PCT = 0.875  # --resize crop: the centred square is this share of the shorter side (ImageNet's 224 of 256)
 ORIENTATION = 0x0112  # the EXIF tag
 
@@ -138,17 +162,19 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
         with open(path, 'rb') as f:
             data = f.read()
         with Image.open(io.BytesIO(data)) as image:
+            fast_jpeg = image.format == 'JPEG' and image.mode in ('RGB', 'L') and simplejpeg is not None
+            pixels = None if fast_jpeg else torch.from_numpy(np.array(to_rgb(image)))
+            # read after the pixels: Pillow turns some formats (TIFF) upright as it loads them, and drops the tag
             orientation = image.getexif().get(ORIENTATION, 1)
             transposed = orientation in (5, 6, 7, 8)
-            width, height = image.size[::-1] if transposed else image.size  # as shown upright
+            stored = image.size if pixels is None else (pixels.shape[1], pixels.shape[0])
+            width, height = stored[::-1] if transposed else stored  # as shown upright
             if crop is not None:
                 box = tuple(crop.draw_boxes(torch.tensor([width]), torch.tensor([height]))[0].tolist())
             else:
                 box = image_box(width, height, resize, crop_pct)
-            if image.format == 'JPEG' and image.mode in ('RGB', 'L') and simplejpeg is not None:
+            if pixels is None:
                 pixels = torch.from_numpy(_jpeg_pixels(data, box, size, width, height, transposed))
-            else:
-                pixels = torch.from_numpy(np.array(to_rgb(image)))
     except IMAGE_ERRORS as error:
         reason = ' '.join(str(error).split()) or type(error).__name__
         raise KilnError(f'cannot read image {path}{where}: {reason}; fix or remove it from the list') from None

@@ -16,7 +16,7 @@ from stat import S_ISREG
 import torch
 from torch.utils.data import Dataset
 
-from data.image_io import CROP_PCT, IMAGE_EXTENSIONS, check_images, decode_image
+from data.image_io import CROP_PCT, IMAGE_EXTENSIONS, check_images, decode_image, find_images
 from data.list_file import collections_paused, read_list_file, resolve_path
 from utils.checkpoint import atomic_write_bytes
 from utils.errors import KilnError
@@ -33,12 +33,7 @@ def read_class_folders(folder):
         raise KilnError(f'{folder} holds no class folders; put the images of each class in a folder of its own')
     samples = []
     for label, name in enumerate(names):
-        found = sorted(
-            os.path.join(root, file)
-            for root, _, files in os.walk(os.path.join(folder, name))
-            for file in files
-            if file.lower().endswith(IMAGE_EXTENSIONS) and not file.startswith('.')
-        )
+        found = find_images(os.path.join(folder, name))
         if not found:
             raise KilnError(
                 f'{os.path.join(folder, name)} holds no images ({", ".join(IMAGE_EXTENSIONS)}); add some or '
@@ -49,11 +44,19 @@ def read_class_folders(folder):
 
 
 def check_classes(dataset, class_names, source):
-    """A KilnError naming the first class that `dataset` (a folder of classes) lacks, holds in addition,
-    or orders differently than `class_names` (those of `source`: the training data or the checkpoint)."""
+    """A KilnError when `dataset` names its classes (class folders, or a list's classes.txt) otherwise
+    than `class_names` (those of `source`: the training data or the checkpoint): for a folder, the first
+    class it lacks, holds in addition or orders differently. Labels are positions in the names, so
+    any difference would mix classes up without a word."""
     found = getattr(dataset, 'class_names', None)
-    if not getattr(dataset, 'from_folder', False) or not class_names or found == list(class_names):
+    unnamed = [str(label) for label in range(len(class_names or ()))]  # what a run without names saves
+    if not found or not class_names or found == list(class_names) or list(class_names) == unnamed:
         return
+    if not getattr(dataset, 'from_folder', False):
+        raise KilnError(
+            f'{dataset.list_path}: its classes.txt names the classes {", ".join(found)}, {source} has '
+            f'{", ".join(class_names)}; labels are positions in that list, so give it the same classes.txt'
+        )
     missing = [name for name in class_names if name not in found]
     extra = [name for name in found if name not in class_names]
     if missing:

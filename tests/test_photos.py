@@ -83,6 +83,35 @@ def test_class_folders_train_evaluate_and_predict_without_a_list(photos, tmp_pat
     assert names <= set(CLASSES)
 
 
+def test_linked_folders_are_followed_once_by_training_and_predict(photos, tmp_path):
+    """Class folders and subfolders that are symbolic links count (they were skipped without a word), a
+    link back up the tree is read once, hidden files are left out and .jfif is a JPEG."""
+    from data.image_io import find_images
+    from data.list_dataset import read_class_folders
+
+    source = os.path.join(photos, 'val')
+    val = tmp_path / 'val'
+    (val / 'cat').mkdir(parents=True)
+    first_cat = sorted(os.listdir(os.path.join(source, 'cat')))[0]
+    shutil.copy(os.path.join(source, 'cat', first_cat), val / 'cat' / 'own.jfif')
+    os.symlink(os.path.join(source, 'cat'), val / 'cat' / 'more')  # a linked subfolder
+    os.symlink(val, val / 'cat' / 'loop')  # a link back up the tree
+    (val / 'cat' / '._own.jpg').write_bytes(b'macOS metadata, not an image')
+    for name in [name for name in CLASSES if name != 'cat']:
+        os.symlink(os.path.join(source, name), val / name)  # linked class folders
+    samples, names = read_class_folders(str(val))
+    assert names == CLASSES
+    counts = {name: sum(label == names.index(name) for _, label, _ in samples) for name in CLASSES}
+    assert counts == {name: 5 if name == 'cat' else 4 for name in CLASSES}, counts
+    assert len(find_images(str(val))) == 6 * 4 + 1
+
+    result = run_script('train.py', *_args(photos, tmp_path / 'ck', '--epochs', '1'))
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / 'ck' / 'small_cnn_photos_default'
+    result = run_script('predict.py', '--load_model_path', folder, '--input', val, '--cpu', '--no-progress_bar')
+    assert result.returncode == 0 and '25 images predicted' in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize('damage', ['missing', 'empty', 'extra'])
 def test_a_validation_folder_whose_classes_differ_is_one_line(photos, tmp_path, damage):
     val = tmp_path / 'val'
@@ -158,8 +187,10 @@ def test_the_fast_decoder_gives_what_pillow_gives(photos, resize):
     assert 10 < reduced_count < len(paths) - 10  # both cases are tested
 
 
+@pytest.mark.parametrize('suffix', ['jpg', 'png', 'webp', 'tif'])
 @pytest.mark.parametrize('orientation', range(1, 9))
-def test_every_exif_orientation_comes_out_upright(tmp_path, orientation):
+def test_every_exif_orientation_comes_out_upright(tmp_path, orientation, suffix):
+    """Once upright, in every format (Pillow turns TIFFs upright itself as it loads them)."""
     from data.image_io import decode_image
 
     upright = np.zeros((24, 40, 3), np.uint8)
@@ -179,7 +210,7 @@ def test_every_exif_orientation_comes_out_upright(tmp_path, orientation):
         stored = stored.transpose(getattr(Image.Transpose, inverse[orientation]))
     exif = Image.Exif()
     exif[0x0112] = orientation
-    path = tmp_path / f'o{orientation}.jpg'
+    path = tmp_path / f'o{orientation}.{suffix}'
     stored.save(path, quality=95, exif=exif.tobytes())
     with Image.open(path) as reopened:
         assert ImageOps.exif_transpose(reopened).size == (40, 24)  # Pillow agrees on what upright is

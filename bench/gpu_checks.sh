@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# What only a machine with an NVIDIA GPU can check, in three stages of under 10 minutes each (one H100,
+# 16 cores): `bash bench/gpu_checks.sh suite|correctness|speed [LOG_FOLDER]`. Every command's output
+# goes to LOG_FOLDER/<stage>.log (default checkpoints/gpu_checks); a summary of the figures is printed.
+#   suite        the README's test suite on 8 workers
+#   correctness  SIGKILL-and-resume on CUDA (bitwise), --amp bf16/fp16 against fp32 on the default job,
+#                every --compile_mode, eval.py and predict.py from a GPU checkpoint on the GPU and on
+#                the CPU, and torchrun asking for more processes than GPUs (one line)
+#   speed        bench_overhead.py on CUDA (linear, small_cnn), the default job with and without
+#                --compile_mode reduce-overhead (alternating rounds) and a --profile trace
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:?say which stage: suite, correctness or speed}
+logs=${2:-checkpoints/gpu_checks}
+mkdir -p "$logs"
+log="$logs/$stage.log"
+scratch=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+
+say() { echo "== $*" | tee -a "$log"; }
+run() { say "$*"; "$@" >>"$log" 2>&1; local code=$?; say "exit $code"; return $code; }
+last_speed() { grep -o '[0-9]* img/s' "$log" | tail -1; }
+best() { grep -o 'best val/[a-z0-9]* [0-9.]*' "$log" | tail -1; }
+
+python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$log"
+case $stage in
+suite)
+    run python3 -m pytest tests -n 8 -q -p no:cacheprovider
+    tail -3 "$log"
+    ;;
+correctness)
+    run python3 bench/torture.py --device cuda --trials 6 --seed 1 && grep '^torture' "$log"
+    for amp in off bf16 fp16; do
+        run python3 train.py --amp "$amp" --no-progress_bar --checkpoints_dir "$scratch" --save_prefix "amp_$amp"
+        echo "amp $amp: $(best), $(last_speed)"
+    done
+    for mode in default reduce-overhead max-autotune; do
+        run python3 train.py --compile --compile_mode "$mode" --epochs 2 --no-progress_bar \
+            --checkpoints_dir "$scratch" --save_prefix "compile_$mode"
+        echo "compile $mode: $(best), $(last_speed)"
+        run python3 eval.py --load_model_path "$scratch/small_cnn_shapes_compile_$mode/best.pth" --no-progress_bar
+    done
+    checkpoint="$scratch/small_cnn_shapes_amp_off/best.pth"
+    for device in '' --cpu; do
+        run python3 eval.py --load_model_path "$checkpoint" --no-progress_bar --save_prefix "gpu${device}" $device
+        run python3 predict.py --load_model_path "$checkpoint" --input data/generated/shapes/images/val \
+            --no-progress_bar --save_prefix "gpu${device}" $device
+    done
+    say 'torchrun, 2 processes on 1 GPU: expect one line and a non-zero exit'
+    python3 -m utils.torchrun --standalone --nproc-per-node=2 train.py --max_iteration 2 \
+        --checkpoints_dir "$scratch" --save_prefix too_many 2>&1 | tail -3 | tee -a "$log"
+    grep -c '^== exit 0' "$log" | xargs echo 'commands that exited 0:'
+    grep '^== exit [1-9]' "$log" || true
+    ;;
+speed)
+    run python3 bench/bench_overhead.py --device cuda --model_type linear --repeats 9
+    run python3 bench/bench_overhead.py --device cuda --repeats 5
+    for round in 1 2 3; do
+        for mode in default reduce-overhead; do
+            compile=$([ "$mode" = default ] && echo '' || echo "--compile --compile_mode $mode")
+            run python3 train.py $compile --no-progress_bar --checkpoints_dir "$scratch" --save_prefix "job_${mode}_$round"
+            echo "default job ($mode) round $round: $(best), $(last_speed), $(grep -o 'done after [0-9]*s' "$log" | tail -1)"
+        done
+    done
+    run python3 train.py --profile --max_iteration 20 --no-progress_bar --checkpoints_dir "$logs" --save_prefix profile
+    grep -E '^(training|per epoch|checkpoint|time to first|evaluation):' "$log"
+    ;;
+*)
+    echo "unknown stage $stage: suite, correctness or speed" >&2
+    exit 2
+    ;;
+esac
+rm -rf "$scratch"
