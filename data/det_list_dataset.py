@@ -2,7 +2,8 @@
 
     images/00001.png 12,8,30,26,2 40.5,33,58,50,0
 
-each box `x1,y1,x2,y2,class` in pixels of the image as stored (x2, y2 exclusive), classes indexing
+each box `x1,y1,x2,y2,class` in pixels of the image as shown (turned upright by its EXIF orientation,
+as image viewers and labelling tools show it; x2, y2 exclusive), classes indexing
 `classes.txt` beside the list; a path alone is an image without objects. Paths, comments, quotes
 and encodings as for every list file (data/list_file.py).
 """
@@ -17,7 +18,9 @@ from utils.errors import KilnError
 class DetListDataset(ListDataset):
     """Images with any number of boxes; crops and flips move the boxes with the pixels.
     A sample is {'image': uint8 (3, S, S), 'boxes': float32 (k, 4) xyxy pixels at size S,
-    'box_labels': int64 (k,)}; batches pad the boxes (labels -1), see data/loader.py."""
+    'box_labels': int64 (k,), 'region': float32 (4,)}, the region being the part (x0, y0, x1, y1) of
+    the image that became the S x S picture (so eval.py and predict.py write boxes in the image's own
+    pixels); batches pad the boxes (labels -1), see data/loader.py."""
 
     targets = ('boxes', 'box_labels')
     augment = ('crop',)
@@ -33,9 +36,12 @@ class DetListDataset(ListDataset):
             except ValueError:
                 box, label = None, -1
             if box is None or label < 0 or not (box[2] > box[0] and box[3] > box[1]):
+                spaces = (
+                    ' (a path with spaces must be quoted: "my images/a.png" 1,2,30,40,0)' if ',' not in field else ''
+                )
                 raise KilnError(
                     f'{self.list_path}:{number}: expected boxes as "x1,y1,x2,y2,class" with x2 > x1, '
-                    f'y2 > y1 and a class >= 0, got {field!r}'
+                    f'y2 > y1 and a class >= 0, got {field!r}{spaces}'
                 )
             boxes.append(box)
             labels.append(label)
@@ -63,4 +69,5 @@ class DetListDataset(ListDataset):
         boxes = ((torch.from_numpy(boxes) - torch.tensor([x0, y0, x0, y0])) * scale).clamp(0, self.size)
         labels = torch.from_numpy(labels)
         kept = (boxes[:, 2] - boxes[:, 0] >= 1) & (boxes[:, 3] - boxes[:, 1] >= 1)  # a box cropped away is dropped
-        return {'image': image, 'boxes': boxes[kept], 'box_labels': labels[kept]}
+        region = torch.tensor([x0, y0, x1, y1], dtype=torch.float32)
+        return {'image': image, 'boxes': boxes[kept], 'box_labels': labels[kept], 'region': region}

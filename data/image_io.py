@@ -176,8 +176,7 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
             if pixels is None:
                 pixels = torch.from_numpy(_jpeg_pixels(data, box, size, width, height, transposed))
     except IMAGE_ERRORS as error:
-        reason = ' '.join(str(error).split()) or type(error).__name__
-        raise KilnError(f'cannot read image {path}{where}: {reason}; fix or remove it from the list') from None
+        raise KilnError(f'cannot read image {path}{where}: {_reason(error)}; fix or remove it') from None
     pixels = _upright(pixels, orientation)
     # the box in whole pixels of what was decoded (a reduced DCT scale rounds each side up)
     rows, columns = pixels.shape[:2]
@@ -202,8 +201,15 @@ def check_image(path):
         with Image.open(path) as image:
             image.verify()
     except IMAGE_ERRORS as error:
-        return ' '.join(str(error).split()) or type(error).__name__
+        return _reason(error)
     return None
+
+
+def _reason(error):
+    """What went wrong reading an image, in one line."""
+    if isinstance(error, Image.UnidentifiedImageError):  # Pillow's text names the buffer it read, not the file
+        return f'not an image in a format Pillow reads ({", ".join(IMAGE_EXTENSIONS)})'
+    return ' '.join(str(error).split()) or type(error).__name__
 
 
 def check_images(paths, workers=4):

@@ -148,7 +148,7 @@ class ListDataset(Dataset):
         for index, path, reason in check_images([path for path, _, _ in self.samples])[:1]:
             raise KilnError(
                 f'cannot read image {path} ({self.list_path}:{self.samples[index][2]}): {reason}; '
-                f'fix or remove it from the list'
+                f'fix or remove it{"" if self.from_folder else " from the list"}'
             )
         if passed:
             with contextlib.suppress(OSError):  # a read-only disk: they are checked again next time

@@ -170,20 +170,26 @@ def read_list_file(path, columns=None):
 @collections_paused()
 def read_image_paths(path):
     """The image paths of a list file whose first field is an image (predict.py's --input), absolute;
-    what follows it (a label, a mask, boxes) is ignored. A line whose whole text names an existing
-    file is that file: a plain path with spaces, one per line, as `find images -name '*.png' > list.txt`
-    writes it. A first field that names no file, on a line with more, is one line saying to quote it."""
+    what follows it (a label, a mask, boxes) is ignored, so every list that train.py and eval.py read
+    works here. A line whose whole text names an existing file is that file (a plain path with
+    spaces, one per line, as `find images -name '*.png' > list.txt` writes it); an unquoted path with
+    spaces before a label is the shortest start of the line that names a file; otherwise a first field
+    that names no file is one line saying to quote it."""
     paths = []
     for number, fields, text in _entries(path):
-        whole = resolve_path(path, text) if text and len(fields) > 1 else None
         image = resolve_path(path, fields[0])
-        if whole and os.path.isfile(whole):
-            image = whole
-        elif whole and not os.path.exists(image):
-            raise KilnError(
-                f'{path}:{number}: image {image} does not exist; a path with spaces must be quoted '
-                f'("{text}") or be alone on its line'
-            )
+        if text and len(fields) > 1:
+            whole = resolve_path(path, text)
+            if os.path.isfile(whole):
+                image = whole
+            elif not os.path.isfile(image):
+                starts = (resolve_path(path, text[: space.start()]) for space in re.finditer(r'\s+', text))
+                image = next((name for name in starts if os.path.isfile(name)), None)
+            if image is None:
+                raise KilnError(
+                    f'{path}:{number}: image {resolve_path(path, fields[0])} does not exist; put quotes around a '
+                    f'path with spaces ("my photos/cat 1.jpg" 3) or give it a line of its own'
+                )
         paths.append(image)
     return paths
 

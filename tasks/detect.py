@@ -76,7 +76,14 @@ class DetectTask(Task):
     predict_header = eval_header
 
     def predict_rows(self, batch, outputs, paths, folder):
+        """A row per detection scoring at least MIN_SCORE, its box in the image's own pixels when the
+        batch says which part of each image became the input ('region' x0, y0, x1, y1: see
+        data/det_list_dataset.py), else in the input's pixels."""
         boxes, scores, labels = self.to_host(*decode_detections(outputs))
+        if 'region' in batch:  # the region of the (upright) image that was resized to the square input
+            (region,) = self.to_host(batch['region'].float())
+            scale = (region[:, 2:] - region[:, :2]) / batch['image'].shape[-1]
+            boxes = boxes * scale.repeat(1, 2)[:, None] + region[:, None, :2].repeat(1, 1, 2)
         return [
             [
                 [label, self.class_names[label], f'{score:.4f}', *(f'{v:.1f}' for v in box)]

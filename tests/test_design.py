@@ -236,13 +236,21 @@ def test_a_predict_list_of_plain_paths_with_spaces(tiny_shapes, tmp_path):
     result = run_script('predict.py', '--load_model_path', experiment_of(args), '--input', listed, '--cpu')
     assert result.returncode == 0 and '3 images predicted' in result.stdout, result.stdout + result.stderr
 
-    listed.write_text(f'{images / "photo 9 with spaces.png"}\n')
+    # the same paths, unquoted, with labels after them: a list that train.py and eval.py read
+    labelled = tmp_path / 'labelled.txt'
+    labelled.write_text(''.join(f'{images / name}  {index}\n' for index, name in enumerate(sorted(os.listdir(images)))))
+    result = run_script(
+        'predict.py', '--load_model_path', experiment_of(args), '--input', labelled, '--cpu', '--save_prefix', 'l'
+    )
+    assert result.returncode == 0 and '3 images predicted' in result.stdout, result.stdout + result.stderr
+
+    listed.write_text(f'{images / "photo 9 with spaces.png"} 2\n')
     result = run_script(
         'predict.py', '--load_model_path', experiment_of(args), '--input', listed, '--cpu', '--save_prefix', 'b'
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and 'Traceback' not in result.stderr, result.stderr
-    assert f'{listed}:1' in lines[0] and 'quoted' in lines[0]
+    assert f'{listed}:1' in lines[0] and 'put quotes around a path with spaces' in lines[0], lines[0]
 
     # one image file, named as it is (not read as a list file), predicted as it was in the list
     single = images / 'photo 1 with spaces.PNG'
@@ -256,7 +264,7 @@ def test_a_predict_list_of_plain_paths_with_spaces(tiny_shapes, tmp_path):
         with open(csv_path) as f:
             for row in list(csv.reader(f))[1:]:
                 rows.setdefault(os.path.basename(row[0]).lower(), []).append(row[1:])
-    assert len(rows['photo 1 with spaces.png']) == 2 and len({tuple(r) for r in rows['photo 1 with spaces.png']}) == 1
+    assert len(rows['photo 1 with spaces.png']) == 3 and len({tuple(r) for r in rows['photo 1 with spaces.png']}) == 1
 
 
 def test_processes_are_started_from_the_main_thread_only(tiny_args, monkeypatch):

@@ -122,3 +122,31 @@ def test_kiln_without_the_detection_files_still_works(tmp_path):
         [sys.executable, '-c', probe], cwd=tmp_path, capture_output=True, text=True, timeout=timeout()
     )
     assert result.returncode == 0 and "['classify', 'segment']" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize('resize', ['squash', 'crop'])
+def test_rows_give_boxes_in_the_image_pixels_of_the_list(tmp_path, monkeypatch, resize):
+    """eval.py's and predict.py's rows name boxes in the pixels the list's boxes are in (they were in the
+    model's input pixels: an 80x64 image at --img_size 32 gave x scaled by 0.4, y by 0.5)."""
+    import argparse
+
+    import torch
+    from PIL import Image
+
+    import tasks.detect as detect
+    from data.det_list_dataset import DetListDataset
+
+    Image.new('RGB', (80, 64), 'black').save(tmp_path / 'wide.png')
+    (tmp_path / 'train.txt').write_text('wide.png 23,17,48,42,1\n')
+    (tmp_path / 'classes.txt').write_text('a\nb\n')
+    options = argparse.Namespace(
+        train_list=str(tmp_path / 'train.txt'), img_size=32, num_classes=None, data_type='det_list', resize=resize
+    )
+    sample = DetListDataset(options, 'train')[0]
+    batch = {'image': sample['image'][None].float(), 'region': sample['region'][None]}
+    task = detect.DetectTask(argparse.Namespace(num_classes=2, loss=None), ['a', 'b'])
+    decoded = (sample['boxes'][None], torch.tensor([[0.9]]), sample['box_labels'][None])  # the model finds the box
+    monkeypatch.setattr(detect, 'decode_detections', lambda outputs: decoded)
+    (rows,) = task.predict_rows(batch, None, ['wide.png'], None)
+    ((label, name, score, *box),) = rows
+    assert (label, name) == (1, 'b') and [float(v) for v in box] == pytest.approx([23, 17, 48, 42], abs=0.05), box

@@ -100,8 +100,9 @@ def test_box_generator_command_line(tmp_path, capsys):
     assert Image.open(tmp_path / 'cli' / 'images' / 'val' / '00001.png').size == (48, 48)
 
 
-def _check_item(item, size):
-    assert set(item) == {'image', 'boxes', 'box_labels'}
+def _check_item(item, size, image_size=64):
+    assert set(item) == {'image', 'boxes', 'box_labels', 'region'}
+    assert item['region'].tolist() == [0, 0, image_size, image_size]  # the whole image became the input
     assert item['image'].dtype == torch.uint8 and item['image'].shape == (3, size, size)
     assert item['boxes'].dtype == torch.float32 and item['boxes'].shape[1:] == (4,)
     assert item['box_labels'].dtype == torch.int64 and item['box_labels'].shape == item['boxes'].shape[:1]
