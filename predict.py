@@ -56,7 +56,7 @@ def read_batches(paths, options, unreadable):
     batch = []
     for path in paths:
         try:
-            image, region = decode_image(
+            image, region, _ = decode_image(
                 path, options.img_size, resize=options.resize, crop_pct=options.crop_pct, with_box=True
             )
             batch.append((path, image, region))

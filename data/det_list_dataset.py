@@ -63,7 +63,7 @@ class DetListDataset(ListDataset):
 
     def __getitem__(self, index):
         _, (boxes, labels), _ = self.samples[index]
-        image, (x0, y0, x1, y1) = self.read(index, with_box=True)
+        image, (x0, y0, x1, y1), _ = self.read(index, with_box=True)
         # into the picture's pixels: the shown part `box` of the image became size x size
         scale = torch.tensor([self.size / (x1 - x0), self.size / (y1 - y0)] * 2, dtype=torch.float32)
         boxes = ((torch.from_numpy(boxes) - torch.tensor([x0, y0, x0, y0])) * scale).clamp(0, self.size)

@@ -149,7 +149,7 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
     The part of the image that becomes the square is `image_box(resize, crop_pct)`, or with `crop` (a
     training `data.augment.RandomResizedCrop`) a random box drawn from torch's default generator (which
     data/sampler.SeededDataset seeds per sample). With `with_box`, also returns that box (x0, y0, x1, y1)
-    in the upright image's pixels, to move boxes and masks alike.
+    in the upright image's pixels, to move boxes and masks alike, and the upright image's (width, height).
 
     EXIF orientation is applied, multi-frame files (GIF, TIFF) give their first frame, every mode is
     converted by `to_rgb` (alpha over white, 16-bit scaled, not clipped), and the box is resized with
@@ -188,7 +188,7 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
             picture[None].contiguous(memory_format=torch.channels_last), (size, size), mode='bilinear', antialias=True
         )[0]
     picture = picture.contiguous()
-    return (picture, box) if with_box else picture
+    return (picture, box, (width, height)) if with_box else picture
 
 
 def check_image(path):

@@ -213,7 +213,7 @@ class ListDataset(Dataset):
 
     def read(self, index, with_box=False):
         """The uint8 image tensor (3, S, S) of sample `index` (with `with_box`, and the part of the image it
-        shows: see data/image_io.decode_image)."""
+        shows and the image's size: see data/image_io.decode_image)."""
         path, _, number = self.samples[index]
         return decode_image(
             path,

@@ -42,12 +42,19 @@ class SegListDataset(ListDataset):
                 f'{self.list_path}: masks hold at most 256 classes (one byte per pixel), not {self.num_classes}'
             )
 
-    def read_mask(self, index, box):
-        """The uint8 mask (S, S) of sample `index`, the part `box` of it that its image shows (nearest
-        neighbour), checked against the number of classes."""
-        _, path, number = self.samples[index]
+    def read_mask(self, index, box, image_size):
+        """The uint8 mask (S, S) of sample `index`, the part `box` of it that its image (upright, of
+        `image_size` (width, height)) shows (nearest neighbour), checked against the image's size and
+        the number of classes."""
+        image_path, path, number = self.samples[index]
         try:
             with Image.open(path) as mask:
+                if mask.size != tuple(image_size):  # a crop of the wrong pixels would train on wrong labels
+                    raise KilnError(
+                        f'{self.list_path}:{number}: mask {path} is {mask.size[0]}x{mask.size[1]} pixels but its '
+                        f'image {image_path} is {image_size[0]}x{image_size[1]} (as shown upright); a mask has '
+                        f"its image's size"
+                    )
                 mask = mask.convert('L') if mask.mode not in ('L', 'P', 'I', 'I;16') else mask
                 if mask.size != (self.size, self.size) or box != (0, 0, *mask.size):
                     mask = mask.resize((self.size, self.size), Image.NEAREST, box=box)
@@ -62,5 +69,5 @@ class SegListDataset(ListDataset):
         return torch.from_numpy(values.astype(np.uint8))
 
     def __getitem__(self, index):
-        image, box = self.read(index, with_box=True)
-        return {'image': image, 'mask': self.read_mask(index, box)}
+        image, box, size = self.read(index, with_box=True)
+        return {'image': image, 'mask': self.read_mask(index, box, size)}

@@ -38,7 +38,7 @@ class DetectTask(Task):
     default_model = 'center_net'
     default_data = ('shapes_det', 'det_list')
     default_image_size = 64
-    monitor = 'val/map50'
+    monitor = 'val/map'  # mAP@0.5 reaches 1.0 early and stays there: best.pth would be its first epoch at 1.0
     targets = ('boxes', 'box_labels')
 
     @classmethod

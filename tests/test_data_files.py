@@ -523,3 +523,23 @@ def test_resolve_path(tmp_path, monkeypatch):
     assert resolve_path(path, '~/a.png') == '/home/someone/a.png'
     monkeypatch.chdir(tmp_path)
     assert resolve_path('list.txt', 'a.png') == os.path.join(str(tmp_path), 'a.png')
+
+
+@pytest.mark.parametrize('scale', [2, 0.5])
+def test_a_mask_of_another_size_than_its_image_is_one_line(tmp_path, scale):
+    """A larger mask trained on its top-left corner without a word; a smaller one failed in Pillow's words."""
+    import argparse
+
+    from data.seg_list_dataset import SegListDataset
+
+    save(Image.new('RGB', (64, 48), 'white'), tmp_path / 'a.png')
+    save(Image.new('L', (int(64 * scale), int(48 * scale)), 1), tmp_path / 'a_mask.png')
+    (tmp_path / 'train.txt').write_text('a.png a_mask.png\n')
+    (tmp_path / 'seg_classes.txt').write_text('background\nthing\n')
+    options = argparse.Namespace(train_list=str(tmp_path / 'train.txt'), img_size=32, num_classes=None)
+    dataset = SegListDataset(options, 'train')
+    with pytest.raises(KilnError) as caught:
+        dataset[0]
+    size = f'{int(64 * scale)}x{int(48 * scale)}'
+    assert f'train.txt:1: mask {tmp_path / "a_mask.png"} is {size} pixels but its image' in str(caught.value)
+    assert '64x48' in str(caught.value) and '\n' not in str(caught.value)

@@ -59,7 +59,7 @@ def test_detection_trains_evaluates_and_predicts(boxes, tmp_path):
     result = folder / 'eval' / 'best_val_default'
     with open(result / 'result.json') as f:
         metrics = json.load(f)['metrics']
-    assert metrics['map50'] == pytest.approx(max(history['val/map50']), abs=1e-9)  # the same evaluation loop
+    assert metrics['map'] == pytest.approx(max(history['val/map']), abs=1e-9)  # the same loop, best.pth by mAP
     assert 0 <= metrics['map'] <= metrics['map50'] and 'map50' in evaluated.stdout
     assert (result / 'detections_batch0000.png').is_file()
 

@@ -39,7 +39,7 @@ TASK_METRICS = {
     'segment': ['loss', 'pixel_acc', 'miou'],
     'detect': ['loss', 'map50', 'map'],
 }
-MONITORS = {'classify': 'val/acc', 'segment': 'val/miou', 'detect': 'val/map50'}
+MONITORS = {'classify': 'val/acc', 'segment': 'val/miou', 'detect': 'val/map'}
 
 
 def final_names(task):
