@@ -435,7 +435,11 @@ def parse_train_args(parser):
     parser.add_argument('--mlflow_uri', help='MLflow tracking URI (default: a local store in --checkpoints_dir)')
     parser.add_argument('--wandb_project', default='kiln', help='W&B project name')
     parser.add_argument('--monitor', help="metric that picks the best checkpoint (default: the task's, e.g. val/acc)")
-    parser.add_argument('--monitor_mode', choices=['max', 'min'], help="default: the task's (max for val/acc)")
+    parser.add_argument(
+        '--monitor_mode',
+        choices=['max', 'min'],
+        help="default: min for a loss or error, else max (the task's for its own)",
+    )
     parser.add_argument('--keep_last', type=_positive_int, default=1, help='keep the newest N checkpoints')
     parser.add_argument('--keep_best', type=_positive_int, default=1, help='keep the best N checkpoints by --monitor')
     parser.add_argument(
@@ -661,9 +665,20 @@ def resolve(args, **changes):
     task = task_class(options.task)
     lists = bool(getattr(options, 'train_list', None) or options.val_list)
     values = {name: getattr(task, TASK_DEFAULTS[name]) for name in unset}
+    if 'monitor_mode' in values and 'monitor' not in unset:  # a --monitor of the user's: its own direction
+        values['monitor_mode'] = monitor_mode_of(options.monitor, task)
     if 'data_type' in values:
         values['data_type'] = values['data_type'][lists]  # without / with list files
     return options.replace(**values)
+
+
+def monitor_mode_of(metric, task):
+    """The direction a --monitor metric improves in: 'min' for losses and errors, the task's mode for its
+    own monitor, else 'max' (accuracy, IoU, mAP, ...)."""
+    name = metric.split('/')[-1]
+    if 'loss' in name or 'error' in name:
+        return 'min'
+    return task.monitor_mode if metric == task.monitor else 'max'
 
 
 def experiment_folder(options):

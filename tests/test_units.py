@@ -460,3 +460,20 @@ def test_pictures_draw_class_names_with_a_font_that_has_their_letters():
     if not any(_has_glyphs(font, name) for font in [_default_font(11), *_system_fonts(11)]):
         pytest.skip('no font on this system has accented letters (DejaVu, Noto or Arial)')
     assert _has_glyphs(font_for(name), name)
+
+
+@pytest.mark.parametrize(
+    'argv, mode',
+    [
+        ([], 'max'),  # the task's own monitor, val/acc
+        (['--monitor', 'val/loss'], 'min'),  # it kept max: best.pth was the highest loss
+        (['--monitor', 'train/loss'], 'min'),
+        (['--monitor', 'val/top3'], 'max'),
+        (['--monitor', 'val/loss', '--monitor_mode', 'max'], 'max'),  # asked for
+        (['--task', 'segment', '--monitor', 'val/loss'], 'min'),
+    ],
+)
+def test_a_monitored_loss_is_minimized(argv, mode):
+    from options import parse_args, parse_train_args, resolve
+
+    assert resolve(parse_args(parse_train_args, argv)).monitor_mode == mode
