@@ -7,6 +7,7 @@ Folders, resume and checkpoints are resolved later (utils/run_folder.py).
 """
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -14,6 +15,7 @@ import sys
 import yaml
 
 NOT_SAVED = ('config', 'debug', 'resume')  # how a run was started, not what it is
+DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: in args.txt, not args.yaml
 RESUME_LATEST = 'last'  # --resume without a path
 # what a resumed run may change: how long it runs and how it reports, not what it computes
 RESUME_CHANGEABLE = (
@@ -90,7 +92,12 @@ def did_you_mean(word, choices):
 
 class KilnArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (no usage dump) with exit code 2; an unknown flag
-    comes with the nearest known one."""
+    comes with the nearest known one; every on/off option has its --no- form (a config file or a
+    resumed run's options may turn one on, and the command line must be able to turn it off)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register('action', 'store_true', Switch)  # argument groups share the registry
 
     def error(self, message):
         if message.startswith('unrecognized arguments:'):
@@ -98,6 +105,13 @@ class KilnArgumentParser(argparse.ArgumentParser):
             unknown = next((token for token in message.split()[2:] if token.startswith('--')), '')
             message += did_you_mean(unknown.split('=')[0], flags)
         self.exit(2, f'error: {message} (see --help)\n')
+
+
+class Switch(argparse.BooleanOptionalAction):
+    """What action='store_true' makes in Kiln's parsers: an option that is off unless given, and --no-X."""
+
+    def __init__(self, option_strings, dest, default=False, **kwargs):
+        super().__init__(option_strings, dest, default=default, **kwargs)
 
 
 def _number(convert, test, requirement):
@@ -556,7 +570,9 @@ def parse_predict_args(parser):
 
 
 def _config_to_argv(parser, path):
-    """Turn a YAML/JSON config file into command-line tokens, so it is checked like flags are."""
+    """Turn a YAML/JSON config file into command-line tokens, so it is checked like flags are. Each value
+    is checked against its option first, so a mistake names the file and the key; keys that another Kiln
+    script takes (a training run's args.yaml given to eval.py) are left out."""
     try:
         with open(path, encoding='utf-8-sig') as f:
             config = yaml.safe_load(f)  # JSON is a subset of YAML
@@ -572,21 +588,52 @@ def _config_to_argv(parser, path):
     argv = []
     for key, value in config.items():
         action = actions.get(key)
+        if action is None and key not in ('config', 'help') and key in _kiln_option_names():
+            continue  # another script's option: a saved args.yaml is a whole record
         if action is None or key in ('config', 'help'):
             parser.error(f'--config {path}: unknown option {key!r}{did_you_mean(key, actions)}')
-        flag = action.option_strings[0]
-        if value is None:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else f'--no-{flag[2:]}')
-        elif action.nargs == 0:  # store_true
-            if value:
-                argv.append(flag)
-        elif isinstance(value, list):
-            argv += [flag] + [str(v) for v in value]
-        else:
-            argv += [flag, str(value)]
+        if value is not None:
+            argv += _config_tokens(parser, action, value, f'--config {path}: {key}')
     return argv
+
+
+def _config_tokens(parser, action, value, where):
+    """The command-line tokens that give `action`'s option the config value `value`, checked as argparse
+    would check them (a mistake is one line starting with `where`)."""
+    flag = action.option_strings[0]
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            parser.error(f'{where}: expected true or false, got {value!r}')
+        return [flag if value else f'--no-{flag[2:]}']
+    if action.nargs == '?' and isinstance(value, bool):  # --resume: true is the flag alone
+        return [flag] if value else []
+    if isinstance(value, dict) and action.nargs in ('+', '*'):  # {old: new} for --load_prefix_map
+        value = [f'{old}={new}' for old, new in value.items()]
+    values = value if isinstance(value, list) else [value]
+    if action.nargs in (None, '?') and isinstance(value, (list, dict)):
+        parser.error(f'{where}: expected one value, got {value!r}')
+    if isinstance(action.nargs, int) and len(values) != action.nargs:
+        parser.error(f'{where}: expected a list of {action.nargs} values (e.g. [0.5, 1]), got {value!r}')
+    for item in values:
+        try:
+            converted = action.type(str(item)) if action.type else str(item)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as error:
+            parser.error(f'{where}: {error or "invalid value"} ({item!r})')
+        if action.choices is not None and converted not in action.choices:
+            parser.error(f'{where}: {item!r} is not one of {", ".join(map(str, action.choices))}')
+    if action.nargs in (None, '?'):
+        return [f'{flag}={values[0]}']  # one token: a value starting with '-' is not read as a flag
+    return [flag, *map(str, values)]
+
+
+@functools.cache
+def _kiln_option_names():
+    """The option names of train.py, eval.py and predict.py together."""
+    return {
+        action.dest
+        for add_args in (parse_train_args, parse_test_args, parse_predict_args)
+        for action in add_args(KilnArgumentParser(add_help=False))._actions
+    }
 
 
 def _check_names(args):

@@ -41,7 +41,16 @@ import sys
 
 import yaml
 
-from options import KilnArgumentParser, experiment_folder, parse_args, parse_train_args, resolve
+from options import (
+    DERIVED,
+    NOT_SAVED,
+    RESUME_CHANGEABLE,
+    KilnArgumentParser,
+    experiment_folder,
+    parse_args,
+    parse_train_args,
+    resolve,
+)
 from utils.errors import KilnError, run_cli
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -262,9 +271,17 @@ def finished(run, done):
         if (
             all(saved[k] == getattr(run.options, k) for k in ('epochs', 'max_iteration'))
             and step >= config['max_num_train_steps']
+            and trained_as_asked(saved, run.options)  # else train.py --resume names what changed, and refuses
         ):
             return f'step {step}/{config["max_num_train_steps"]}'
     return None
+
+
+def trained_as_asked(saved, options):
+    """Whether a run's saved options (its args.yaml) are `options` in everything a resume may not change
+    (options left to the task, None, match whatever it chose)."""
+    fixed = set(vars(options)) - set(RESUME_CHANGEABLE + NOT_SAVED + DERIVED)
+    return all(getattr(options, name) is None or saved.get(name) == getattr(options, name) for name in fixed)
 
 
 def forward(signum, frame):

@@ -400,8 +400,24 @@ def test_existing_eval_results_are_not_touched(trained):
         (b'epochz: 1\n', "'epochz' (did you mean epochs?)"),  # unknown option, and the one meant
         (b'- epochs\n- 1\n', None),  # not a mapping
         (b'\xff\xfe\x00epochs: 1\n', None),  # not text at all
+        (b'deterministic: "false"\n', "deterministic: expected true or false, got 'false'"),  # it turned it on
+        (b'lr: [0.1, 0.2]\n', 'lr: expected one value'),  # was "unrecognized arguments: 0.2"
+        (b'crop_scale: "0.5 1"\n', 'crop_scale: expected a list of 2 values'),
+        (b'epochs: 2.5\n', "epochs: invalid literal for int() with base 10: '2.5'"),
+        (b'optimizer: adamm\n', "optimizer: 'adamm' is not one of sgd, adam, adamw"),
     ],
-    ids=['missing', 'malformed_yaml', 'unknown_key', 'not_a_mapping', 'not_utf8'],
+    ids=[
+        'missing',
+        'malformed_yaml',
+        'unknown_key',
+        'not_a_mapping',
+        'not_utf8',
+        'string_bool',
+        'list',
+        'pair',
+        'type',
+        'choice',
+    ],
 )
 def test_bad_config_file(data, tmp_path, content, needle):
     config = tmp_path / 'config.yaml'

@@ -105,8 +105,21 @@ def test_rerun_skips_finished_runs(grid):
     # asked to go longer (--epochs 2), a finished run is not finished any more: the sweep resumes it
     import sweep
 
-    for epochs, expected in (('1', 'step 3/3'), ('2', None)):
-        argv = [*train, '--lr', '1e-3', '--batch_size', '32', '--epochs', epochs, '--save_prefix', 'sweep_lr0.001_bs32']
+    # nor is one trained with other options than the sweep now asks for (it was skipped, its old
+    # results compared as if new): train.py --resume then refuses, naming the changed option
+    for epochs, other, expected in (('1', [], 'step 3/3'), ('2', [], None), ('1', ['--optimizer', 'sgd'], None)):
+        argv = [
+            *train,
+            '--lr',
+            '1e-3',
+            '--batch_size',
+            '32',
+            '--epochs',
+            epochs,
+            *other,
+            '--save_prefix',
+            'sweep_lr0.001_bs32',
+        ]
         run = argparse.Namespace(
             prefix='sweep_lr0.001_bs32',
             argv=argv,

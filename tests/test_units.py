@@ -477,3 +477,18 @@ def test_a_monitored_loss_is_minimized(argv, mode):
     from options import parse_args, parse_train_args, resolve
 
     assert resolve(parse_args(parse_train_args, argv)).monitor_mode == mode
+
+
+def test_config_values_are_read_as_their_options_take_them(tmp_path):
+    """A config can be overridden both ways, a value may start with '-', `resume: true` is --resume alone,
+    a prefix map may be a YAML mapping, and eval.py takes a training run's args.yaml."""
+    from options import RESUME_LATEST, parse_args, parse_test_args, parse_train_args
+
+    config = tmp_path / 'config.yaml'
+    config.write_text('cpu: true\ndeterministic: true\nsave_prefix: -x\nresume: true\nload_prefix_map: {"net.": ""}\n')
+    args = parse_args(parse_train_args, ['--config', str(config), '--no-cpu'])
+    assert (args.cpu, args.deterministic, args.save_prefix) == (False, True, '-x')
+    assert args.resume == RESUME_LATEST and args.load_prefix_map == ['net.=']
+    training = tmp_path / 'args.yaml'
+    training.write_text('augment: [crop, hflip]\nloss: ce\nlr: 0.01\nviz_freq: 3\n')  # train's keys and eval's
+    assert parse_args(parse_test_args, ['--config', str(training)]).viz_freq == 3

@@ -23,6 +23,7 @@ import sys
 import yaml
 
 from options import (
+    DERIVED,
     NOT_SAVED,
     RESUME_CHANGEABLE,
     experiment_folder,
@@ -37,7 +38,6 @@ from utils.errors import KilnError
 
 ARGS_TXT, ARGS_YAML, LOCK = 'args.txt', 'args.yaml', '.lock'
 EVAL_FOLDER, PREDICT_FOLDER = 'eval', 'predict'
-DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: in args.txt, not args.yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a run writes into its folder by itself: removed again when a new run fails before its first checkpoint
 RUN_FILES = (
