@@ -570,16 +570,20 @@ def parse_predict_args(parser):
 
 
 def _config_to_argv(parser, path):
-    """Turn a YAML/JSON config file into command-line tokens, so it is checked like flags are. Each value
-    is checked against its option first, so a mistake names the file and the key; keys that another Kiln
-    script takes (a training run's args.yaml given to eval.py) are left out."""
-    try:
-        with open(path, encoding='utf-8-sig') as f:
-            config = yaml.safe_load(f)  # JSON is a subset of YAML
-    except FileNotFoundError:
-        parser.error(f'--config {path}: no such file')
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        parser.error(f'--config {path}: cannot read it as YAML or JSON ({str(error).splitlines()[0]})')
+    """Turn a YAML/JSON config file (or a mapping: a checkpoint's saved options) into command-line tokens,
+    so it is checked like flags are. Each value is checked against its option first, so a mistake names
+    the file and the key; keys that another Kiln script takes (a training run's args.yaml given to
+    eval.py) are left out."""
+    if isinstance(path, dict):
+        config, path = path, "the checkpoint's saved options"
+    else:
+        try:
+            with open(path, encoding='utf-8-sig') as f:
+                config = yaml.safe_load(f)  # JSON is a subset of YAML
+        except FileNotFoundError:
+            parser.error(f'--config {path}: no such file')
+        except (OSError, ValueError, yaml.YAMLError) as error:
+            parser.error(f'--config {path}: cannot read it as YAML or JSON ({str(error).splitlines()[0]})')
     if config is None:
         return []
     if not isinstance(config, dict):
@@ -655,7 +659,7 @@ def _check_names(args):
 
 
 def _config_and_flags(parser, argv, base_config):
-    """The tokens `parser` reads: the `base_config` file's, the --config file's, then `argv`."""
+    """The tokens `parser` reads: the `base_config` file's (or mapping's), the --config file's, then `argv`."""
     config_parser = KilnArgumentParser(add_help=False)
     config_parser.add_argument('--config')
     config_path = config_parser.parse_known_args(argv)[0].config
@@ -668,7 +672,8 @@ _PARSERS = {}  # add_args -> the parser parse_args built with it last (building 
 def parse_args(add_args, argv=None, base_config=None):
     """Parse `argv` with the options added by `add_args`, applying `--config FILE` first.
 
-    `base_config` (a resumed run's args.yaml) comes before even that. Registered names are checked.
+    `base_config` (a resumed run's options: its checkpoint's, or its args.yaml) comes before even that.
+    Registered names are checked.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _PARSERS[add_args] = add_args(KilnArgumentParser(description=add_args.__doc__))

@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import time
 
 import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO, run_script, timeout, tiny_run_args
@@ -297,6 +299,16 @@ def test_resume_options(tiny_shapes, tmp_path):
     resumed_there = run_script('train.py', '--resume', moved, '--epochs', '5', '--no-progress_bar')
     assert resumed_there.returncode == 0 and f'tensorboard --logdir {moved}\n' in resumed_there.stdout
     assert _step(_load(os.path.join(moved, 'last.pth'))) == 30
+    # args.yaml is a copy for people and --config: edited, or emptied by a power cut, it does not change
+    # the run (it did: an edited lr and batch size were trained with, an empty file gave the defaults)
+    trained_lr = _load(os.path.join(moved, 'last.pth'))['args']['lr']
+    edited = re.sub(r'^lr: .*$', 'lr: 0.5', (moved / 'args.yaml').read_text(), flags=re.M)
+    for epochs, text in (('6', edited), ('7', '')):
+        (moved / 'args.yaml').write_text(text)
+        again = run_script('train.py', '--resume', moved, '--epochs', epochs, '--no-progress_bar')
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert _load(os.path.join(moved, 'last.pth'))['args']['lr'] == trained_lr
+        assert yaml.safe_load((moved / 'args.yaml').read_text())['lr'] == trained_lr  # written back as trained
     unstarted = tmp_path / 'unstarted'  # killed before its first checkpoint: its own options start it
     unstarted.mkdir()
     shutil.copy(os.path.join(_folder(args), 'args.yaml'), unstarted)

@@ -58,10 +58,10 @@ def save_checkpoint(state, path):
     return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
 
-def load_checkpoint(path, map_location='cpu'):
+def load_checkpoint(path, map_location='cpu', mmap=False):
     """Load a checkpoint or state dict safely: `.safetensors` files with the safetensors package,
-    anything else with `torch.load(weights_only=True)` onto `map_location` (the CPU unless asked);
-    problems become a KilnError."""
+    anything else with `torch.load(weights_only=True)` onto `map_location` (the CPU unless asked; with
+    `mmap`, tensors are read from the file only when used); problems become a KilnError."""
     if not os.path.isfile(path):
         raise KilnError(f'checkpoint {path} does not exist; check --load_model_path')
     if path.endswith('.safetensors'):
@@ -73,7 +73,7 @@ def load_checkpoint(path, map_location='cpu'):
         except (SafetensorError, OSError, ValueError) as error:
             raise KilnError(f'{path} is not a readable safetensors file ({error})') from None
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as error:  # noqa: BLE001 - every failure of torch.load becomes one line
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         blocked = re.search(r'GLOBAL ([\w.]+)', str(error))

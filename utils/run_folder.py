@@ -32,7 +32,7 @@ from options import (
     resolve,
     saved_options,
 )
-from utils.checkpoint import atomic_write_bytes, atomic_write_json
+from utils.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint
 from utils.checkpoint_keeper import BEST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.errors import KilnError
 
@@ -172,8 +172,11 @@ def open_experiment(argv, args):
             f'experiment folder (to start a new run from its weights, use --load_model_path)'
         )
     if resume_from or named_folder:  # a folder named alone has its options, even before its first checkpoint
-        merged = parse_args(parse_train_args, argv, base_config=saved)
-        _refuse_changes(parse_args(parse_train_args, [], base_config=saved), merged, folder)
+        # the checkpoint's own options, not args.yaml's: a file anyone can edit, or empty after a power cut
+        trained = load_checkpoint(resume_from, mmap=True).get('args') if resume_from else None
+        base = {k: v for k, v in trained.items() if k not in DERIVED} if isinstance(trained, dict) else saved
+        merged = parse_args(parse_train_args, argv, base_config=base)
+        _refuse_changes(parse_args(parse_train_args, [], base_config=base), merged, folder)
         args = resolve(merged)
     lock = FolderLock(folder)
     try:
