@@ -22,6 +22,7 @@ if __name__ == '__main__':
 import contextlib
 import math
 import os
+import shlex
 import sys
 
 import torch
@@ -504,7 +505,8 @@ class Trainer:
         return metrics
 
     def report(self, stop, seconds):
-        """Say how the run ended and where its files are (only files that exist)."""
+        """Say how the run ended and where its files are (only files that exist), with commands to paste
+        (paths quoted for the shell)."""
         o, folder = self.options, self.options.model_dir
         best = 'none' if self.monitor.best is None else f'{self.monitor.best:.4f}'
         first = '' if self.first_step_seconds is None else f' (first step {self.first_step_seconds:.1f}s after start)'
@@ -517,11 +519,11 @@ class Trainer:
             lines.append(f'  checkpoints: {", ".join(self.folder(name) for name in existing)}')
         if 'tensorboard' in o.loggers:  # beside the other runs, or alone where a resume found it
             beside = os.path.dirname(os.path.abspath(folder)) == os.path.abspath(o.checkpoints_dir)
-            lines.append(f'  TensorBoard: tensorboard --logdir {o.checkpoints_dir if beside else folder}')
+            lines.append(f'  TensorBoard: tensorboard --logdir {shlex.quote(o.checkpoints_dir if beside else folder)}')
         if BEST in existing:
-            lines.append(f'  evaluate:    python eval.py --load_model_path {folder}/{BEST}')
+            lines.append(f'  evaluate:    python eval.py --load_model_path {shlex.quote(self.folder(BEST))}')
         if LAST in existing:
-            lines.append(f'  continue:    python train.py --resume {folder}/{LAST}')
+            lines.append(f'  continue:    python train.py --resume {shlex.quote(self.folder(LAST))}')
         print('\n'.join(lines), flush=True)
 
     def run(self):

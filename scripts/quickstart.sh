@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # The main job: train the default model on the generated shapes dataset, then evaluate its
 # best checkpoint. Each call makes a new experiment folder, so it can be run again safely.
+# Extra arguments go to train.py (bash scripts/quickstart.sh --model_type linear --epochs 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUN=quickstart_$(date +%Y%m%d_%H%M%S)
 SAVE_PREFIX=$RUN bash scripts/train.sh "$@"
-CHECKPOINT=checkpoints/small_cnn_shapes_$RUN/best.pth bash scripts/eval.sh
+# the run's folder is <checkpoints_dir>/<model>_<data>_<RUN>: whichever model and data the arguments chose
+CHECKPOINTS=(checkpoints/*_"$RUN"/best.pth)
+if [ ! -f "${CHECKPOINTS[0]}" ]; then
+    echo "error: no checkpoints/*_$RUN/best.pth to evaluate (with --checkpoints_dir, run scripts/eval.sh on it)" >&2
+    exit 2
+fi
+CHECKPOINT=${CHECKPOINTS[0]} bash scripts/eval.sh

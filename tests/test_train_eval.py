@@ -239,3 +239,24 @@ def test_the_progress_bar_shows_where_stderr_is_read_live_not_in_log_files(tiny_
     assert not bar_drawn('--no-progress_bar', prefix='stopped')
     monkeypatch.setenv('PYCHARM_HOSTED', '1')
     assert bar_drawn(prefix='pycharm')
+
+
+def test_the_printed_commands_paste_into_a_shell_with_spaces_in_paths(tiny_shapes, tmp_path):
+    """They were printed unquoted: `python eval.py --load_model_path /tmp/sp ace/...` read /tmp/sp."""
+    import shlex
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    args = tiny_run_args(tiny_shapes, tmp_path / 'sp ace')
+    trained = run_script('train.py', *args, '--max_iteration', '2', '--save_prefix', 'my run')
+    assert trained.returncode == 0, trained.stderr
+    commands = {line.split(':', 1)[0].strip(): line.split(':', 1)[1] for line in trained.stdout.splitlines()[-4:]}
+    folder = tmp_path / 'sp ace' / 'small_cnn_list_my run'
+    assert shlex.split(commands['TensorBoard']) == ['tensorboard', '--logdir', str(tmp_path / 'sp ace')]
+    assert shlex.split(commands['continue'])[-1] == str(folder / 'last.pth')
+    command = shlex.split(commands['evaluate'])
+    assert command[:3] == ['python', 'eval.py', '--load_model_path'] and command[3] == str(folder / 'best.pth')
+    evaluated = subprocess.run([sys.executable, *command[1:], '--no-progress_bar'], cwd=REPO, capture_output=True)
+    assert evaluated.returncode == 0, evaluated.stderr

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import shlex
 
 import torch
 
@@ -34,6 +35,6 @@ def training_profiler(enabled, folder, wait=2, warmup=2, active=6):
     on_gpu = any(getattr(event, 'self_device_time_total', 0) > 0 for event in averages)  # not with --cpu
     print(averages.table(sort_by='self_cuda_time_total' if on_gpu else 'self_cpu_time_total', row_limit=12))
     print(
-        f'profile: trace in {trace_folder} (tensorboard --logdir {trace_folder}, or open the .json in '
+        f'profile: trace in {trace_folder} (tensorboard --logdir {shlex.quote(trace_folder)}, or open the .json in '
         f'https://ui.perfetto.dev)'
     )
