@@ -134,6 +134,19 @@ def test_flipped_bytes_in_a_checkpoint_are_detected(saved_often):
     assert _load(os.path.join(folder, 'last.pth'))['position']['step'] == 18
 
 
+def test_a_folder_whose_checkpoints_are_all_corrupt_is_not_started_over(saved_often):
+    """It said 'holds no checkpoint yet' and trained from step 0 in the folder, over the old run's files."""
+    folder = _folder(saved_often)
+    for name in os.listdir(folder):
+        if name.endswith('.pth'):
+            with open(os.path.join(folder, name), 'r+b') as f:
+                f.truncate(100)
+    before = {name: os.path.getmtime(os.path.join(folder, name)) for name in os.listdir(folder)}
+    refused = run_script('train.py', *saved_often, '--resume', '--epochs', '3')
+    _one_error_line(refused, 'none of its 3 checkpoints can be trusted', 'epoch002_step0000012.pth', 'move them out')
+    assert {name: os.path.getmtime(os.path.join(folder, name)) for name in os.listdir(folder)} == before
+
+
 # resumes that must be refused ------------------------------------------------------------------------
 
 

@@ -191,8 +191,15 @@ def open_experiment(argv, args):
 
 
 def _newest_checkpoint(folder):
-    """The checkpoint a --resume without a file continues from: the folder's newest whose bytes check out."""
+    """The checkpoint a --resume without a file continues from: the folder's newest whose bytes check out
+    (None when it has none yet; a KilnError when it has some and none checks out: starting over in the
+    folder would bury them under a new run)."""
     path, skipped = CheckpointKeeper(folder).newest_trusted()
+    if path is None and skipped:
+        raise KilnError(
+            f'{folder}: none of its {len(skipped)} checkpoints can be trusted ({"; ".join(skipped)}); move '
+            f'them out of the folder to start the run again there, or resume from a copy of the run'
+        )
     for reason in skipped:
         print(f'skipping {os.path.join(folder, reason)}')
     return path
