@@ -50,16 +50,16 @@ def images_to_predict(source):
 
 
 def read_batches(paths, options, unreadable):
-    """Yield batches of (path, uint8 image, region) of the readable images, resized as the model was
-    trained (--img_size, --resize, --crop_pct; the region is the part of the image that became the
-    input); add (path, reason) of the others to `unreadable`."""
+    """Yield batches of (path, uint8 image, region, image size) of the readable images, resized as the
+    model was trained (--img_size, --resize, --crop_pct; the region is the part of the image that
+    became the input); add (path, reason) of the others to `unreadable`."""
     batch = []
     for path in paths:
         try:
-            image, region, _ = decode_image(
+            image, region, size = decode_image(
                 path, options.img_size, resize=options.resize, crop_pct=options.crop_pct, with_box=True
             )
-            batch.append((path, image, region))
+            batch.append((path, image, region, size))
         except KilnError as error:
             unreadable.append((path, str(error)))
         if len(batch) == options.batch_size:
@@ -77,9 +77,10 @@ def predict(options, task, setup, device, paths, folder):
     unreadable, rows = [], []
     batches = read_batches(paths, options, unreadable)
     for batch in progress(batches, options.progress_bar, 'predict', total=-(-len(paths) // options.batch_size)):
-        names, images, regions = zip(*batch)
+        names, images, regions, sizes = zip(*batch)
         inputs = transform({'image': torch.stack(images).to(device, non_blocking=True)})
-        inputs['region'] = torch.tensor(regions, dtype=torch.float32)  # where each input came from
+        # where each input came from: the region of the upright image, and the image's (width, height)
+        inputs['region'], inputs['image_size'] = torch.tensor(regions), torch.tensor(sizes)
         with setup.autocast():
             outputs = task.outputs_to_float(task.forward(setup.wrapped, inputs))
         for name, image_rows in zip(names, task.predict_rows(inputs, outputs, names, folder)):

@@ -44,14 +44,32 @@ class SegmentTask(Task):
 
     def predict_rows(self, batch, outputs, paths, folder):
         """Write each predicted mask (a class index per pixel) as masks/<n>_<image name>.png (numbered,
-        so images of the same name in different folders keep their own); the row names the file."""
+        so images of the same name in different folders keep their own); the row names the file. Given
+        where each input came from ('region' of the upright image and its 'image_size', as predict.py
+        gives them), a mask has its image's size, to lay over it; pixels the model did not see (outside
+        the centred square of --resize crop) are UNSEEN."""
         (masks,) = self.to_host(outputs.argmax(dim=1))
         os.makedirs(os.path.join(folder, 'masks'), exist_ok=True)
         rows = []
-        for path, mask in zip(paths, masks.numpy()):
+        for index, (path, mask) in enumerate(zip(paths, masks.numpy().astype(np.uint8))):
+            if 'region' in batch:
+                mask = mask_on_image(mask, batch['region'][index].tolist(), batch['image_size'][index].tolist())
             number = len(os.listdir(os.path.join(folder, 'masks')))
             stem = os.path.splitext(os.path.basename(path))[0]
             target = os.path.join(folder, 'masks', f'{number:05d}_{stem}.png')
-            Image.fromarray(mask.astype(np.uint8)).save(target)
+            Image.fromarray(mask).save(target)
             rows.append([[target]])
         return rows
+
+
+UNSEEN = 255  # a predicted mask's value where the model saw nothing of the image
+
+
+def mask_on_image(mask, region, image_size):
+    """A square predicted mask (S, S) resized (nearest) onto the `region` (x0, y0, x1, y1) of an image of
+    `image_size` (width, height) that became the model's input; UNSEEN elsewhere."""
+    width, height = image_size
+    x0, y0, x1, y1 = (round(value) for value in region)
+    full = np.full((height, width), UNSEEN, np.uint8)
+    full[y0:y1, x0:x1] = np.asarray(Image.fromarray(mask).resize((x1 - x0, y1 - y0), Image.NEAREST))
+    return full

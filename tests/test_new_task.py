@@ -209,7 +209,19 @@ def test_predict_segmentation_writes_masks(tiny_shapes, segmented):
         rows = list(csv.DictReader(f))
     assert len(rows) == 48
     mask = np.asarray(Image.open(rows[0]['mask']))
-    assert mask.shape == (32, 32) and mask.max() < 7
+    assert mask.shape == (32, 32) and mask.max() < 7  # the image's size
+
+
+def test_a_predicted_mask_lies_on_its_image():
+    """Squashed, the mask covers the whole image; cropped, the centred square it saw, UNSEEN around."""
+    from tasks.segment import UNSEEN, mask_on_image
+
+    mask = np.arange(16, dtype=np.uint8).reshape(4, 4)
+    whole = mask_on_image(mask, (0, 0, 80, 40), (80, 40))
+    assert whole.shape == (40, 80) and (whole[:10, :20] == 0).all() and (whole[30:, 60:] == 15).all()
+    cropped = mask_on_image(mask, (22, 2, 58, 38), (80, 40))  # the centred 36-pixel square of crop_pct 0.9
+    assert cropped.shape == (40, 80) and (cropped[:, :22] == UNSEEN).all() and (cropped[:2] == UNSEEN).all()
+    assert (cropped[2:11, 22:31] == 0).all() and (cropped[29:38, 49:58] == 15).all()
 
 
 def test_eval_compares_several_checkpoints(classified, tmp_path):
