@@ -158,9 +158,12 @@ class Evaluator:
 def evaluate_checkpoint(args, given, path):
     """Evaluate one checkpoint into its own new result folder; return its metrics."""
     options, checkpoint, task_type = load_for_inference(args, given, path)
-    folder = result_folder(path, 'eval', evaluated_list_name(args.val_list), options.save_prefix)  # 'val' unless given
+    name = evaluated_list_name(args.val_list)  # 'val' unless given
+    folder = result_folder(path, 'eval', name, options.save_prefix, options.output_dir)
     options = options.replace(result_dir=folder)
-    run_on_main_process(create_run_folder, folder, options, 'choose a new --save_prefix to keep the old results')
+    run_on_main_process(
+        create_run_folder, folder, options, 'choose a new --save_prefix to keep the old results', '--output_dir'
+    )
     with discard_folder_if_setup_fails(folder) if is_main_process() else contextlib.nullcontext():
         evaluator = Evaluator(options, checkpoint, task_type, folder)
         try:
@@ -172,11 +175,14 @@ def evaluate_checkpoint(args, given, path):
 def prepare_comparison(args, checkpoints):
     """Check that no result folder exists yet, then create the comparison folder; return its path."""
     for checkpoint in checkpoints:
-        folder = result_folder(checkpoint, 'eval', evaluated_list_name(args.val_list), args.save_prefix)
+        name = evaluated_list_name(args.val_list)
+        folder = result_folder(checkpoint, 'eval', name, args.save_prefix, args.output_dir)
         if os.path.exists(folder):
             raise KilnError(f'{folder} already exists; choose a new --save_prefix to keep the old results')
-    folder = os.path.join(
-        args.checkpoints_dir, 'comparisons', f'{evaluated_list_name(args.val_list)}_{args.save_prefix}'
+    folder = os.path.join(  # beside the results when they go to --output_dir
+        args.output_dir or args.checkpoints_dir,
+        'comparisons',
+        f'{evaluated_list_name(args.val_list)}_{args.save_prefix}',
     )
     create_run_folder(folder, args, 'choose a new --save_prefix to keep the old comparison')
     return folder

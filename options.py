@@ -534,6 +534,16 @@ def parse_train_args(parser):
     return parser
 
 
+def _add_output_dir(parser):
+    """--output_dir, for eval.py and predict.py."""
+    parser.add_argument(
+        '--output_dir',
+        help="where results go: <output_dir>/<experiment>/eval/... (default: in the checkpoint's experiment "
+        'folder; give one when that folder is read-only or shared)',
+    )
+    return parser
+
+
 def parse_test_args(parser):
     """Evaluation options on top of the common ones.
 
@@ -550,7 +560,7 @@ def parse_test_args(parser):
     )
     parser.add_argument('--viz_freq', type=_positive_int, default=10, help='save a picture every N batches')
     parser.add_argument('--save_viz', action=argparse.BooleanOptionalAction, default=True)
-    return parser
+    return _add_output_dir(parser)
 
 
 def parse_predict_args(parser):
@@ -566,7 +576,7 @@ def parse_predict_args(parser):
     parser.add_argument(
         '--input', required=True, help='a folder of images, one image, or a list file (first column: image)'
     )
-    return parser
+    return _add_output_dir(parser)
 
 
 def _config_to_argv(parser, path):

@@ -105,8 +105,8 @@ def main(argv=None, args=None):
         raise KilnError(f'{path} does not say how many classes it predicts; give --num_classes')
     paths = images_to_predict(options.input)  # before the folder exists: a refused input leaves nothing
     input_name = os.path.splitext(os.path.basename(os.path.normpath(options.input)))[0]
-    folder = result_folder(path, 'predict', input_name, options.save_prefix)
-    create_run_folder(folder, options, 'choose a new --save_prefix to keep the old predictions')
+    folder = result_folder(path, 'predict', input_name, options.save_prefix, options.output_dir)
+    create_run_folder(folder, options, 'choose a new --save_prefix to keep the old predictions', '--output_dir')
     with discard_folder_if_setup_fails(folder):
         device = select_device(options.cpu, options.gpus)
         task = task_type(options, checkpoint.get('class_names'))

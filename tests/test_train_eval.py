@@ -260,3 +260,32 @@ def test_the_printed_commands_paste_into_a_shell_with_spaces_in_paths(tiny_shape
     assert command[:3] == ['python', 'eval.py', '--load_model_path'] and command[3] == str(folder / 'best.pth')
     evaluated = subprocess.run([sys.executable, *command[1:], '--no-progress_bar'], cwd=REPO, capture_output=True)
     assert evaluated.returncode == 0, evaluated.stderr
+
+
+def test_results_go_to_output_dir_and_leave_the_experiment_folder_as_it_was(trained, tiny_shapes, tmp_path):
+    """A read-only or shared experiment folder could not be evaluated (results went only beside the
+    checkpoint, and the error pointed at --checkpoints_dir, which eval.py does not use for them)."""
+    folder, _ = trained
+    before = sorted(
+        os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names
+    )
+    out = tmp_path / 'out'
+    evaluated = run_script('eval.py', '--load_model_path', folder, '--output_dir', out, '--no-progress_bar')
+    assert evaluated.returncode == 0, evaluated.stderr
+    experiment = os.path.basename(folder)
+    assert (out / experiment / 'eval' / 'best_val_default' / 'result.txt').is_file()
+    predicted = run_script(
+        'predict.py', '--load_model_path', folder, '--input', os.path.join(tiny_shapes, 'val.txt'), '--output_dir', out
+    )
+    assert predicted.returncode == 0, predicted.stderr
+    assert (out / experiment / 'predict' / 'best_val_default' / 'predictions.csv').is_file()
+    after = sorted(
+        os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names
+    )
+    assert after == before
+    blocked = tmp_path / 'file'
+    blocked.write_text('not a folder')
+    refused = run_script('eval.py', '--load_model_path', folder, '--output_dir', blocked / 'x', '--no-progress_bar')
+    assert refused.returncode == 2 and 'give a folder you can write to as --output_dir' in refused.stderr, (
+        refused.stderr
+    )

@@ -65,16 +65,19 @@ def save_args(args, folder):
     atomic_write_bytes(saved.encode(), os.path.join(folder, ARGS_YAML))
 
 
-def create_run_folder(folder, args, what_to_change):
+def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_dir'):
     """Create a new run folder and save the options in it; an existing one is a KilnError saying
-    `what_to_change`. A folder whose options could not be written (a full disk) is removed again."""
+    `what_to_change`, one that cannot be made names `where_option`. A folder whose options could not be
+    written (a full disk) is removed again."""
     try:
         os.makedirs(os.path.dirname(folder) or '.', exist_ok=True)
         os.mkdir(folder)  # fails if it exists: two runs never share a folder
     except FileExistsError:
         raise KilnError(f'{folder} already exists; {what_to_change}') from None
     except OSError as error:
-        raise KilnError(f'cannot create {folder} ({error.strerror}); check --checkpoints_dir') from None
+        raise KilnError(
+            f'cannot create {folder} ({error.strerror}); give a folder you can write to as {where_option}'
+        ) from None
     with discard_folder_if_setup_fails(folder):
         save_args(args, folder)
 
@@ -345,8 +348,11 @@ def evaluated_list_name(val_list):
     return os.path.splitext(os.path.basename(val_list))[0] if val_list else 'val'
 
 
-def result_folder(checkpoint, kind, source_name, save_prefix):
+def result_folder(checkpoint, kind, source_name, save_prefix, output_dir=None):
     """Where evaluating (kind 'eval') or predicting with (kind 'predict') `checkpoint` writes:
-    `<its folder>/<kind>/<checkpoint>_<source_name>_<save_prefix>`."""
+    `<its folder>/<kind>/<checkpoint>_<source_name>_<save_prefix>`, or with `output_dir` (--output_dir)
+    `<output_dir>/<its folder's name>/<kind>/...` (so checkpoints of several experiments keep apart)."""
     checkpoint_name = os.path.splitext(os.path.basename(checkpoint))[0]
-    return os.path.join(os.path.dirname(checkpoint), kind, f'{checkpoint_name}_{source_name}_{save_prefix}')
+    folder = os.path.dirname(os.path.abspath(checkpoint)) if output_dir else os.path.dirname(checkpoint)
+    base = os.path.join(output_dir, os.path.basename(folder)) if output_dir else folder
+    return os.path.join(base, kind, f'{checkpoint_name}_{source_name}_{save_prefix}')
