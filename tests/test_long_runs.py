@@ -315,6 +315,9 @@ def test_resume_options(tiny_shapes, tmp_path):
     started = run_script('train.py', '--resume', unstarted, '--epochs', '1', '--no-progress_bar')
     assert started.returncode == 0 and 'holds no checkpoint yet' in started.stdout, started.stdout + started.stderr
     assert _step(_load(os.path.join(unstarted, 'last.pth'))) == 6  # the tiny list's 6 steps, not the shapes'
+    elsewhere = run_script('train.py', '--resume', moved, '--checkpoints_dir', tmp_path / 'other', '--epochs', '9')
+    assert elsewhere.returncode == 2 and 'continues the run in its own folder' in elsewhere.stderr, elsewhere.stderr
+    assert not (tmp_path / 'other').exists()  # it was ignored, and recorded in args.yaml
     not_a_run = run_script('train.py', *args, '--resume', str(tmp_path))
     assert not_a_run.returncode == 2 and 'not an experiment folder' in not_a_run.stderr, not_a_run.stderr
 
@@ -323,7 +326,8 @@ def test_resume_options(tiny_shapes, tmp_path):
     weights_only = tmp_path / 'weights.pth'
     torch.save(_load(os.path.join(_folder(args), 'last.pth'))['model'], weights_only)
     (tmp_path / 'args.yaml').write_text((tmp_path / 'ck' / EXPERIMENT / 'args.yaml').read_text())
-    plain = run_script('train.py', *args, '--resume', str(weights_only))
+    at = args.index('--checkpoints_dir')  # the resumed file's folder is the run's: no --checkpoints_dir with it
+    plain = run_script('train.py', *args[:at], *args[at + 2 :], '--resume', str(weights_only))
     assert (
         plain.returncode == 2
         and 'not a full training checkpoint' in plain.stderr

@@ -27,6 +27,7 @@ from options import (
     NOT_SAVED,
     RESUME_CHANGEABLE,
     experiment_folder,
+    given_options,
     parse_args,
     parse_train_args,
     resolve,
@@ -161,6 +162,12 @@ def open_experiment(argv, args):
                 f"or experiment folder, or --resume alone for the experiment's newest checkpoint"
             )
         folder = os.path.dirname(os.path.abspath(named))
+    if (named or named_folder) and 'checkpoints_dir' in given_options(parse_train_args, argv):
+        if os.path.abspath(args.checkpoints_dir) != os.path.dirname(folder):  # it was ignored, and recorded
+            raise KilnError(
+                f'--checkpoints_dir {args.checkpoints_dir}: --resume {args.resume} continues the run in its own '
+                f'folder {folder}; drop --checkpoints_dir (to move a run, move its folder and resume it there)'
+            )
     if not args.resume or not os.path.isdir(folder):
         create_run_folder(
             folder, args, 'choose a new --save_prefix, add --resume to continue that run, or move that folder away'
