@@ -118,12 +118,14 @@ def _number(convert, test, requirement):
     """An argparse type: `convert` the text, then require `test(value)` (finite numbers only)."""
 
     def parse(text):
-        value = convert(text)
+        try:
+            value = convert(text)
+        except ValueError:  # argparse would say "invalid a positive integer value: '2.5'"
+            raise argparse.ArgumentTypeError(f'must be {requirement}, got {text}') from None
         if not (math.isfinite(value) and test(value)):
             raise argparse.ArgumentTypeError(f'must be {requirement}, got {text}')
         return value
 
-    parse.__name__ = requirement  # argparse names the type in its messages
     return parse
 
 

@@ -403,7 +403,7 @@ def test_existing_eval_results_are_not_touched(trained):
         (b'deterministic: "false"\n', "deterministic: expected true or false, got 'false'"),  # it turned it on
         (b'lr: [0.1, 0.2]\n', 'lr: expected one value'),  # was "unrecognized arguments: 0.2"
         (b'crop_scale: "0.5 1"\n', 'crop_scale: expected a list of 2 values'),
-        (b'epochs: 2.5\n', "epochs: invalid literal for int() with base 10: '2.5'"),
+        (b'epochs: 2.5\n', 'epochs: must be a positive integer, got 2.5'),
         (b'optimizer: adamm\n', "optimizer: 'adamm' is not one of sgd, adam, adamw"),
     ],
     ids=[

@@ -493,3 +493,24 @@ def test_config_values_are_read_as_their_options_take_them(tmp_path):
     training = tmp_path / 'args.yaml'
     training.write_text('augment: [crop, hflip]\nloss: ce\nlr: 0.01\nviz_freq: 3\n')  # train's keys and eval's
     assert parse_args(parse_test_args, ['--config', str(training)]).viz_freq == 3
+
+
+def test_a_folder_without_best_pth_points_at_its_last_pth(tmp_path):
+    """A run stopped before its first validation has last.pth only: the error said only that best.pth was missing."""
+    from utils.run_folder import checkpoint_path
+
+    (tmp_path / 'last.pth').write_bytes(b'')
+    with pytest.raises(
+        KilnError, match=f'has no best.pth yet; give its last.pth instead: --load_model_path {tmp_path}/last.pth'
+    ):
+        checkpoint_path(str(tmp_path))
+    assert checkpoint_path(str(tmp_path / 'last.pth')) == str(tmp_path / 'last.pth')
+
+
+def test_number_options_say_what_they_take(capsys):
+    """It read "invalid a positive integer value: '2.5'"."""
+    from options import parse_args, parse_train_args
+
+    with pytest.raises(SystemExit):
+        parse_args(parse_train_args, ['--epochs', '2.5'])
+    assert 'argument --epochs: must be a positive integer, got 2.5' in capsys.readouterr().err

@@ -34,7 +34,7 @@ from options import (
     saved_options,
 )
 from utils.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint
-from utils.checkpoint_keeper import BEST, CheckpointKeeper, remove_stale_temporaries, step_of
+from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.errors import KilnError
 
 ARGS_TXT, ARGS_YAML, LOCK = 'args.txt', 'args.yaml', '.lock'
@@ -223,7 +223,8 @@ def _refuse_changes(saved, merged, folder):
         if name not in RESUME_CHANGEABLE + NOT_SAVED + DERIVED and getattr(saved, name, value) != value
     ]
     if changed:
-        shown = ', '.join(f'--{name} {getattr(merged, name)} (the run has {getattr(saved, name)})' for name in changed)
+        had = {name: 'none' if getattr(saved, name) is None else getattr(saved, name) for name in changed}
+        shown = ', '.join(f'--{name} {getattr(merged, name)} (the run has {had[name]})' for name in changed)
         raise KilnError(
             f'{shown}: a resumed run keeps the options that decide what it computes; drop '
             f'{"it" if len(changed) == 1 else "them"}, or start a new run with --save_prefix. A resume may '
@@ -330,6 +331,9 @@ def checkpoint_path(path):
     """A checkpoint given on the command line: a file as it is, an experiment folder as its best.pth."""
     resolved = os.path.join(path, BEST) if os.path.isdir(path) else path
     if not os.path.isfile(resolved):
+        last = os.path.join(path, LAST)
+        if os.path.isdir(path) and os.path.isfile(last):  # stopped before its first validation, say
+            raise KilnError(f'{path} has no {BEST} yet; give its {LAST} instead: --load_model_path {last}')
         raise KilnError(f'checkpoint {resolved} does not exist; check --load_model_path')
     return resolved
 
