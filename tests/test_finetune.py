@@ -123,9 +123,8 @@ def test_unfrozen_layers_train_at_their_own_rate_and_resume_exactly(finetuned):
     assert frozen <= set(after_3['optimizer']['state'])  # trained once unfrozen
 
     # continue a copy of the run from the end of epoch 2 (unfrozen): it must end where the run ended
-    resumed = (
-        tune[: tune.index('--checkpoints_dir') + 1] + [folder + '_copy'] + tune[tune.index('--checkpoints_dir') + 2 :]
-    )
+    at = tune.index('--checkpoints_dir')
+    resumed = tune[:at] + tune[at + 2 :]  # the resumed file's folder is the run's
     copy = folder + '_copy'
     os.makedirs(copy)
     os.link(os.path.join(folder, 'args.yaml'), os.path.join(copy, 'args.yaml'))

@@ -335,6 +335,26 @@ def test_resume_options(tiny_shapes, tmp_path):
     )
 
 
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tiny_shapes, tmp_path):
+    """They stayed, newer than every save of the resumed run: its saves were pruned at once as older
+    (keep_last), and a later --resume took the abandoned run's newest."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--epochs', '3', '--keep_last', '3')
+    folder = _folder(args)
+    old_newest = _load(os.path.join(folder, 'epoch003_step0000018.pth'))
+    resumed = _train(
+        args, '--resume', os.path.join(folder, 'epoch001_step0000006.pth'), '--epochs', '2', '--keep_last', '1'
+    )
+    (aside,) = (tmp_path / 'ck' / EXPERIMENT / 'superseded').iterdir()
+    assert aside.name.startswith('step6_') and f'moved to {aside}' in resumed.stdout, resumed.stdout
+    assert {'epoch002_step0000012.pth', 'epoch003_step0000018.pth', 'last.pth'} <= set(os.listdir(aside))
+    moved = _load(aside / 'epoch003_step0000018.pth')['model']
+    assert all(torch.equal(moved[name], value) for name, value in old_newest['model'].items())  # kept as it was
+    newest, skipped = CheckpointKeeper(folder).newest_trusted()
+    assert newest == os.path.join(folder, 'epoch002_step0000012.pth') and not skipped
+    assert _step(_load(os.path.join(folder, 'last.pth'))) == 12
+
+
 def test_reproducibility_record(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     _train(args, '--epochs', '1', '--deterministic')

@@ -100,10 +100,10 @@ class CheckpointKeeper:
     def __init__(self, folder, keep_last=1, keep_best=1, mode='max'):
         self.folder, self.keep_last, self.keep_best, self.mode = folder, keep_last, keep_best, mode
         record = read_record(folder) or self.rebuild_record()
-        self.best = record.get('best')
         self.files = {
             name: entry for name, entry in record['files'].items() if os.path.isfile(os.path.join(folder, name))
         }
+        self.best = record.get('best') if record.get('best') in self.files else None  # not one set aside
         # files a kill left unrecorded (saved, then killed before the record): kept and pruned like the others
         self.unrecorded = {name for name in os.listdir(folder) if step_of(name) is not None} - set(self.files)
         for name in self.unrecorded:

@@ -19,6 +19,7 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 
 import yaml
 
@@ -181,9 +182,10 @@ def open_experiment(argv, args):
             f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint inside its '
             f'experiment folder (to start a new run from its weights, use --load_model_path)'
         )
+    checkpoint = load_checkpoint(resume_from, mmap=True) if resume_from else {}  # tensors left in the file
     if resume_from or named_folder:  # a folder named alone has its options, even before its first checkpoint
         # the checkpoint's own options, not args.yaml's: a file anyone can edit, or empty after a power cut
-        trained = load_checkpoint(resume_from, mmap=True).get('args') if resume_from else None
+        trained = checkpoint.get('args')
         base = {k: v for k, v in trained.items() if k not in DERIVED} if isinstance(trained, dict) else saved
         merged = parse_args(parse_train_args, argv, base_config=base)
         _refuse_changes(parse_args(parse_train_args, [], base_config=base), merged, folder)
@@ -192,12 +194,33 @@ def open_experiment(argv, args):
     try:
         if not resume_from:
             print(f'{folder} holds no checkpoint yet; starting the run in it')
+        elif isinstance(checkpoint.get('position'), dict):
+            _set_aside_newer(folder, checkpoint['position']['step'])
         remove_stale_temporaries(folder)
         save_args(args, folder)
     except BaseException:
         lock.release()
         raise
     return args.replace(model_dir=folder, resume_from=resume_from), lock
+
+
+def _set_aside_newer(folder, step):
+    """Move the checkpoints of steps after `step` (a resume from an older checkpoint, or past corrupt newer
+    ones, abandons them) into `<folder>/superseded/step<step>_<time>/`: kept, but never taken for the
+    resumed run's own (its saves would be pruned as older than them, and a later resume would take them).
+    last.pth and best.pth go with them when they are theirs."""
+    newer = sorted(name for name in os.listdir(folder) if (step_of(name) or 0) > step)
+    if not newer:
+        return
+    aside = os.path.join(folder, 'superseded', f'step{step}_{time.strftime("%Y%m%d_%H%M%S")}')
+    os.makedirs(aside)
+    for link in (LAST, BEST):
+        path = os.path.join(folder, link)
+        if os.path.isfile(path) and any(os.path.samefile(path, os.path.join(folder, name)) for name in newer):
+            os.replace(path, os.path.join(aside, link))
+    for name in newer:
+        os.replace(os.path.join(folder, name), os.path.join(aside, name))
+    print(f'resuming from step {step}: the newer checkpoints {", ".join(newer)} are moved to {aside}')
 
 
 def _newest_checkpoint(folder):
