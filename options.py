@@ -591,7 +591,7 @@ def _config_to_argv(parser, path):
     else:
         try:
             with open(path, encoding='utf-8-sig') as f:
-                config = yaml.safe_load(f)  # JSON is a subset of YAML
+                config = yaml.load(f, UniqueKeyLoader)  # JSON is a subset of YAML
         except FileNotFoundError:
             parser.error(f'--config {path}: no such file')
         except (OSError, ValueError, yaml.YAMLError) as error:
@@ -611,6 +611,17 @@ def _config_to_argv(parser, path):
         if value is not None:
             argv += _config_tokens(parser, action, value, f'--config {path}: {key}')
     return argv
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        twice = next((key for index, key in enumerate(keys) if key in keys[:index]), None)
+        if twice is not None:
+            raise yaml.YAMLError(f'the key {twice!r} is given twice')
+        return super().construct_mapping(node, deep)
 
 
 def _config_tokens(parser, action, value, where):

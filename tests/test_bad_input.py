@@ -405,6 +405,7 @@ def test_existing_eval_results_are_not_touched(trained):
         (b'crop_scale: "0.5 1"\n', 'crop_scale: expected a list of 2 values'),
         (b'epochs: 2.5\n', 'epochs: must be a positive integer, got 2.5'),
         (b'optimizer: adamm\n', "optimizer: 'adamm' is not one of sgd, adam, adamw"),
+        (b'lr: 0.1\nepochs: 2\nlr: 0.2\n', "the key 'lr' is given twice"),  # the last one won without a word
     ],
     ids=[
         'missing',
@@ -417,6 +418,7 @@ def test_existing_eval_results_are_not_touched(trained):
         'pair',
         'type',
         'choice',
+        'twice',
     ],
 )
 def test_bad_config_file(data, tmp_path, content, needle):
