@@ -241,3 +241,15 @@ def test_missing_pretrained_weights_say_how_to_get_them(tiny_shapes, tmp_path):
     )
     assert result.returncode == 2 and 'Traceback' not in result.stderr
     assert str(missing) in result.stderr and 'never downloads' in result.stderr and "weights='DEFAULT'" in result.stderr
+
+
+@pytest.mark.parametrize('given', [['--freeze_batch_norms'], ['--unfreeze_at_epoch', '2']])
+def test_freezing_options_without_freeze_to_are_refused(given):
+    """They were accepted and did nothing: nothing is frozen without --freeze_to."""
+    from utils.errors import KilnError
+    from utils.finetune import FineTuning
+
+    options = {'freeze_batch_norms': True} if given[0] == '--freeze_batch_norms' else {'unfreeze_at_epoch': 2}
+    with pytest.raises(KilnError, match=f'^{" ".join(given)} acts on the layers --freeze_to freezes'):
+        FineTuning(_model(), **options)
+    FineTuning(_model(), freeze_to=0, **options)  # with it, fine

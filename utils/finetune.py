@@ -93,6 +93,9 @@ class FineTuning:
     """
 
     def __init__(self, model, freeze_to=None, freeze_batch_norms=False, unfreeze_at_epoch=None):
+        if freeze_to is None and (freeze_batch_norms or unfreeze_at_epoch is not None):  # they did nothing
+            given = '--freeze_batch_norms' if freeze_batch_norms else f'--unfreeze_at_epoch {unfreeze_at_epoch}'
+            raise KilnError(f'{given} acts on the layers --freeze_to freezes, and none are: add --freeze_to INDEX')
         self.freezer = ModelFreezer(model, freeze_batch_norms)
         self.unfreeze_at_epoch = unfreeze_at_epoch
         self.frozen = set()
