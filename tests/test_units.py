@@ -514,3 +514,15 @@ def test_number_options_say_what_they_take(capsys):
     with pytest.raises(SystemExit):
         parse_args(parse_train_args, ['--epochs', '2.5'])
     assert 'argument --epochs: must be a positive integer, got 2.5' in capsys.readouterr().err
+
+
+def test_segmentation_pictures_name_their_columns():
+    """Image, predicted and true masks side by side had no labels: which mask was the prediction?"""
+    from utils.viz import CAPTION, caption, segmentation_grid
+
+    images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    predicted, true = torch.zeros(2, 16, 16, dtype=torch.long), torch.ones(2, 16, 16, dtype=torch.long)
+    grid = segmentation_grid(images, predicted, true, num_classes=3, tile=32)
+    assert grid.shape == (CAPTION + 2 * 32, 3 * 32, 3)
+    assert (grid[:CAPTION, 32:64] == caption('predicted', (0, 0, 0), 32)).all()
+    assert (grid[CAPTION + 5, 40] != grid[CAPTION + 5, 72]).any()  # predicted and true masks differ in colour

@@ -116,11 +116,14 @@ def mask_colours(num_classes):
 
 
 def segmentation_grid(images, predicted, true, num_classes, tile=96):
-    """Rows of image | predicted mask | true mask (HxWx3 uint8); `images` in [0, 1], masks (N, H, W)."""
+    """Rows of image | predicted mask | true mask under a header naming the columns (HxWx3 uint8);
+    `images` in [0, 1], masks (N, H, W)."""
     colours = torch.from_numpy(mask_colours(num_classes)).float() / 255
     masks = [colours[m.cpu().long().clip(0, num_classes - 1)].permute(0, 3, 1, 2) for m in (predicted, true)]
     pixels = [tiles(picture, tile) for picture in (images, *masks)]  # (N, T, T, 3) each
-    return np.concatenate([np.concatenate(row, axis=1) for row in zip(*pixels)], axis=0)
+    side = pixels[0].shape[2]
+    header = np.concatenate([caption(name, (0, 0, 0), side) for name in ('image', 'predicted', 'true')], axis=1)
+    return np.concatenate([header] + [np.concatenate(row, axis=1) for row in zip(*pixels)], axis=0)
 
 
 def confusion_matrix_image(matrix, class_names=None, cell=44):
