@@ -41,10 +41,11 @@ correctness)
         run python3 eval.py --load_model_path "$scratch/small_cnn_shapes_compile_$mode/best.pth" --no-progress_bar
     done
     checkpoint="$scratch/small_cnn_shapes_amp_off/best.pth"
-    for device in '' --cpu; do
-        run python3 eval.py --load_model_path "$checkpoint" --no-progress_bar --save_prefix "gpu${device}" $device
+    for where in gpu cpu; do
+        device=$([ "$where" = cpu ] && echo --cpu || true)
+        run python3 eval.py --load_model_path "$checkpoint" --no-progress_bar --save_prefix "$where" $device
         run python3 predict.py --load_model_path "$checkpoint" --input data/generated/shapes/images/val \
-            --no-progress_bar --save_prefix "gpu${device}" $device
+            --no-progress_bar --save_prefix "$where" $device
     done
     say 'torchrun, 2 processes on 1 GPU: expect one line and a non-zero exit'
     python3 -m utils.torchrun --standalone --nproc-per-node=2 train.py --max_iteration 2 \
