@@ -222,7 +222,9 @@ class Trainer:
             options.monitor, options.monitor_mode, options.early_stop_patience, options.early_stop_min_delta
         )
         trackers = None
-        if is_main_process():  # the others log to no tracker
+        # the others log to no tracker; nor does a finished run resumed as it was (nothing new to log)
+        finished = checkpoint is not None and Checkpointer.step_of(checkpoint, options.resume_from) >= max_steps
+        if is_main_process() and not finished:
             trackers = build_trackers(
                 options.loggers,
                 options.model_dir,
@@ -514,6 +516,9 @@ class Trainer:
             f'{stop.message if stop else "done"} after {seconds:.0f}s at step {self.position.step}{first}; '
             f'best {o.monitor} {best}'
         ]
+        if stop is None and self.first_step_seconds is None:  # resumed at its end
+            lines[0] += ' (nothing left to train: give more --epochs or --max_iteration to go on)'
+
         existing = [name for name in (BEST, LAST) if os.path.exists(self.folder(name))]
         if existing:
             lines.append(f'  checkpoints: {", ".join(self.folder(name) for name in existing)}')

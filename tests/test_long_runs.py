@@ -284,8 +284,14 @@ def test_resume_options(tiny_shapes, tmp_path):
     assert 'resuming' not in fresh.stdout
     exists = run_script('train.py', *args)
     assert exists.returncode == 2 and '--resume' in exists.stderr
+    logged = {name: os.path.getsize(os.path.join(_folder(args), name)) for name in os.listdir(_folder(args))}
     done = _train(args, '--resume')  # already finished: nothing more to do, nothing changed
-    assert 'resuming' in done.stdout and 'at step 12' in done.stdout
+    assert 'resuming' in done.stdout and 'at step 12' in done.stdout and 'nothing left to train' in done.stdout
+    # no tracker file added or grown (each such resume added an event file, and reopened tracker runs)
+    now = {name: os.path.getsize(os.path.join(_folder(args), name)) for name in os.listdir(_folder(args))}
+    assert {name: size for name, size in now.items() if 'tfevents' in name or name.endswith('.csv')} == {
+        name: size for name, size in logged.items() if 'tfevents' in name or name.endswith('.csv')
+    }
     more = _train(args, '--resume', '--epochs', '3')  # a longer schedule continues
     assert _step(_load(os.path.join(_folder(args), 'last.pth'))) == 18 and 'epoch 3/3' in more.stdout
 
