@@ -154,6 +154,7 @@ def test_stop_signal_saves_the_state_and_exits_cleanly(tiny_shapes, tmp_path, si
     assert process.returncode == 128 + getattr(signal, signame), stderr
     assert 'Traceback' not in stderr
     assert f'stopped by {signame}' in stdout
+    assert stderr.startswith(f'{signame} received: finishing the current step')  # no blank line first in a log
     last = _load(os.path.join(_folder(args), 'last.pth'))
     assert 4 <= _step(last) < 200 * 6
     # the saved step is the one the signal interrupted: not a step lost, none repeated on resume

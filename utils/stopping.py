@@ -53,7 +53,8 @@ class StopSignals:
         self.received = signum
         if os.environ.get('RANK', '0') == '0':  # under torchrun every process hears it: one says so
             print(
-                f'\n{signal.Signals(signum).name} received: finishing the current step and saving; '
+                ('\n' if sys.stderr.isatty() else '')  # off the progress bar's line (and the ^C) in a terminal
+                + f'{signal.Signals(signum).name} received: finishing the current step and saving; '
                 f'send it again to stop at once',
                 file=sys.stderr,
                 flush=True,
