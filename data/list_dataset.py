@@ -49,8 +49,10 @@ def check_classes(dataset, class_names, source):
     class it lacks, holds in addition or orders differently. Labels are positions in the names, so
     any difference would mix classes up without a word."""
     found = getattr(dataset, 'class_names', None)
-    unnamed = [str(label) for label in range(len(class_names or ()))]  # what a run without names saves
-    if not found or not class_names or found == list(class_names) or list(class_names) == unnamed:
+    class_names = list(class_names or ())
+    while class_names and class_names[-1] == str(len(class_names) - 1):  # numbered, not named (tasks/task.py)
+        class_names.pop()
+    if not found or not class_names or found == class_names:
         return
     if not getattr(dataset, 'from_folder', False):
         raise KilnError(
@@ -69,11 +71,18 @@ def check_classes(dataset, class_names, source):
 
 
 def read_class_names(list_path, file_names=('classes.txt',)):
-    """Class names from the first of `file_names` found beside the list file, or None."""
+    """Class names from the first of `file_names` found beside the list file, or None; a name given twice
+    is a KilnError (two classes would share it in every result)."""
     for name in file_names:
         path = os.path.join(os.path.dirname(os.path.abspath(list_path)), name)
         if os.path.isfile(path):
-            return [fields[0] for _, fields in read_list_file(path, columns=1)]
+            if os.path.getsize(path) == 0:
+                raise KilnError(f'{path} is empty; give one class name per line, in label order')
+            names = [fields[0] for _, fields in read_list_file(path, columns=1)]
+            twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+            if twice is not None:
+                raise KilnError(f'{path} names the class {twice!r} twice; give each class its own name')
+            return names
     return None
 
 
@@ -115,6 +124,12 @@ class ListDataset(Dataset):
             self.class_names = read_class_names(self.list_path, self.class_files)
         self.check_files()
         self.num_classes = args.num_classes or self.count_classes()
+        # (fewer names: the task numbers the other classes; other splits: check_classes compares the names)
+        if split == 'train' and self.class_names and len(self.class_names) > self.num_classes:
+            raise KilnError(
+                f'{self.list_path}: {len(self.class_names)} classes are named but --num_classes is '
+                f'{self.num_classes}; drop --num_classes, or name only the classes the model has'
+            )
         if not self.from_folder:  # a folder's labels are its classes (data.list_dataset.check_classes compares them)
             self.check_targets()
 
@@ -195,9 +210,10 @@ class ListDataset(Dataset):
         """Stop with the list file line of the first label outside the class range."""
         for _, label, number in self.samples:
             if label >= self.num_classes:
+                fix = 'the list or classes.txt (a name per class)' if self.class_names else 'the list or --num_classes'
                 raise KilnError(
                     f'{self.list_path}:{number}: label {label} is outside 0..{self.num_classes - 1} '
-                    f'(num_classes={self.num_classes}); fix the list, classes.txt or --num_classes'
+                    f'(num_classes={self.num_classes}); fix {fix}'
                 )
 
     def default_list(self, args, split):

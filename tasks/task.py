@@ -38,7 +38,9 @@ class Task:
         from loss import select_loss
 
         self.options, self.num_classes = options, options.num_classes
-        self.class_names = list(class_names or [str(c) for c in range(self.num_classes)])
+        # a name per output: classes beyond the named ones (a larger --num_classes) go by their number
+        names = list(class_names or [])
+        self.class_names = names + [str(c) for c in range(len(names), self.num_classes)]
         self.criterion = select_loss(options.loss or self.default_loss)
 
     @classmethod

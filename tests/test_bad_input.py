@@ -234,7 +234,12 @@ def test_label_beyond_classes_txt(data, tmp_path):
 def test_label_beyond_num_classes(data, tmp_path):
     listed = write_list(data, 'label_5.txt', ['images/train/00000.png 0', 'images/train/00005.png 5'])
     result = train(tmp_path / 'ck', data, '--train_list', listed, '--num_classes', '2')
-    assert_one_error_line(result, f'{listed}:2', 'label 5', '--num_classes')
+    assert_one_error_line(result, listed, '6 classes are named but --num_classes is 2')  # classes.txt names 6
+    unnamed = tmp_path / 'unnamed'  # no classes.txt beside it: the label is what is wrong
+    unnamed.mkdir()
+    (unnamed / 'label_5.txt').write_text(f'{data}/images/train/00000.png 0\n{data}/images/train/00005.png 5\n')
+    result = train(tmp_path / 'ck', data, '--train_list', unnamed / 'label_5.txt', '--num_classes', '2')
+    assert_one_error_line(result, f'{unnamed / "label_5.txt"}:2', 'label 5', '--num_classes')
     assert leftovers(tmp_path / 'ck') == []
 
 

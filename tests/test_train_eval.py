@@ -289,3 +289,34 @@ def test_results_go_to_output_dir_and_leave_the_experiment_folder_as_it_was(trai
     assert refused.returncode == 2 and 'give a folder you can write to as --output_dir' in refused.stderr, (
         refused.stderr
     )
+
+
+def test_classes_beyond_the_named_ones_go_by_their_number(tiny_shapes, tmp_path):
+    """--num_classes above classes.txt's count (what the label error suggested) crashed drawing pictures
+    and writing results (IndexError on the names); a name given twice or an empty classes.txt is one line."""
+    lists = tmp_path / 'lists'
+    lists.mkdir()
+    (lists / 'classes.txt').write_text('circle\nsquare\n')
+    with open(os.path.join(tiny_shapes, 'val.txt')) as f:
+        lines = [line.split() for line in f if line.strip()]
+    (lists / 'all.txt').write_text(''.join(f'{os.path.join(tiny_shapes, p)} {label}\n' for p, label in lines))
+    args = [
+        *tiny_run_args(tiny_shapes, tmp_path / 'ck'),
+        '--train_list',
+        lists / 'all.txt',
+        '--val_list',
+        lists / 'all.txt',
+    ]
+    trained = run_script('train.py', *args, '--num_classes', '6', '--max_iteration', '2')
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    folder = tmp_path / 'ck' / 'small_cnn_list_default'
+    evaluated = run_script('eval.py', '--load_model_path', folder, '--no-progress_bar')
+    assert evaluated.returncode == 0, evaluated.stderr
+    with open(folder / 'eval' / 'best_val_default' / 'result.json') as f:
+        assert json.load(f)['class_names'] == ['circle', 'square', '2', '3', '4', '5']
+    for content, needle in (('circle\nsquare\ncircle\n', "names the class 'circle' twice"), ('', 'is empty')):
+        (lists / 'classes.txt').write_text(content)
+        refused = run_script('train.py', *args, '--num_classes', '6', '--save_prefix', 'again')
+        assert refused.returncode == 2 and needle in refused.stderr and len(refused.stderr.splitlines()) == 1, (
+            refused.stderr
+        )
