@@ -527,8 +527,16 @@ class Trainer:
             lines.append(f'  TensorBoard: tensorboard --logdir {shlex.quote(o.checkpoints_dir if beside else folder)}')
         if BEST in existing:
             lines.append(f'  evaluate:    python eval.py --load_model_path {shlex.quote(self.folder(BEST))}')
-        if LAST in existing:
-            lines.append(f'  continue:    python train.py --resume {shlex.quote(self.folder(LAST))}')
+        if LAST in existing:  # with as many processes: the checkpoint's place in the data counts theirs
+            count, here = world_size(), os.environ.get('LOCAL_WORLD_SIZE')
+            launch = (
+                'python '
+                if count == 1
+                else f'python -m utils.torchrun --standalone --nproc-per-node={count} '
+                if here == str(count)
+                else f'torchrun ({count} processes) '
+            )
+            lines.append(f'  continue:    {launch}train.py --resume {shlex.quote(self.folder(LAST))}')
         print('\n'.join(lines), flush=True)
 
     def run(self):

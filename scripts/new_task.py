@@ -20,6 +20,12 @@ import tarfile
 TEMPLATE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEFT_OUT = ('.git', 'checkpoints', 'data/generated', '__pycache__', '.pytest_cache', '.ruff_cache', '.idea', '.venv')
 TEXT_FILES = ('.py', '.md', '.sh', '.xml', '.txt', '.yaml', '.yml', '.cfg', '.toml', '.json', '.gitignore', 'run')
+# where each stub goes and is registered: a name taken by either would overwrite a part of Kiln
+TAKEN = {
+    'task': ('tasks/task_entry.py', 'tasks/{}.py'),
+    'dataset': ('data/data_entry.py', 'data/{}.py'),
+    'model': ('model/model_entry.py', 'model/{}'),
+}
 INTRO = re.compile(r'<!-- intro -->.*?<!-- /intro -->', re.S)  # the README's template pitch, replaced in a project
 
 TASK_STUB = '''"""The {name} task. Everything this kind of problem needs beyond the loop is here (see tasks/task.py).
@@ -205,6 +211,17 @@ def main(argv=None):
         value = getattr(args, option)
         if value is not None and not re.fullmatch(r'[a-z][a-z0-9_]*', value):
             fail(f'--{option} {value!r}: use a lower-case Python name such as my_{option}')
+    for option, (entry, place) in TAKEN.items():
+        value = getattr(args, option)
+        if value is None:
+            continue
+        with open(os.path.join(TEMPLATE, entry)) as f:
+            registered = f"'{value}':" in f.read()
+        if registered or os.path.exists(os.path.join(TEMPLATE, place.format(value))):
+            fail(
+                f'--{option} {value}: the template has a {option} or file of that name already '
+                f'({entry if registered else place.format(value)}); choose another name (nothing was written)'
+            )
     if os.path.exists(args.dest) and (not os.path.isdir(args.dest) or os.listdir(args.dest)):
         fail(f'{args.dest} exists and is not an empty folder; choose a new DEST (nothing was written)')
     dest = os.path.abspath(args.dest)

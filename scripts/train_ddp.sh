@@ -15,8 +15,9 @@ NPROC=${NPROC:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 
 NNODES=${NNODES:-1}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
 RDZV_ID=${RDZV_ID:-kiln}
-MODEL_TYPE=${MODEL_TYPE:-small_cnn}
-DATA_TYPE=${DATA_TYPE:-shapes}
+TASK=${TASK:-classify}        # a --task name: tasks/task_entry.py
+MODEL_TYPE=${MODEL_TYPE:-}    # empty: the task's own model (model/model_entry.py)
+DATA_TYPE=${DATA_TYPE:-}      # empty: the task's own dataset (data/data_entry.py)
 SAVE_PREFIX=${SAVE_PREFIX:-ddp}
 EPOCHS=${EPOCHS:-12}
 BATCH_SIZE=${BATCH_SIZE:-64}
@@ -28,5 +29,6 @@ else
     LAUNCH=(--nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
             --rdzv-id="$RDZV_ID")
 fi
-"$PYTHON" -m utils.torchrun "${LAUNCH[@]}" train.py --model_type "$MODEL_TYPE" --data_type "$DATA_TYPE" \
-    --save_prefix "$SAVE_PREFIX" --epochs "$EPOCHS" --batch_size "$BATCH_SIZE" --lr "$LR" "$@"
+"$PYTHON" -m utils.torchrun "${LAUNCH[@]}" train.py --task "$TASK" ${MODEL_TYPE:+--model_type "$MODEL_TYPE"} \
+    ${DATA_TYPE:+--data_type "$DATA_TYPE"} --save_prefix "$SAVE_PREFIX" --epochs "$EPOCHS" --batch_size "$BATCH_SIZE" \
+    --lr "$LR" "$@"

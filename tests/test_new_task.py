@@ -89,6 +89,24 @@ def test_generator_refuses_a_non_empty_destination(tmp_path):
     assert os.listdir(tmp_path) == ['mine.txt'] and (tmp_path / 'mine.txt').read_text() == 'keep me'
 
 
+@pytest.mark.parametrize(
+    'option, name, where',
+    [
+        ('--task', 'classify', 'tasks/task_entry.py'),
+        ('--dataset', 'shapes', 'data/data_entry.py'),
+        ('--dataset', 'loader', 'data/loader.py'),  # not a dataset, but the stub would replace it
+        ('--model', 'small_cnn', 'model/model_entry.py'),
+    ],
+)
+def test_generator_refuses_a_name_the_template_has(tmp_path, option, name, where):
+    """The stub replaced Kiln's own file and its registry entry (--dataset shapes broke the default job)."""
+    result = run_script('scripts/new_task.py', str(tmp_path / 'new'), option, name)
+    assert result.returncode == 2 and result.stderr.startswith(f'error: {option} {name}: the template has'), (
+        result.stderr
+    )
+    assert f'({where})' in result.stderr and not (tmp_path / 'new').exists()
+
+
 @pytest.fixture(scope='module')
 def segmented(tiny_shapes, tmp_path_factory):
     """A 2-epoch segmentation run through scripts/train_seg.sh on the tiny shapes' masks: its folder."""

@@ -134,8 +134,17 @@ def test_resume_under_two_processes(one_and_two_processes, tmp_path):
     epoch_1 = [n for n in os.listdir(_folder(whole, 'linear')) if n.startswith('epoch001_')][0]
     for name in ('args.yaml', epoch_1):
         shutil.copy(os.path.join(_folder(whole, 'linear'), name), copy / name)
+    # in one process it would restart at the same global batch of half as many samples: some trained twice
+    alone = subprocess.run(
+        [sys.executable, 'train.py', '--resume', copy / epoch_1, '--cpu'], cwd=REPO, capture_output=True, text=True
+    )
+    assert alone.returncode == 2 and 'was trained by 2 processes, this run has 1' in alone.stderr, alone.stderr
+    assert sorted(os.listdir(copy)) == sorted(['args.yaml', epoch_1])  # refused before any file changed
     resumed = _torchrun('train.py', '--resume', copy / epoch_1, '--cpu', '--no-progress_bar')
     assert 'resuming' in resumed.stdout and resumed.stdout.count('resuming') == 1  # printed by rank 0 only
+    assert f'continue:    python -m utils.torchrun --standalone --nproc-per-node=2 train.py --resume {copy}' in (
+        resumed.stdout
+    )
     _assert_same_weights(_last(_folder(whole, 'linear')), _last(str(copy)), atol=1e-6)
 
 

@@ -36,6 +36,7 @@ from options import (
 )
 from utils.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
+from utils.distributed import world_size
 from utils.errors import KilnError
 
 ARGS_TXT, ARGS_YAML, LOCK = 'args.txt', 'args.yaml', '.lock'
@@ -190,6 +191,7 @@ def open_experiment(argv, args):
         merged = parse_args(parse_train_args, argv, base_config=base)
         _refuse_changes(parse_args(parse_train_args, [], base_config=base), merged, folder)
         args = resolve(merged)
+        _refuse_other_world_size(checkpoint, resume_from)
     lock = FolderLock(folder)
     try:
         if not resume_from:
@@ -236,6 +238,18 @@ def _newest_checkpoint(folder):
     for reason in skipped:
         print(f'skipping {os.path.join(folder, reason)}')
     return path
+
+
+def _refuse_other_world_size(checkpoint, source):
+    """A KilnError when `checkpoint` was trained by another number of processes than run now: its place in
+    the data counts global batches of that many processes' samples, so a resume would train some twice."""
+    trained_by = len(checkpoint.get('rng', {}).get('per_rank', ())) or world_size()
+    if trained_by != world_size():
+        raise KilnError(
+            f'{source} was trained by {trained_by} process{"es" if trained_by > 1 else ""}, this run has '
+            f'{world_size()}; resume it with {trained_by} (python -m utils.torchrun --standalone '
+            f'--nproc-per-node={trained_by} train.py --resume ...), so that no sample is trained twice or skipped'
+        )
 
 
 def _refuse_changes(saved, merged, folder):
