@@ -53,6 +53,14 @@ class DetListDataset(ListDataset):
         return 1 + max((int(labels.max()) for _, (_, labels), _ in self.samples if len(labels)), default=0)
 
     def check_targets(self):
+        """Stop at the first class outside the class range, and at boxes that are all within 0..1 (YOLO's
+        normalized coordinates: in pixels they would be under one pixel and train on nothing)."""
+        boxes = [boxes for _, (boxes, _), _ in self.samples if len(boxes)]
+        if boxes and max(float(b.max()) for b in boxes) <= 1:
+            raise KilnError(
+                f'{self.list_path}: every box lies within 0..1, as normalized (YOLO) coordinates do; give '
+                f'them in pixels of the image: x1,y1,x2,y2,class'
+            )
         for _, (_, labels), number in self.samples:
             if len(labels) and labels.max() >= self.num_classes:
                 raise KilnError(
@@ -68,6 +76,7 @@ class DetListDataset(ListDataset):
         scale = torch.tensor([self.size / (x1 - x0), self.size / (y1 - y0)] * 2, dtype=torch.float32)
         boxes = ((torch.from_numpy(boxes) - torch.tensor([x0, y0, x0, y0])) * scale).clamp(0, self.size)
         labels = torch.from_numpy(labels)
-        kept = (boxes[:, 2] - boxes[:, 0] >= 1) & (boxes[:, 3] - boxes[:, 1] >= 1)  # a box cropped away is dropped
+        # a box cropped away is dropped; a small one stays, however small (validation must count it)
+        kept = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
         region = torch.tensor([x0, y0, x1, y1], dtype=torch.float32)
         return {'image': image, 'boxes': boxes[kept], 'box_labels': labels[kept], 'region': region}

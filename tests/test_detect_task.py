@@ -150,3 +150,24 @@ def test_rows_give_boxes_in_the_image_pixels_of_the_list(tmp_path, monkeypatch, 
     (rows,) = task.predict_rows(batch, None, ['wide.png'], None)
     ((label, name, score, *box),) = rows
     assert (label, name) == (1, 'b') and [float(v) for v in box] == pytest.approx([23, 17, 48, 42], abs=0.05), box
+
+
+def test_normalized_boxes_are_refused_and_small_boxes_kept(tmp_path):
+    """YOLO-style 0..1 boxes trained on nothing (each under a pixel, dropped) and validation lost its
+    small true boxes, both without a word."""
+    import argparse
+
+    from PIL import Image
+
+    from data.det_list_dataset import DetListDataset
+    from utils.errors import KilnError
+
+    Image.new('RGB', (400, 400), 'black').save(tmp_path / 'big.png')
+    (tmp_path / 'yolo.txt').write_text('big.png 0.375,0.5,0.583,0.833,0\n')
+    options = argparse.Namespace(img_size=32, num_classes=None, data_type='det_list')
+    with pytest.raises(KilnError, match='every box lies within 0..1, as normalized'):
+        DetListDataset(argparse.Namespace(**vars(options), train_list=str(tmp_path / 'yolo.txt')), 'train')
+    (tmp_path / 'small.txt').write_text('big.png 10,10,200,200,0 300,300,308,308,1\n')
+    sample = DetListDataset(argparse.Namespace(**vars(options), train_list=str(tmp_path / 'small.txt')), 'train')[0]
+    assert sample['box_labels'].tolist() == [0, 1]  # the 8-pixel box is 0.64 pixels at 32: kept
+    assert sample['boxes'][1].tolist() == pytest.approx([24, 24, 24.64, 24.64])
