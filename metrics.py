@@ -35,9 +35,10 @@ def confusion_matrix(predictions, targets, num_classes):
 
 
 def accuracy_from_confusion(matrix):
-    """Overall accuracy and per-class recall from a confusion matrix."""
+    """Overall accuracy and per-class recall from a confusion matrix (NaN for a class with no samples: a
+    0 would read as a class always missed)."""
     matrix = matrix.double()
-    per_class = matrix.diagonal() / matrix.sum(dim=1).clamp(min=1)
+    per_class = matrix.diagonal() / matrix.sum(dim=1)  # 0/0 = NaN
     return matrix.diagonal().sum() / matrix.sum().clamp(min=1), per_class
 
 

@@ -155,6 +155,8 @@ def test_metrics():
     assert matrix.tolist() == [[1, 0, 1], [1, 0, 0], [0, 1, 0]]
     overall, recall = accuracy_from_confusion(matrix)
     assert overall.item() == pytest.approx(0.25) and recall.tolist() == pytest.approx([0.5, 0.0, 0.0])
+    _, recall = accuracy_from_confusion(torch.tensor([[2, 0, 1], [0, 0, 0], [0, 0, 3]]))  # no sample of class 1
+    assert recall[0].item() == pytest.approx(2 / 3) and recall[1].isnan() and recall[2].item() == 1.0  # not 0.0
 
 
 def test_recorder_weighs_by_batch_size_and_keeps_no_graph():
