@@ -726,11 +726,16 @@ def given_options(add_args, argv):
 
 
 def resolve(args, **changes):
-    """The options a run computes with, read-only: `args` with `changes`, and, for the options left
-    unset, what the task decides (TASK_DEFAULTS: model, dataset, loss, image size, monitor). The one
-    place these defaults are decided, for train.py, eval.py, predict.py and sweep.py. Imports the
-    task's module (and so torch) only when an option is unset."""
+    """The options a run computes with, read-only: `args` with `changes` (list files made absolute), and,
+    for the options left unset, what the task decides (TASK_DEFAULTS: model, dataset, loss, image size,
+    monitor). The one place these defaults are decided, for train.py, eval.py, predict.py and sweep.py.
+    Imports the task's module (and so torch) only when an option is unset."""
     options = Options.of(args, **changes)
+    # list files as absolute paths: saved with the run, they still name the same files from another folder
+    lists = {name: getattr(options, name, None) for name in ('train_list', 'val_list')}
+    options = options.replace(
+        **{name: os.path.abspath(os.path.expanduser(path)) for name, path in lists.items() if isinstance(path, str)}
+    )
     unset = [name for name in TASK_DEFAULTS if name in vars(options) and getattr(options, name) is None]
     options = options.replace(task=options.task or 'classify')
     if not unset:

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from data.image_io import CROP_PCT, IMAGE_EXTENSIONS, check_images, decode_image, find_images
-from data.list_file import collections_paused, read_list_file, resolve_path
+from data.list_file import collections_paused, missing_file_hint, read_list_file, resolve_path
 from utils.checkpoint import atomic_write_bytes
 from utils.errors import KilnError
 
@@ -197,7 +197,10 @@ class ListDataset(Dataset):
                         stat = None
                     if stat is None or not S_ISREG(stat.st_mode):
                         kind = 'image' if file == path else 'file'
-                        raise KilnError(f'{self.list_path}:{number}: {kind} {file} does not exist')
+                        raise KilnError(
+                            f'{self.list_path}:{number}: {kind} {file} does not exist'
+                            f'{missing_file_hint(self.list_path, file)}'
+                        )
                     digest.update(os.fsencode(file) + f' {stat.st_size} {stat.st_mtime_ns}'.encode())
             self._files_digest = digest.hexdigest()
         return self._files_digest

@@ -186,12 +186,23 @@ def read_image_paths(path):
                 starts = (resolve_path(path, text[: space.start()]) for space in re.finditer(r'\s+', text))
                 image = next((name for name in starts if os.path.isfile(name)), None)
             if image is None:
+                image = resolve_path(path, fields[0])
+                spaces = '; put quotes around a path with spaces ("my photos/cat 1.jpg" 3)' if len(fields) > 2 else ''
                 raise KilnError(
-                    f'{path}:{number}: image {resolve_path(path, fields[0])} does not exist; put quotes around a '
-                    f'path with spaces ("my photos/cat 1.jpg" 3) or give it a line of its own'
+                    f'{path}:{number}: image {image} does not exist{missing_file_hint(path, image)}{spaces}'
                 )
         paths.append(image)
     return paths
+
+
+def missing_file_hint(list_path, file):
+    """What to check when the listed `file` does not exist: the list's encoding (a name that is not
+    UTF-8), else where relative paths are read from."""
+    try:
+        file.encode('utf-8')
+    except UnicodeEncodeError:  # bytes the list's decoding kept as they were
+        return '; its name is not UTF-8: if the list was saved as Latin-1 or cp1252, save it as UTF-8'
+    return f" (a relative path is read from the list file's folder, {_folder_of(list_path, os.getcwd())})"
 
 
 def resolve_path(list_path, field):

@@ -543,3 +543,21 @@ def test_a_mask_of_another_size_than_its_image_is_one_line(tmp_path, scale):
     size = f'{int(64 * scale)}x{int(48 * scale)}'
     assert f'train.txt:1: mask {tmp_path / "a_mask.png"} is {size} pixels but its image' in str(caught.value)
     assert '64x48' in str(caught.value) and '\n' not in str(caught.value)
+
+
+def test_a_missing_listed_file_says_what_to_check(tmp_path):
+    """Where relative paths are read from; a Latin-1 list naming a UTF-8 file name: the encoding."""
+    import argparse
+
+    from data.list_dataset import ListDataset
+    from data.list_file import read_image_paths
+
+    save(Image.new('RGB', (8, 8)), tmp_path / 'café.png')
+    (tmp_path / 'latin1.txt').write_bytes('café.png 0\n'.encode('latin-1'))
+    with pytest.raises(KilnError, match='its name is not UTF-8: if the list was saved as Latin-1 or cp1252'):
+        read_image_paths(str(tmp_path / 'latin1.txt'))
+    (tmp_path / 'sub').mkdir()
+    (tmp_path / 'sub' / 'train.txt').write_text('café.png 0\n')  # relative to the list's folder, not the cwd
+    options = argparse.Namespace(train_list=str(tmp_path / 'sub' / 'train.txt'), img_size=8, num_classes=None)
+    with pytest.raises(KilnError, match=f"read from the list file's folder, {tmp_path / 'sub'}"):
+        ListDataset(options, 'train')

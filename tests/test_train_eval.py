@@ -320,3 +320,31 @@ def test_classes_beyond_the_named_ones_go_by_their_number(tiny_shapes, tmp_path)
         assert refused.returncode == 2 and needle in refused.stderr and len(refused.stderr.splitlines()) == 1, (
             refused.stderr
         )
+
+
+def test_list_files_are_saved_as_absolute_paths(tiny_shapes, tmp_path):
+    """A list given relative to another folder was saved as typed: eval.py from the project folder then
+    said 'list file L/val.txt does not exist', though training had printed the command to run."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    lists = tmp_path / 'L'
+    lists.mkdir()
+    with open(os.path.join(tiny_shapes, 'val.txt')) as f:
+        lines = [line.split() for line in f if line.strip()]
+    (lists / 'val.txt').write_text(''.join(f'{os.path.join(tiny_shapes, p)} {label}\n' for p, label in lines))
+    args = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--train_list', 'L/val.txt', '--val_list', 'L/val.txt']
+    trained = subprocess.run(
+        [sys.executable, os.path.join(REPO, 'train.py'), *map(str, args), '--max_iteration', '1'],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert trained.returncode == 0, trained.stderr
+    folder = tmp_path / 'ck' / 'small_cnn_list_default'
+    with open(folder / 'args.yaml') as f:
+        assert yaml.safe_load(f)['val_list'] == str(lists / 'val.txt')
+    evaluated = run_script('eval.py', '--load_model_path', folder, '--no-progress_bar')  # from the project folder
+    assert evaluated.returncode == 0, evaluated.stderr
