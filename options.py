@@ -104,7 +104,8 @@ class KilnArgumentParser(argparse.ArgumentParser):
             flags = [flag for action in self._actions for flag in action.option_strings]
             unknown = next((token for token in message.split()[2:] if token.startswith('--')), '')
             message += did_you_mean(unknown.split('=')[0], flags)
-        self.exit(2, f'error: {message} (see --help)\n')
+        # every torchrun rank parses the same command line: rank 0 says what is wrong
+        self.exit(2, f'error: {message} (see --help)\n' if os.environ.get('RANK', '0') == '0' else None)
 
 
 class Switch(argparse.BooleanOptionalAction):
@@ -665,8 +666,8 @@ def _kiln_option_names():
 
 def _check_names(args):
     """A KilnError (one line; a traceback with --debug) when --task, --model_type or --data_type names
-    nothing registered."""
-    from utils.errors import KilnError
+    nothing registered (shared: every torchrun rank finds it, rank 0 says it)."""
+    from utils.errors import SharedKilnError
 
     for option in REGISTRIES:
         value = getattr(args, option, None)
@@ -675,7 +676,7 @@ def _check_names(args):
         if value is not None:
             names = registry_names(option)
             if value not in names:
-                raise KilnError(
+                raise SharedKilnError(
                     f'unknown --{option} {value!r}{did_you_mean(value, names)}; choose one of: '
                     f'{", ".join(sorted(names))} (or register it in {REGISTRIES[option][2]})'
                 )

@@ -157,6 +157,21 @@ def test_a_shared_error_stops_every_rank_with_one_line(one_and_two_processes):
     assert result.stderr.count('error: ') == 1 and 'already exists' in result.stderr
 
 
+@pytest.mark.parametrize(
+    'mistake, needle',
+    [
+        (['--batchsize', '8'], 'did you mean --batch_size?'),
+        (['--model_type', 'my_nett'], "unknown --model_type 'my_nett'"),
+    ],
+)
+def test_a_mistake_in_the_options_is_said_once_under_torchrun(mistake, needle):
+    """Every rank parses the same command line; each printed the error (twice for two processes)."""
+    result = subprocess.run(
+        [*TORCHRUN, 'train.py', '--cpu', *mistake], cwd=REPO, capture_output=True, text=True, timeout=timeout()
+    )
+    assert result.returncode != 0 and result.stderr.count('error: ') == 1 and needle in result.stderr, result.stderr
+
+
 def _worker_pids(launcher):
     deadline = time.time() + timeout(120)
     while time.time() < deadline:

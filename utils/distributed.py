@@ -12,11 +12,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from utils.errors import KilnError
-
-
-class SharedKilnError(KilnError):
-    """A KilnError that rank 0 raised and every rank re-raises; only rank 0 prints it."""
+from utils.errors import KilnError, SharedKilnError
 
 
 def local_rank():

@@ -14,6 +14,11 @@ class KilnError(Exception):
     """
 
 
+class SharedKilnError(KilnError):
+    """A KilnError that every torchrun rank meets alike (rank 0's, re-raised by each; a mistake in the
+    options): only rank 0 prints it."""
+
+
 def _one_line(error):
     # A KilnError raised in a DataLoader worker comes back wrapped with the worker's traceback
     # text; the user's message is the last line, after the exception's qualified name.
@@ -93,7 +98,7 @@ def _run_reporting_errors(main, argv):
         _interrupted()
     except KilnError as error:
         # under torchrun every rank fails alike on a shared error; one copy of the line is enough
-        if os.environ.get('RANK', '0') == '0' or type(error).__name__ != 'SharedKilnError':
+        if os.environ.get('RANK', '0') == '0' or not isinstance(error, SharedKilnError):
             print(f'error: {_one_line(error)}', file=sys.stderr)
         sys.exit(2)
     except OSError as error:
