@@ -528,3 +528,17 @@ def test_segmentation_pictures_name_their_columns():
     assert grid.shape == (CAPTION + 2 * 32, 3 * 32, 3)
     assert (grid[:CAPTION, 32:64] == caption('predicted', (0, 0, 0), 32)).all()
     assert (grid[CAPTION + 5, 40] != grid[CAPTION + 5, 72]).any()  # predicted and true masks differ in colour
+
+
+def test_checkpoints_to_evaluate_names_each_once_and_skips_non_experiments(tmp_path):
+    """'checkpoints/*' matched Kiln's own comparisons/ folder (no best.pth: the comparison stopped), and a
+    folder given with its best.pth was evaluated twice, the second time refused after the first ran."""
+    from utils.run_folder import checkpoints_to_evaluate
+
+    for name in ('a', 'b'):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'args.yaml').write_text('lr: 0.1\n')
+        (tmp_path / name / 'best.pth').write_bytes(b'')
+    (tmp_path / 'comparisons').mkdir()
+    found = checkpoints_to_evaluate([str(tmp_path / '*'), str(tmp_path / 'a'), str(tmp_path / 'a' / 'best.pth')])
+    assert found == [str(tmp_path / 'a' / 'best.pth'), str(tmp_path / 'b' / 'best.pth')]

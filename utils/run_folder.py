@@ -376,8 +376,9 @@ def checkpoint_path(path):
 
 
 def checkpoints_to_evaluate(paths):
-    """The checkpoint files named by eval.py's --load_model_path, in order: files as they are,
-    experiment folders as their best.pth, globs (e.g. 'checkpoints/*/best.pth') expanded."""
+    """The checkpoint files named by eval.py's --load_model_path, in order, each once: files as they are,
+    experiment folders as their best.pth, globs (e.g. 'checkpoints/*') expanded, the folders a glob
+    matches that are no experiment (no args.yaml: Kiln's comparisons/, say) left out."""
     if not paths:
         raise KilnError(
             'no checkpoint to evaluate; give --load_model_path PATH (e.g. checkpoints/<experiment>/best.pth)'
@@ -385,10 +386,17 @@ def checkpoints_to_evaluate(paths):
     found = []
     for item in paths:
         matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        if glob.has_magic(item):
+            matches = [m for m in matches if not os.path.isdir(m) or os.path.isfile(os.path.join(m, ARGS_YAML))]
         if not matches:
             raise KilnError(f'--load_model_path {item} matches no file')
         found += [checkpoint_path(match) for match in matches]
-    return found
+    unique, seen = [], set()
+    for path in found:  # a file named twice (a folder and its best.pth, say) is evaluated once
+        if os.path.realpath(path) not in seen:
+            seen.add(os.path.realpath(path))
+            unique.append(path)
+    return unique
 
 
 def evaluated_list_name(val_list):
