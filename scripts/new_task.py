@@ -237,6 +237,12 @@ def main(argv=None):
         cls = camel(args.task) + 'Task'
         write(os.path.join(dest, 'tasks', f'{args.task}.py'), TASK_STUB.format(name=args.task, cls=cls))
         register(os.path.join(dest, 'tasks', 'task_entry.py'), 'TASKS', args.task, f'tasks.{args.task}:{cls}')
+        for script in ('train.sh', 'train_ddp.sh'):  # the project's own task is what its scripts train
+            path = os.path.join(dest, 'scripts', script)
+            with open(path) as f:
+                text = f.read()
+            with open(path, 'w') as f:
+                f.write(text.replace('TASK=${TASK:-classify}', f'TASK=${{TASK:-{args.task}}}'))
     if args.dataset:
         cls = camel(args.dataset) + 'Dataset'
         write(os.path.join(dest, 'data', f'{args.dataset}.py'), DATASET_STUB.format(name=args.dataset, cls=cls))
@@ -255,9 +261,10 @@ def main(argv=None):
         for option, value in (('task', 'task'), ('data_type', 'dataset'), ('model_type', 'model'))
         if getattr(args, value)
     )
+    lists = ' --train_list TRAIN_LIST --val_list VAL_LIST' if args.dataset else ''
+    print(f'  cd {args.dest} && python3 -m pip install -r requirements.txt && bash scripts/train.sh{flags}{lists}')
     if args.dataset:
-        flags += ' --train_list LIST --val_list LIST'
-    print(f'  cd {args.dest} && python3 -m pip install -r requirements.txt && bash scripts/train.sh{flags}')
+        print(f'  (TRAIN_LIST, VAL_LIST: your list files or folders of class folders; see data/{args.dataset}.py)')
 
 
 if __name__ == '__main__':

@@ -89,6 +89,14 @@ def test_generator_refuses_a_non_empty_destination(tmp_path):
     assert os.listdir(tmp_path) == ['mine.txt'] and (tmp_path / 'mine.txt').read_text() == 'keep me'
 
 
+def test_a_new_task_is_what_the_project_s_scripts_train(tmp_path):
+    """train.sh kept TASK=classify: the project's `bash scripts/train.sh` trained the template's task."""
+    created = run_script('scripts/new_task.py', str(tmp_path / 'spots'), '--task', 'leaf_spots')
+    assert created.returncode == 0, created.stderr
+    for script in ('train.sh', 'train_ddp.sh'):
+        assert 'TASK=${TASK:-leaf_spots}' in (tmp_path / 'spots' / 'scripts' / script).read_text()
+
+
 @pytest.mark.parametrize(
     'option, name, where',
     [
