@@ -104,6 +104,11 @@ def main(argv=None):
         sys.exit('scripts/submit.py needs submitit: pip install submitit')
     args, train_argv = parse(sys.argv[1:] if argv is None else list(argv))
     train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
+    sys.path.insert(0, REPO)
+    from options import parse_args, parse_train_args
+    from utils.errors import run_cli
+
+    run_cli(lambda argv: parse_args(parse_train_args, argv), train_argv)  # a typo: one line now, not in the queue
     executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
     executor.update_parameters(
         name=args.name,

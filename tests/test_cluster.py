@@ -16,7 +16,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import REPO, run_files, timeout, tiny_run_args
+from conftest import REPO, run_files, run_script, timeout, tiny_run_args
 
 TORCHRUN = [sys.executable, '-m', 'utils.torchrun']
 # the linear model has no BatchNorm, whose batch statistics would differ between 1 x 16 and 2 x 8 images
@@ -538,3 +538,24 @@ def test_submitit_processes_get_torchruns_variables(monkeypatch):
         'MASTER_ADDR': 'n1',
         'MASTER_PORT': '20123',
     }
+
+
+def test_submit_checks_the_train_options_before_submitting(tmp_path):
+    """A typo was submitted (a queue wait on SLURM) and only failed in the job's log."""
+    pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
+    result = run_script(
+        'scripts/submit.py',
+        '--cluster',
+        'local',
+        '--gpus_per_node',
+        '0',
+        '--folder',
+        tmp_path / 'jobs',
+        '--',
+        '--batchsize',
+        '8',
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        'error: unrecognized arguments: --batchsize 8 (did you mean --batch_size?) (see --help)'
+    ], result.stderr
+    assert not (tmp_path / 'jobs').exists()  # nothing submitted
