@@ -215,7 +215,7 @@ def _set_aside_newer(folder, step):
     if not newer:
         return
     aside = os.path.join(folder, 'superseded', f'step{step}_{time.strftime("%Y%m%d_%H%M%S")}')
-    os.makedirs(aside)
+    os.makedirs(aside, exist_ok=True)  # two resumes within a second share it
     for link in (LAST, BEST):
         path = os.path.join(folder, link)
         if os.path.isfile(path) and any(os.path.samefile(path, os.path.join(folder, name)) for name in newer):
