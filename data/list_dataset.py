@@ -206,8 +206,19 @@ class ListDataset(Dataset):
         return self._files_digest
 
     def count_classes(self):
-        """The number of classes when --num_classes is not given: classes.txt's, else the largest label + 1."""
-        return len(self.class_names) if self.class_names else 1 + max(label for _, label, _ in self.samples)
+        """The number of classes when --num_classes is not given: classes.txt's, else the largest label + 1,
+        refused where most of those classes would have no sample (a typo such as 100000 made a model of
+        100001 outputs and ended in 'out of memory')."""
+        if self.class_names:
+            return len(self.class_names)
+        largest, number = max((label, number) for _, label, number in self.samples)
+        used = len({label for _, label, _ in self.samples})
+        if largest + 1 > max(10, 4 * used):
+            raise KilnError(
+                f'{self.list_path}:{number}: label {largest} makes {largest + 1} classes, but only {used} '
+                f'different labels are used; fix the label, or give --num_classes (or a classes.txt) to keep it'
+            )
+        return largest + 1
 
     def check_targets(self):
         """Stop with the list file line of the first label outside the class range."""

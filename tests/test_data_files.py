@@ -561,3 +561,25 @@ def test_a_missing_listed_file_says_what_to_check(tmp_path):
     options = argparse.Namespace(train_list=str(tmp_path / 'sub' / 'train.txt'), img_size=8, num_classes=None)
     with pytest.raises(KilnError, match=f"read from the list file's folder, {tmp_path / 'sub'}"):
         ListDataset(options, 'train')
+
+
+def test_a_label_far_beyond_the_others_is_refused_not_an_out_of_memory(tmp_path):
+    """Labels 0, 1, 100000 made a model of 100001 outputs: 'out of memory; lower --batch_size'."""
+    import argparse
+
+    from data.list_dataset import ListDataset
+
+    for name in ('a', 'b', 'c'):
+        save(Image.new('RGB', (8, 8)), tmp_path / f'{name}.png')
+    (tmp_path / 'typo.txt').write_text('a.png 0\nb.png 1\nc.png 100000\n')
+    options = argparse.Namespace(train_list=str(tmp_path / 'typo.txt'), img_size=8, num_classes=None)
+    with pytest.raises(KilnError, match=r'typo.txt:3: label 100000 makes 100001 classes, but only 3 different'):
+        ListDataset(options, 'train')
+    assert ListDataset(argparse.Namespace(**{**vars(options), 'num_classes': 100001}), 'train').num_classes == 100001
+    (tmp_path / 'gaps.txt').write_text('a.png 0\nb.png 2\nc.png 5\n')  # a few unused classes are fine
+    assert (
+        ListDataset(
+            argparse.Namespace(**{**vars(options), 'train_list': str(tmp_path / 'gaps.txt')}), 'train'
+        ).num_classes
+        == 6
+    )
