@@ -3,7 +3,7 @@ paths relative to the list file, comments, quotes, tabs, CSV, any common encodin
 with a subfolder of images per class.
 
 A `classes.txt` beside the list file (one class name per line) names the classes and fixes their
-number; without it the number of classes is the largest label + 1. A folder's classes are its
+number; without it the number of classes is the largest label + 1 (see count_classes). A folder's classes are its
 subfolders' names, in sorted order (saved with the run), and its images are every file below them
 in a format Kiln decodes, at any depth.
 """
