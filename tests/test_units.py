@@ -316,11 +316,20 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
     def out_of_memory(argv):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
 
-    for main, needle in ((full_disk, 'No space left on device'), (out_of_memory, 'out of memory')):
+    def peer_lost(argv):  # gloo's words in a validation all_reduce after the launcher was killed
+        raise RuntimeError(
+            '[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:9124'
+        )
+
+    for main, needle, code in (
+        (full_disk, 'No space left on device', 2),
+        (out_of_memory, 'out of memory', 2),
+        (peer_lost, 'another process of this torchrun job is gone', 1),  # it was a traceback
+    ):
         with pytest.raises(SystemExit) as exit_info:
             run_cli(main, [])
         line = capsys.readouterr().err
-        assert exit_info.value.code == 2 and line.startswith('error: ') and needle in line and line.count('\n') == 1
+        assert exit_info.value.code == code and line.startswith('error: ') and needle in line and line.count('\n') == 1
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,14 @@ def _is_out_of_memory(error):
     )
 
 
+# what gloo and NCCL say when another process of a torchrun job is gone (killed, crashed, its machine lost)
+PEER_LOST = ('Connection closed by peer', 'Connection reset by peer', 'NCCL communicator was aborted')
+
+
+def _is_peer_lost(error):
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in PEER_LOST)
+
+
 def _interrupted():
     print('interrupted', file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -110,6 +118,13 @@ def _run_reporting_errors(main, argv):
         )
         sys.exit(2)
     except (MemoryError, RuntimeError) as error:
+        if _is_peer_lost(error):  # the process that failed says why; this one only went down with it
+            print(
+                f'error: another process of this torchrun job is gone ({_one_line(error)[:160]}); the newest '
+                f'checkpoint is whole: continue with --resume (--debug shows where)',
+                file=sys.stderr,
+            )
+            sys.exit(1)
         if not _is_out_of_memory(error):
             raise
         print('error: out of memory; lower --batch_size or --img_size (--debug shows where)', file=sys.stderr)
