@@ -506,6 +506,16 @@ class Trainer:
             metrics[f'best/{self.options.monitor}'] = self.monitor.best
         return metrics
 
+    def summary_line(self):
+        """What the run trains, on what, for how long and where: read at the start, it catches a wrong
+        list, a class count off by a typo or a schedule of the wrong length before any time is spent."""
+        o = self.options
+        return (
+            f'{o.task}: {o.model_type} on {o.data_type}, {o.num_classes} classes, '
+            f'{len(self.train_data.dataset)} training and {len(self.val_data.dataset)} validation samples; '
+            f'{self.updates_per_epoch} steps per epoch, {self.max_steps} in all; into {o.model_dir}'
+        )
+
     def report(self, stop, seconds):
         """Say how the run ended and where its files are (only files that exist), with commands to paste
         (paths quoted for the shell)."""
@@ -543,6 +553,8 @@ class Trainer:
         """Train, then let the Logger write what is pending, finish and close the trackers, and report;
         returns the Stop (or None)."""
         start = time.perf_counter()
+        if is_main_process():
+            print(self.summary_line(), flush=True)
         try:
             stop = self.train()
         except BaseException:

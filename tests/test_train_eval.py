@@ -34,6 +34,10 @@ def test_training_writes_args_checkpoints_and_tensorboard(trained):
     folder, stdout = trained
     assert 'epoch 2/2' in stdout and 'best.pth' in stdout and 'tensorboard --logdir' in stdout
     assert 'step 2/6' in stdout  # --print_freq lines: 96 images / 16 per batch = 6 steps
+    assert stdout.splitlines()[0] == (  # what it trains, on what, how long and where, before it starts
+        f'classify: small_cnn on list, 6 classes, 96 training and 48 validation samples; 6 steps per epoch, '
+        f'12 in all; into {folder}'
+    )
 
     with open(os.path.join(folder, 'args.yaml')) as f:
         saved = yaml.safe_load(f)
