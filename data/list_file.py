@@ -177,19 +177,18 @@ def read_image_paths(path):
     that names no file is one line saying to quote it."""
     paths = []
     for number, fields, text in _entries(path):
-        image = resolve_path(path, fields[0])
+        first = image = resolve_path(path, fields[0])
         if text and len(fields) > 1:
             whole = resolve_path(path, text)
             if os.path.isfile(whole):
                 image = whole
-            elif not os.path.isfile(image):
+            elif not os.path.isfile(first):
                 starts = (resolve_path(path, text[: space.start()]) for space in re.finditer(r'\s+', text))
                 image = next((name for name in starts if os.path.isfile(name)), None)
             if image is None:
-                image = resolve_path(path, fields[0])
                 spaces = '; put quotes around a path with spaces ("my photos/cat 1.jpg" 3)' if len(fields) > 2 else ''
                 raise KilnError(
-                    f'{path}:{number}: image {image} does not exist{missing_file_hint(path, image)}{spaces}'
+                    f'{path}:{number}: image {first} does not exist{missing_file_hint(path, first)}{spaces}'
                 )
         paths.append(image)
     return paths

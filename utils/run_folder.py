@@ -143,9 +143,11 @@ def open_experiment(argv, args):
     resume_from, the FolderLock).
 
     With --resume the run continues from its newest trustworthy checkpoint (or the file named, or the
-    newest of the experiment folder named): the folder's args.yaml applies first, then the flags given
-    now, and a flag that would change what the run computes (anything but RESUME_CHANGEABLE) is refused
-    before any file is touched. With nothing to continue yet, --resume starts the run in that folder.
+    newest of the experiment folder named): the options that checkpoint was trained with apply first
+    (the folder's args.yaml before its first checkpoint), then the flags given now, and a flag that would
+    change what the run computes (anything but RESUME_CHANGEABLE), another --checkpoints_dir than the
+    folder's or another number of processes is refused before any file is touched; newer checkpoints
+    than the one resumed are set aside. With nothing to continue yet, --resume starts the run there.
     """
     folder = experiment_folder(args)
     named = args.resume if args.resume and args.resume != 'last' else None  # a checkpoint file, or a folder
