@@ -61,6 +61,12 @@ def reduced(*tensors):
     return parts
 
 
+def add_counts(total, counts):
+    """`total + counts`, or `counts` where nothing was counted yet. Counters a resume loaded sit on the
+    CPU until the first update moves them to the device of the batch."""
+    return counts if total is None else total.to(counts.device) + counts
+
+
 class ConfusionMetrics:
     """The confusion matrix of argmax predictions against `batch[target]` over a split, summed on
     the device; subclasses turn it into metrics. After `compute`, `confusion` is the reduced matrix."""
@@ -78,7 +84,7 @@ class ConfusionMetrics:
     def update(self, logits, batch):
         """Add one batch of class scores `logits` (N, C, ...) and targets `batch[target]` (N, ...)."""
         counts = confusion_matrix(logits.argmax(dim=1), batch[self.target], self.num_classes)
-        self.matrix = counts if self.matrix is None else self.matrix + counts
+        self.matrix = add_counts(self.matrix, counts)
 
     def totals(self):
         """The counters as tensors (zeros before any update)."""
@@ -124,7 +130,7 @@ class ClassificationMetrics(ConfusionMetrics):
     def update(self, logits, batch):
         super().update(logits, batch)
         hits = topk_hits(logits, batch[self.target], self.k).sum()
-        self.hits = hits if self.hits is None else self.hits + hits
+        self.hits = add_counts(self.hits, hits)
 
     def shapes(self):
         return super().shapes() + [()]

@@ -2,6 +2,7 @@
 # What only a machine with an NVIDIA GPU can check, in three stages of under 10 minutes each (one H100,
 # 16 cores): `bash bench/gpu_checks.sh suite|correctness|speed [LOG_FOLDER]`. Every command's output
 # goes to LOG_FOLDER/<stage>.log (default checkpoints/gpu_checks); a summary of the figures is printed.
+# TORTURE_TRIALS (default 6; 0 skips) and COMPILE_LIMIT (seconds per compiled run, default 240) shorten a stage.
 #   suite        the README's test suite on 8 workers
 #   correctness  SIGKILL-and-resume on CUDA (bitwise), --amp bf16/fp16 against fp32 on the default job,
 #                every --compile_mode, eval.py and predict.py from a GPU checkpoint on the GPU and on
@@ -29,7 +30,8 @@ suite)
     tail -3 "$log"
     ;;
 correctness)
-    run python3 bench/torture.py --device cuda --trials 6 --seed 1 && grep '^torture' "$log"
+    trials=${TORTURE_TRIALS:-6}  # 0: skip the SIGKILL trials
+    [ "$trials" -gt 0 ] && run python3 bench/torture.py --device cuda --trials "$trials" --seed 1 && grep '^torture' "$log"
     for amp in off bf16 fp16; do
         run python3 train.py --amp "$amp" --no-progress_bar --checkpoints_dir "$scratch" --save_prefix "amp_$amp"
         echo "amp $amp: $(best), $(last_speed)"
@@ -45,7 +47,7 @@ correctness)
     python3 -m utils.torchrun --standalone --nproc-per-node=2 train.py --max_iteration 2 \
         --checkpoints_dir "$scratch" --save_prefix too_many 2>&1 | tail -3 | tee -a "$log"
     for mode in default reduce-overhead max-autotune; do
-        run timeout 240 python3 train.py --compile --compile_mode "$mode" --epochs 2 --no-progress_bar \
+        run timeout "${COMPILE_LIMIT:-240}" python3 train.py --compile --compile_mode "$mode" --epochs 2 --no-progress_bar \
             --checkpoints_dir "$scratch" --save_prefix "compile_$mode"
         echo "compile $mode: $(best), $(last_speed)"
         run python3 eval.py --load_model_path "$scratch/small_cnn_shapes_compile_$mode/best.pth" --no-progress_bar

@@ -73,7 +73,8 @@ def saved_step(folder):
 
 def train(args, kill_at=None, delay=0.0):
     """Run train.py; with `kill_at`, SIGKILL it `delay` seconds after its checkpoint of step `kill_at`
-    is on record (if it gets there). Returns the exit code."""
+    is on record (if it gets there). Returns the exit code; a run that fails on its own prints its last
+    error lines."""
     process = subprocess.Popen(
         [sys.executable, 'train.py', *args],
         cwd=REPO,
@@ -87,7 +88,9 @@ def train(args, kill_at=None, delay=0.0):
             time.sleep(0.005)
         time.sleep(delay)
         process.kill()
-    process.communicate()
+    _, errors = process.communicate()
+    if process.returncode not in (0, -signal.SIGKILL):
+        print('\n'.join(errors.decode(errors='replace').strip().splitlines()[-8:]), flush=True)
     return process.returncode
 
 

@@ -169,7 +169,7 @@ class Batches:
         for chunk in pairs.split([len(batch) for batch in batches]):
             positions, indices = chunk[:, 0], chunk[:, 1]
             batch = {key: tensor.index_select(0, indices) for key, tensor in self.memory.items()}
-            if where != self.device:  # pinned host memory: copy without waiting
+            if where.type == 'cpu' and self.device.type != 'cpu':  # pinned host memory: copy without waiting
                 batch = {key: t.pin_memory().to(self.device, non_blocking=True) for key, t in batch.items()}
                 positions = positions.to(self.device, non_blocking=True)
             yield batch, positions

@@ -125,8 +125,8 @@ def _centre_targets(outputs, boxes, box_labels, stride):
     cells = boxes / stride
     centre = (cells[..., :2] + cells[..., 2:]) / 2
     size = cells[..., 2:] - cells[..., :2]
-    limit = centre.new_tensor([width - 1, height - 1])
-    cell = torch.minimum(centre.floor().clamp(min=0), limit)
+    # clamped per axis with Python numbers: a limits tensor made from a list would be a host copy
+    cell = torch.stack([centre[..., 0].floor().clamp(0, width - 1), centre[..., 1].floor().clamp(0, height - 1)], -1)
     index = (cell[..., 1] * width + cell[..., 0]).long()
     # a Gaussian bump per box, elliptical like the box (TTFNet's sigma = 0.54 * side / 6), peaking
     # at exactly 1 on the centre cell: those cells are the focal loss's positives
@@ -194,15 +194,10 @@ def decode_detections(outputs, k=50, stride=STRIDE):
     labels, cell = index // (height * width), index % (height * width)
     size = _at(outputs['size'].float(), cell).clamp(min=0)
     centre = torch.stack([cell % width, cell // width], dim=-1) + _at(outputs['offset'].float(), cell)
-    limit = centre.new_tensor([width, height]) * stride
-    boxes = torch.cat(
-        [
-            torch.maximum((centre - size / 2) * stride, centre.new_zeros(2)),
-            torch.minimum((centre + size / 2) * stride, limit),
-        ],
-        dim=-1,
-    )
-    return boxes, scores, labels
+    low, high = ((centre - size / 2) * stride).clamp(min=0), (centre + size / 2) * stride
+    # clamped per axis with Python numbers: a limits tensor made from a list would be a host copy
+    high = torch.stack([high[..., 0].clamp(max=width * stride), high[..., 1].clamp(max=height * stride)], -1)
+    return torch.cat([low, high], dim=-1), scores, labels
 
 
 def _box_iou(a, b):

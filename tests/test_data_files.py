@@ -5,6 +5,7 @@ import os
 import re
 
 import numpy as np
+import PIL
 import pytest
 import torch
 from PIL import Image
@@ -138,7 +139,14 @@ def test_mode_cmyk(tmp_path, fmt):
 def test_mode_ycbcr(tmp_path):
     image = Image.new('RGB', (8, 8), RED)
     image.paste(BLUE, (0, 0, 8, 4))
-    out = decoded(save(image.convert('YCbCr'), tmp_path / 'a.tif'))
+    path = tmp_path / 'a.tif'
+    image.convert('YCbCr').save(path)
+    try:  # some Pillow builds read it back as RGB (the colours must be right either way), some not at all
+        with Image.open(path) as reopened:
+            reopened.load()
+    except OSError as error:
+        pytest.skip(f'this Pillow ({PIL.__version__}) cannot read the YCbCr TIFF it wrote: {error}')
+    out = decoded(path)
     assert_close(out[1, 4], BLUE, 3)
     assert_close(out[6, 4], RED, 3)
 

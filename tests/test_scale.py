@@ -110,8 +110,9 @@ def test_only_rank_zero_writes(one_and_two_processes):
 def test_eval_under_two_processes_equals_one(one_and_two_processes):
     one, _ = one_and_two_processes
     checkpoint = os.path.join(_folder(one, 'linear'), 'last.pth')
-    run_script('eval.py', '--load_model_path', checkpoint, '--save_prefix', 'one', '--no-progress_bar')
-    _torchrun('eval.py', '--load_model_path', checkpoint, '--save_prefix', 'two', '--no-progress_bar')
+    # on the CPU (gloo) like the training: a one-GPU machine would refuse two processes
+    run_script('eval.py', '--load_model_path', checkpoint, '--save_prefix', 'one', '--no-progress_bar', '--cpu')
+    _torchrun('eval.py', '--load_model_path', checkpoint, '--save_prefix', 'two', '--no-progress_bar', '--cpu')
     results = os.path.join(_folder(one, 'linear'), 'eval')
 
     def read(name, file):
@@ -403,6 +404,35 @@ def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, da
     finally:
         torch.cuda.set_sync_debug_mode(0)
         run.logger.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_a_cuda_run_continued_from_its_epoch_1_checkpoint_ends_bitwise_like_the_whole_run(tiny_shapes, tmp_path):
+    """The counters a checkpoint restores onto the CPU meet the GPU's at the first step after the resume
+    (they crashed there on CUDA); with --deterministic the continued run ends with the same bits."""
+    whole = [a for a in tiny_run_args(tiny_shapes, tmp_path / 'whole') if a != '--cpu']
+    _train(whole, '--deterministic', '--keep_last', '2')
+    epoch_1 = [n for n in os.listdir(_folder(whole)) if n.startswith('epoch001_')][0]
+    copy = tmp_path / 'copy'
+    copy.mkdir()
+    for name in ('args.yaml', epoch_1):
+        shutil.copy(os.path.join(_folder(whole), name), copy / name)
+    _train(['--resume', copy / epoch_1, '--no-progress_bar'])
+    finished, continued = _last(_folder(whole)), _last(str(copy))
+    _assert_same_weights(finished, continued, atol=0)
+    assert continued['history'] == finished['history']
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('mode', ['reduce-overhead'])
+def test_cuda_graphs_train_and_their_checkpoint_loads_without_compile(tiny_shapes, tmp_path, mode):
+    """CUDA graphs replay into the same output memory: outputs the train metrics keep for later must
+    be copies (reading them crashed), and the checkpoint is the plain model's."""
+    args = [a for a in tiny_run_args(tiny_shapes, tmp_path) if a != '--cpu']
+    _train(args, '--compile', '--compile_mode', mode, '--epochs', '1')
+    result = run_script('eval.py', '--load_model_path', os.path.join(_folder(args), 'last.pth'), '--no-progress_bar')
+    assert result.returncode == 0, result.stderr
+    assert 'acc' in result.stdout
 
 
 def test_tensorboard_is_imported_only_when_logging_is_on(tiny_shapes, tmp_path, monkeypatch):

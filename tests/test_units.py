@@ -210,7 +210,7 @@ def test_load_match_dict_strips_wrapper_prefixes_and_reports(tmp_path):
     assert sorted(report.loaded) == ['body.bias', 'body.weight']
     assert [name for name, _, _ in report.shape_mismatched] == ['head.weight', 'head.bias']
     assert report.unexpected == ['extra.weight'] and report.missing == []
-    assert torch.equal(unwrap_model(target).body.weight, source.body.weight)
+    assert torch.equal(unwrap_model(target).body.weight.cpu(), source.body.weight)  # on a GPU, DataParallel moved it
     assert 'loaded 2 tensors, skipped 2 for shape' in str(report)
 
 

@@ -21,6 +21,7 @@ class ModelSetup:
     wrapped: torch.nn.Module
     autocast: object
     load_report: object = None
+    graphed: bool = False  # CUDA graphs replay into the same output memory: copy outputs kept past a step
 
     def wrap(self, options):
         """Wrap the compiled model for several devices (again after unfreezing: DDP syncs only the
@@ -38,7 +39,9 @@ def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, 
         report = load_weights(model, weights, strict=strict, source=source, prefix_map=prefix_map)
     model = model.to(device, memory_format=torch.channels_last if options.channels_last else torch.preserve_format)
     compiled = torch.compile(model, mode=options.compile_mode) if options.compile else model
-    setup = ModelSetup(model, compiled, compiled, autocast_for(device, options.amp), report)
+    # both modes capture CUDA graphs on a GPU (max-autotune too, unless told -no-cudagraphs)
+    graphed = options.compile and options.compile_mode != 'default' and device.type == 'cuda'
+    setup = ModelSetup(model, compiled, compiled, autocast_for(device, options.amp), report, graphed)
     if wrap:
         setup.wrap(options)
     return setup
