@@ -360,8 +360,6 @@ class Trainer:
         count = task.count(batch)
         self.stopper.watch_loss(loss, self.position.step + 1)
         self.logger.record('train/loss', loss, count)
-        if self.setup.graphed:  # the next step's replay overwrites them; the metrics read them steps later
-            outputs = torch.utils._pytree.tree_map(lambda t: t.detach().clone() if torch.is_tensor(t) else t, outputs)
         self.logger.record_outputs(outputs, task.metric_targets(batch))
         return count
 

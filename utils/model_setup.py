@@ -21,12 +21,25 @@ class ModelSetup:
     wrapped: torch.nn.Module
     autocast: object
     load_report: object = None
-    graphed: bool = False  # CUDA graphs replay into the same output memory: copy outputs kept past a step
 
     def wrap(self, options):
         """Wrap the compiled model for several devices (again after unfreezing: DDP syncs only the
         parameters that were trainable when it wrapped)."""
         self.wrapped = wrap_model(self.compiled, options.gpus, options.cpu)
+
+
+class CopiedOutputs(torch.nn.Module):
+    """A CUDA-graphed model whose outputs are copied: each replay of a graph writes into the same memory,
+    and the metrics read a batch's outputs batches later (a copy of a batch's logits costs little)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module  # the name DataParallel uses: unwrap_model and load_match_dict see through it
+
+    def forward(self, *args, **kwargs):
+        return torch.utils._pytree.tree_map(
+            lambda t: t.clone() if torch.is_tensor(t) else t, self.module(*args, **kwargs)
+        )
 
 
 def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, source=None, wrap=True):
@@ -39,9 +52,9 @@ def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, 
         report = load_weights(model, weights, strict=strict, source=source, prefix_map=prefix_map)
     model = model.to(device, memory_format=torch.channels_last if options.channels_last else torch.preserve_format)
     compiled = torch.compile(model, mode=options.compile_mode) if options.compile else model
-    # both modes capture CUDA graphs on a GPU (max-autotune too, unless told -no-cudagraphs)
-    graphed = options.compile and options.compile_mode != 'default' and device.type == 'cuda'
-    setup = ModelSetup(model, compiled, compiled, autocast_for(device, options.amp), report, graphed)
+    if options.compile and options.compile_mode != 'default' and device.type == 'cuda':  # both capture CUDA graphs
+        compiled = CopiedOutputs(compiled)
+    setup = ModelSetup(model, compiled, compiled, autocast_for(device, options.amp), report)
     if wrap:
         setup.wrap(options)
     return setup
