@@ -24,6 +24,13 @@ last_speed() { grep -o '[0-9]* img/s' "$log" | tail -1; }
 best() { grep -o 'best val/[a-z0-9]* [0-9.]*' "$log" | tail -1; }
 
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$log"
+# a GPU image may lack some of Kiln's requirements (pip install -r requirements-dev.txt): tests fail on them
+python3 - <<'PY' | tee -a "$log"
+import importlib.util
+wanted = ('simplejpeg', 'google_crc32c', 'pycocotools', 'torchmetrics', 'safetensors', 'xdist', 'yaml', 'tqdm')
+missing = [name for name in wanted if importlib.util.find_spec(name) is None]
+print('missing packages: ' + (' '.join(missing) if missing else 'none'))
+PY
 case $stage in
 suite)
     run python3 -m pytest tests -n 8 -q -p no:cacheprovider
