@@ -551,3 +551,29 @@ def test_checkpoints_to_evaluate_names_each_once_and_skips_non_experiments(tmp_p
     (tmp_path / 'comparisons').mkdir()
     found = checkpoints_to_evaluate([str(tmp_path / '*'), str(tmp_path / 'a'), str(tmp_path / 'a' / 'best.pth')])
     assert found == [str(tmp_path / 'a' / 'best.pth'), str(tmp_path / 'b' / 'best.pth')]
+
+
+def test_a_graphed_models_outputs_are_copies_that_train_and_unwrap():
+    """CUDA graphs replay into the same memory: CopiedOutputs hands out copies (of every tensor in a dict
+    too), gradients still reach the weights, and unwrap_model / state dicts see the plain model."""
+    from utils.model_setup import CopiedOutputs
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(2, 3)
+            self.last = None
+
+        def forward(self, x):
+            self.last = self.body(x)
+            return {'scores': self.last, 'count': 2}
+
+    inner = TwoHeads()
+    model = CopiedOutputs(inner)
+    outputs = model(torch.ones(4, 2))
+    assert outputs['count'] == 2
+    assert outputs['scores'].data_ptr() != inner.last.data_ptr() and torch.equal(outputs['scores'], inner.last)
+    outputs['scores'].sum().backward()
+    assert inner.body.weight.grad is not None and inner.body.weight.grad.abs().sum() > 0
+    assert unwrap_model(model) is inner
+    assert sorted(model.state_dict()) == ['module.body.bias', 'module.body.weight']
