@@ -2,13 +2,28 @@
 
 from functools import partial
 
+import torch
 from torch import nn
 
 from utils.errors import KilnError
 
+
+class CrossEntropyLoss(nn.CrossEntropyLoss):
+    """nn.CrossEntropyLoss. With --deterministic, scores per pixel (N, C, H, W) are taken as (N*H*W, C):
+    the same loss, but CUDA's kernel for the first adds up with atomics and --deterministic refuses it."""
+
+    def forward(self, scores, target):
+        if scores.dim() > 2 and torch.are_deterministic_algorithms_enabled():
+            classes = scores.shape[1]
+            probabilities = target.dim() == scores.dim()  # mixed targets: class probabilities (N, C, H, W)
+            target = target.movedim(1, -1).reshape(-1, classes) if probabilities else target.reshape(-1)
+            scores = scores.movedim(1, -1).reshape(-1, classes)
+        return super().forward(scores, target)
+
+
 LOSSES = {
-    'cross_entropy': nn.CrossEntropyLoss,
-    'label_smoothing': partial(nn.CrossEntropyLoss, label_smoothing=0.1),
+    'cross_entropy': CrossEntropyLoss,
+    'label_smoothing': partial(CrossEntropyLoss, label_smoothing=0.1),
 }
 
 

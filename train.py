@@ -69,10 +69,14 @@ from utils.seeding import set_deterministic, set_seed
 from utils.stopping import Stopper, StopReason
 from utils.trackers import build_trackers
 
+# `fused`: one kernel per step; with --amp fp16 on a GPU it also takes GradScaler's inf check on the
+# device, where the plain optimizers have GradScaler read it on the host at every step (a sync)
 OPTIMIZERS = {
-    'sgd': lambda groups, o: torch.optim.SGD(groups, o.lr, momentum=o.momentum, weight_decay=o.weight_decay),
-    'adam': lambda groups, o: torch.optim.Adam(groups, o.lr, weight_decay=o.weight_decay),
-    'adamw': lambda groups, o: torch.optim.AdamW(groups, o.lr, weight_decay=o.weight_decay),
+    'sgd': lambda groups, o, fused: torch.optim.SGD(
+        groups, o.lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=fused
+    ),
+    'adam': lambda groups, o, fused: torch.optim.Adam(groups, o.lr, weight_decay=o.weight_decay, fused=fused),
+    'adamw': lambda groups, o, fused: torch.optim.AdamW(groups, o.lr, weight_decay=o.weight_decay, fused=fused),
 }
 
 
@@ -212,7 +216,8 @@ class Trainer:
         finetuning = FineTuning(setup.model, options.freeze_to, options.freeze_batch_norms, options.unfreeze_at_epoch)
         setup.wrap(options)
         groups = finetuning.param_groups(options.lr, options.head_lr, options.backbone_lr, options.unfrozen_lr_scale)
-        optimizer = OPTIMIZERS[options.optimizer](groups, options)
+        fused = options.amp == 'fp16' and device.type == 'cuda' or None  # None, not False: False also turns off foreach
+        optimizer = OPTIMIZERS[options.optimizer](groups, options, fused)
         updates_per_epoch, max_steps = schedule_length(options, train_data)
         scheduler = SCHEDULERS[options.scheduler](optimizer, options, max_steps, updates_per_epoch)
         scaler = torch.amp.GradScaler(device.type, enabled=options.amp == 'fp16')

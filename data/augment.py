@@ -156,10 +156,10 @@ class RandomResizedCrop:
         if 'boxes' in batch:
             height, width = image.shape[-2:]
             scale = torch.stack([1 / (x1 - x0), 1 / (y1 - y0)], dim=1).repeat(1, 2)[:, None]
-            offset = (box * box.new_tensor([width, height, width, height]))[:, None, :2].repeat(1, 1, 2)
+            # scaled and clamped per axis with Python numbers: a tensor made from a list would be a host copy
+            offset = torch.stack([box[:, 0] * width, box[:, 1] * height], dim=1).repeat(1, 2)[:, None]
             boxes = (batch['boxes'] - offset) * scale
-            limit = boxes.new_tensor([width, height, width, height])
-            boxes = torch.minimum(boxes.clamp(min=0), limit)
+            boxes = torch.stack([boxes[..., i].clamp(0, width if i % 2 == 0 else height) for i in range(4)], -1)
             gone = (boxes[..., 2] - boxes[..., 0] < 1) | (boxes[..., 3] - boxes[..., 1] < 1)
             batch['boxes'] = boxes
             batch['box_labels'] = batch['box_labels'].masked_fill(gone, -1)

@@ -171,7 +171,7 @@ class Batches:
             batch = {key: tensor.index_select(0, indices) for key, tensor in self.memory.items()}
             if where.type == 'cpu' and self.device.type != 'cpu':  # pinned host memory: copy without waiting
                 batch = {key: t.pin_memory().to(self.device, non_blocking=True) for key, t in batch.items()}
-                positions = positions.to(self.device, non_blocking=True)
+                positions = positions.pin_memory().to(self.device, non_blocking=True)  # pageable: a sync
             yield batch, positions
 
     def _from_loader(self):

@@ -16,6 +16,17 @@ class ConvBNReLU(nn.Sequential):
         )
 
 
+def upsample_2x(x):
+    """Bilinear 2x upsampling of (N, C, H, W) (align_corners=False) from slices, sums and interleaving,
+    whose gradients are deterministic on a GPU, where those of F.interpolate's bilinear mode add up
+    with atomics (--deterministic refuses them)."""
+    for dim in (-1, -2):
+        before = torch.cat([x.narrow(dim, 0, 1), x.narrow(dim, 0, x.shape[dim] - 1)], dim)  # x[i-1], edge kept
+        after = torch.cat([x.narrow(dim, 1, x.shape[dim] - 1), x.narrow(dim, x.shape[dim] - 1, 1)], dim)
+        x = torch.stack([0.75 * x + 0.25 * before, 0.75 * x + 0.25 * after], dim).flatten(dim - 1, dim)
+    return x
+
+
 class UpBlock(nn.Module):
     """Decoder block: upsample 2x, concatenate an optional skip connection, two ConvBNReLU."""
 
@@ -27,7 +38,7 @@ class UpBlock(nn.Module):
         )
 
     def forward(self, x, skip=None):
-        x = self.upsample(x)
+        x = upsample_2x(x) if torch.are_deterministic_algorithms_enabled() else self.upsample(x)
         if skip is not None:
             x = torch.cat([x, skip], dim=1)
         return self.convs(x)

@@ -321,8 +321,15 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
             '[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:9124'
         )
 
+    def not_deterministic(argv):  # torch's words for an op --deterministic refuses on a GPU
+        raise RuntimeError(
+            'upsample_bilinear2d_backward_out_cuda does not have a deterministic implementation, but you set '
+            "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation"
+        )
+
     for main, needle, code in (
         (full_disk, 'No space left on device', 2),
+        (not_deterministic, '--deterministic: upsample_bilinear2d_backward_out_cuda does not have', 2),
         (out_of_memory, 'out of memory', 2),
         (peer_lost, 'another process of this torchrun job is gone', 1),  # it was a traceback
     ):
@@ -577,3 +584,52 @@ def test_a_graphed_models_outputs_are_copies_that_train_and_unwrap():
     assert inner.body.weight.grad is not None and inner.body.weight.grad.abs().sum() > 0
     assert unwrap_model(model) is inner
     assert sorted(model.state_dict()) == ['module.body.bias', 'module.body.weight']
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) for one test."""
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_under_deterministic_algorithms_upblock_and_pixel_cross_entropy_keep_their_values(deterministic_algorithms):
+    """--deterministic swaps two ops whose CUDA kernels it refuses (bilinear upsampling's gradient, the
+    2-d cross entropy) for equivalent ones: the same outputs and gradients as the usual ops."""
+    from loss import CrossEntropyLoss
+    from model.submodules import upsample_2x
+
+    seed = 7
+    generator = torch.Generator().manual_seed(seed)
+    for shape in [(2, 3, 5, 7), (1, 2, 1, 1), (2, 4, 8, 6)]:
+        x = torch.randn(*shape, dtype=torch.float64, generator=generator, requires_grad=True)
+        (ours,) = torch.autograd.grad((upsample_2x(x) ** 2).sum(), x)
+        expected = torch.nn.functional.interpolate(x, scale_factor=2, mode='bilinear', align_corners=False)
+        assert torch.allclose(upsample_2x(x), expected, atol=1e-12), f'{shape} (seed {seed})'
+        (reference,) = torch.autograd.grad((expected**2).sum(), x)
+        assert torch.allclose(ours, reference, atol=1e-12), f'{shape} (seed {seed})'
+    block = UpBlock(4, 3).double().eval()
+    x = torch.randn(2, 4, 6, 5, dtype=torch.float64, generator=generator)
+    swapped = block(x)
+    torch.use_deterministic_algorithms(False)
+    assert torch.allclose(swapped, block(x), atol=1e-12)
+    scores = torch.randn(2, 4, 5, 6, dtype=torch.float64, generator=generator)
+    labels = torch.randint(0, 4, (2, 5, 6), generator=generator)
+    labels[0, 0, :3] = -100  # ignored pixels count in neither loss
+    shares = torch.softmax(torch.randn(2, 4, 5, 6, dtype=torch.float64, generator=generator), 1)
+    for options in ({}, {'label_smoothing': 0.1}):
+        for target in (labels, shares):
+            usual = torch.nn.CrossEntropyLoss(**options)(scores, target)
+            torch.use_deterministic_algorithms(True)
+            assert torch.allclose(CrossEntropyLoss(**options)(scores, target), usual, atol=1e-12), options
+            torch.use_deterministic_algorithms(False)
+
+
+def test_cuda_graphs_with_gradient_accumulation_are_refused_in_one_line():
+    """pytorch/pytorch#169545: a graph's gradient outputs become .grad and the next replay overwrites them."""
+    from utils.model_setup import setup_model
+
+    options = argparse.Namespace(compile=True, compile_mode='reduce-overhead', grad_accum_steps=2)
+    with pytest.raises(KilnError, match=r'--compile_mode reduce-overhead captures CUDA graphs.*--grad_accum_steps 1$'):
+        setup_model(options, torch.device('cuda'))  # refused before anything touches the GPU

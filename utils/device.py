@@ -20,6 +20,8 @@ def select_device(cpu=False, gpus=None):
     if gpus:
         if max(gpus) >= torch.cuda.device_count() or min(gpus) < 0:
             raise KilnError(f'--gpus {gpus}: only GPUs 0..{torch.cuda.device_count() - 1} exist')
+        # the current GPU too: the events a checkpoint waits on are recorded on the current GPU's stream
+        torch.cuda.set_device(gpus[0])
         return torch.device('cuda', gpus[0])
     return torch.device('cuda', 0)
 

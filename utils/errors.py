@@ -125,6 +125,13 @@ def _run_reporting_errors(main, argv):
                 file=sys.stderr,
             )
             sys.exit(1)
+        if 'does not have a deterministic implementation' in str(error):  # torch's refusal under --deterministic
+            print(
+                f'error: --deterministic: {str(error).split(",")[0]}; run without --deterministic, or replace '
+                f'that operation in your model (--debug shows where)',
+                file=sys.stderr,
+            )
+            sys.exit(2)
         if not _is_out_of_memory(error):
             raise
         print('error: out of memory; lower --batch_size or --img_size (--debug shows where)', file=sys.stderr)

@@ -8,6 +8,7 @@ from model.model_entry import select_model
 from utils.checkpoint import load_weights
 from utils.device import autocast_for
 from utils.distributed import wrap_model
+from utils.errors import KilnError
 
 
 @dataclasses.dataclass
@@ -46,13 +47,19 @@ def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, 
     """Build --model_type, load `weights` (a path or a loaded checkpoint; all of them when `strict`),
     place it on `device` (channels-last with --channels_last), compile it with --compile/--compile_mode,
     and (with `wrap`; else call `.wrap` later) wrap it for several devices."""
+    graphed = options.compile and options.compile_mode != 'default' and device.type == 'cuda'  # CUDA graphs, both
+    if graphed and getattr(options, 'grad_accum_steps', 1) > 1:  # pytorch/pytorch#169545: an error or wrong gradients
+        raise KilnError(
+            f'--compile_mode {options.compile_mode} captures CUDA graphs, which cannot add up gradients over '
+            f'--grad_accum_steps {options.grad_accum_steps}; use --compile_mode default or --grad_accum_steps 1'
+        )
     model = select_model(options)
     report = None
     if weights is not None:
         report = load_weights(model, weights, strict=strict, source=source, prefix_map=prefix_map)
     model = model.to(device, memory_format=torch.channels_last if options.channels_last else torch.preserve_format)
     compiled = torch.compile(model, mode=options.compile_mode) if options.compile else model
-    if options.compile and options.compile_mode != 'default' and device.type == 'cuda':  # both capture CUDA graphs
+    if graphed:
         compiled = CopiedOutputs(compiled)
     setup = ModelSetup(model, compiled, compiled, autocast_for(device, options.amp), report)
     if wrap:

@@ -36,7 +36,8 @@ def rng_states():
         'python': (version, torch.tensor(internal, dtype=torch.int64), gauss),
         'numpy': (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached),
         'torch': torch.get_rng_state(),
-        'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # only where this run uses CUDA: asking would start CUDA (seconds, GPU memory) in a --cpu run
+        'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
     }
 
 
