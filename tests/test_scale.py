@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, run_files, run_script, timeout, tiny_run_args
+from conftest import REPO, run_files, run_script, timeout, tiny_run_args, tiny_seg_args
 
 TORCHRUN = [sys.executable, '-m', 'utils.torchrun', '--standalone', '--nproc-per-node=2']
 
@@ -377,7 +377,11 @@ def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, t
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
-@pytest.mark.parametrize(('data_type', 'extra'), [('list', []), ('mem_list', []), ('mem_list', RECIPE)])
+@pytest.mark.parametrize(
+    ('data_type', 'extra'),
+    # fp16: the fused optimizer takes GradScaler's inf check on the device (the plain one reads it every step)
+    [('list', []), ('mem_list', []), ('mem_list', RECIPE), ('mem_list', ['--amp', 'fp16'])],
+)
 def test_cuda_training_steps_make_no_sync(tiny_shapes, tmp_path, monkeypatch, data_type, extra):
     import train
 
@@ -421,6 +425,21 @@ def test_a_cuda_run_continued_from_its_epoch_1_checkpoint_ends_bitwise_like_the_
     finished, continued = _last(_folder(whole)), _last(str(copy))
     _assert_same_weights(finished, continued, atol=0)
     assert continued['history'] == finished['history']
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_segmentation_and_detection_train_deterministically_on_cuda(tiny_shapes, tmp_path):
+    """torch's deterministic mode refuses two CUDA kernels seg_net and center_net would meet (bilinear
+    upsampling's gradient, the 2-d cross entropy): Kiln swaps in deterministic equivalents. Detection
+    also runs its box-aware crop on the device here."""
+    from data.shapes import generate_shape_boxes
+
+    segment = [a for a in tiny_seg_args(tiny_shapes, tmp_path / 'seg') if a != '--cpu']
+    _train(segment, '--task', 'segment', '--deterministic', '--epochs', '1')
+    boxes = generate_shape_boxes(str(tmp_path / 'boxes'), train_size=64, val_size=32, seed=1)
+    lists = ['--train_list', os.path.join(boxes, 'train.txt'), '--val_list', os.path.join(boxes, 'val.txt')]
+    detect = ['--task', 'detect', '--data_type', 'shapes_det', *lists, '--checkpoints_dir', tmp_path / 'det']
+    _train(detect, '--epochs', '1', '--batch_size', '16', '--augment', 'resized_crop,hflip', '--deterministic')
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
