@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# What only a machine with an NVIDIA GPU can check, in three stages of under 10 minutes each (one H100,
-# 16 cores): `bash bench/gpu_checks.sh suite|correctness|speed [LOG_FOLDER]`. Every command's output
+# What only a machine with an NVIDIA GPU can check, in three stages (on one H100 with 16 cores the suite
+# took 3.5 minutes; the others, with the defaults below, may take more than 10):
+# `bash bench/gpu_checks.sh suite|correctness|speed [LOG_FOLDER]`. Every command's output
 # goes to LOG_FOLDER/<stage>.log (default checkpoints/gpu_checks); a summary of the figures is printed.
 # TORTURE_TRIALS (default 6; 0 skips) and COMPILE_LIMIT (seconds per compiled run, default 240) shorten a stage.
 #   suite        the README's test suite on 8 workers
