@@ -282,7 +282,7 @@ def parse_common_args(parser):
         '--compile_mode',
         default='default',
         choices=['default', 'reduce-overhead', 'max-autotune'],
-        help='with --compile: reduce-overhead uses CUDA graphs (small models on a GPU), '
+        help='with --compile: reduce-overhead uses CUDA graphs (a GPU; pays off on long runs of fixed shapes), '
         'max-autotune searches kernels longer for big ones',
     )
     parser.add_argument(
@@ -733,9 +733,9 @@ def resolve(args, **changes):
     Imports the task's module (and so torch) only when an option is unset."""
     options = Options.of(args, **changes)
     # list files as absolute paths: saved with the run, they still name the same files from another folder
-    lists = {name: getattr(options, name, None) for name in ('train_list', 'val_list')}
+    list_files = {name: getattr(options, name, None) for name in ('train_list', 'val_list')}
     options = options.replace(
-        **{name: os.path.abspath(os.path.expanduser(path)) for name, path in lists.items() if isinstance(path, str)}
+        **{name: os.path.abspath(os.path.expanduser(p)) for name, p in list_files.items() if isinstance(p, str)}
     )
     unset = [name for name in TASK_DEFAULTS if name in vars(options) and getattr(options, name) is None]
     options = options.replace(task=options.task or 'classify')
