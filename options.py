@@ -438,7 +438,8 @@ def parse_train_args(parser):
         '--print_freq',
         type=_positive_int,
         default=20,
-        help='print a line (and check for a non-finite loss) every N optimizer steps',
+        help='print a line (running train metrics, learning rate, images/s since the line before; and check for a '
+        'non-finite loss) every N optimizer steps',
     )
     parser.add_argument(
         '--loggers',

@@ -177,6 +177,7 @@ class Trainer:
         self.updates_per_epoch, self.max_steps = schedule_length(options, train_data)
         self.first_step_seconds = None
         self.pictured_at = None  # when validation pictures were last logged (see --image_interval)
+        self.printed_at = None  # (time, samples trained) at the last printed line
 
     @classmethod
     def build(cls, options, lock=None):
@@ -313,8 +314,8 @@ class Trainer:
         """Train until --epochs (or --max_iteration) are done or a stop; return the Stop, or None when done."""
         o, position, stopper = self.options, self.position, self.stopper
         self.record_start()
-        start, seen = time.perf_counter(), 0
-        self.pictured_at = start
+        seen, self.pictured_at = 0, time.perf_counter()
+        self.printed_at = self.pictured_at, 0  # (time, samples trained) of the last printed line
         with stopper, training_profiler(o.profile, o.model_dir) as profiler:
             while stopper.stop is None and position.step < self.max_steps:
                 if self.finetuning.unfreezes_at(position.epoch, position.batch):  # --unfreeze_at_epoch
@@ -344,7 +345,7 @@ class Trainer:
                     if self.first_step_seconds is None:
                         self.first_step_seconds = time.perf_counter() - STARTED
                     if position.step % o.print_freq == 0:  # the only host sync between validations
-                        self.print_progress(seen / (time.perf_counter() - start))
+                        self.print_progress(seen)
                     if position.batch == epoch_batches:  # so a checkpoint saved now records a whole epoch
                         position.epoch, position.batch = epoch + 1, 0
                     self.after_update()
@@ -464,16 +465,19 @@ class Trainer:
         updates = math.ceil(position.batch / o.grad_accum_steps)
         return f'epoch {position.epoch + 1}/{o.epochs} step {updates}/{self.updates_per_epoch}'
 
-    def print_progress(self, images_per_second):
-        """One line of running train metrics (of this process), learning rate and throughput, from one
-        host read that also checks the losses since the last line (every process takes part)."""
-        running = self.logger.running_means()
+    def print_progress(self, seen):
+        """One line of running train metrics (of this process), learning rate and throughput (samples per
+        second of every process since the previous line; `seen`: samples this process trained so far),
+        from one host read that also checks the losses since the last line (every process takes part)."""
+        running = self.logger.running_means()  # a host read: the time below follows the device
+        now, (then, seen_then) = time.perf_counter(), self.printed_at
+        self.printed_at = now, seen
         self.stopper.check_finite(losses_finite=math.isfinite(running.get('train/loss', 0.0)), step=self.position.step)
         if is_main_process():
             shown = ' '.join(f'{k} {v:.4f}' for k, v in running.items())
             tqdm.write(
                 f'{self.position_text()} {shown} lr {self.optimizer.param_groups[0]["lr"]:.2e} '
-                f'{images_per_second * world_size():.0f} img/s'
+                f'{(seen - seen_then) / (now - then) * world_size():.0f} img/s'
             )
 
     def record_start(self):

@@ -21,7 +21,11 @@ export PYTHONUNBUFFERED=1
 
 say() { echo "== $*" | tee -a "$log"; }
 run() { say "$*"; "$@" >>"$log" 2>&1; local code=$?; say "exit $code"; return $code; }
-last_speed() { grep -o '[0-9]* img/s' "$log" | tail -1; }
+# the last command's printed speeds (each line's: since the line before, the first with the warm-up): their median
+speeds() {
+    tac "$log" | awk '/^== exit/ {next} /^== / {exit} / img\/s$/ {print $(NF-1)}' | sort -n |
+        awk '{v[NR] = $1} END {if (NR) printf "median %s img/s over %d printed lines", v[int((NR + 1) / 2)], NR}'
+}
 best() { grep -o 'best val/[a-z0-9]* [0-9.]*' "$log" | tail -1; }
 
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$log"
@@ -42,7 +46,7 @@ correctness)
     [ "$trials" -gt 0 ] && run python3 bench/torture.py --device cuda --trials "$trials" --seed 1 && grep '^torture' "$log"
     for amp in off bf16 fp16; do
         run python3 train.py --amp "$amp" --no-progress_bar --checkpoints_dir "$scratch" --save_prefix "amp_$amp"
-        echo "amp $amp: $(best), $(last_speed)"
+        echo "amp $amp: $(best), $(speeds)"
     done
     checkpoint="$scratch/small_cnn_shapes_amp_off/best.pth"
     for where in gpu cpu; do
@@ -57,7 +61,7 @@ correctness)
     for mode in default reduce-overhead max-autotune; do
         run timeout "${COMPILE_LIMIT:-240}" python3 train.py --compile --compile_mode "$mode" --epochs 2 --no-progress_bar \
             --checkpoints_dir "$scratch" --save_prefix "compile_$mode"
-        echo "compile $mode: $(best), $(last_speed)"
+        echo "compile $mode: $(best), $(speeds)"
         run python3 eval.py --load_model_path "$scratch/small_cnn_shapes_compile_$mode/best.pth" --no-progress_bar
     done
     grep -c '^== exit 0' "$log" | xargs echo 'commands that exited 0:'
@@ -70,7 +74,7 @@ speed)
         for mode in default reduce-overhead; do
             compile=$([ "$mode" = default ] && echo '' || echo "--compile --compile_mode $mode")
             run python3 train.py $compile --no-progress_bar --checkpoints_dir "$scratch" --save_prefix "job_${mode}_$round"
-            echo "default job ($mode) round $round: $(best), $(last_speed), $(grep -o 'done after [0-9]*s' "$log" | tail -1)"
+            echo "default job ($mode) round $round: $(best), $(speeds), $(grep -o 'done after [0-9]*s' "$log" | tail -1)"
         done
     done
     run python3 train.py --profile --max_iteration 20 --no-progress_bar --checkpoints_dir "$logs" --save_prefix profile

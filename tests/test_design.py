@@ -108,6 +108,30 @@ def test_a_custom_training_step_is_one_overridden_method(tiny_shapes, tmp_path):
     assert 'train/penalty' in header and 'val/acc' in header
 
 
+def test_printed_speed_is_that_since_the_previous_line(tiny_shapes, tmp_path, monkeypatch, capsys):
+    """img/s on a printed line counts the steps since the line before (a slow stretch shows where it
+    happened and is gone from the next line), on a clock that moves 1 s per step and 10 s more in step 3."""
+    import types
+
+    import train
+    from options import parse_args, parse_train_args, resolve
+    from utils.run_folder import open_experiment
+
+    clock = [0.0]
+    monkeypatch.setattr(train, 'time', types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class TimedTrainer(train.Trainer):
+        def train_step(self, batch, group_size, update):
+            clock[0] += 1.0 + 10.0 * (self.position.step == 2)  # the step that makes optimizer step 3
+            return super().train_step(batch, group_size, update)
+
+    argv = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1', '--print_freq', '2', '--loggers', 'csv']
+    options, lock = open_experiment(argv, resolve(parse_args(parse_train_args, argv)))
+    assert TimedTrainer.build(options, lock).run() is None
+    speeds = [int(line.split()[-2]) for line in capsys.readouterr().out.splitlines() if line.endswith(' img/s')]
+    assert speeds == [16, 3, 16], speeds  # 2 steps of 16 images: in 2 s, 12 s, 2 s (from the start: 16, 5, 6)
+
+
 # --- options that shape the metrics reach eval.py unchanged ----------------------------------------
 
 
