@@ -1,5 +1,5 @@
 """How fast does Kiln turn photos into training pictures, per CPU core?
-`python bench/bench_decode.py [--size 224] [--rounds 5]`
+`python bench/bench_decode.py [--size 224] [--rounds 5] [--device cuda]`
 
 Decodes the same JPEGs (real photos cut from scikit-image's, 400 to 600 pixels a side, made by
 data/photo_set.py) into size x size uint8 pictures, one core, in alternating rounds, with:
@@ -7,7 +7,10 @@ data/photo_set.py) into size x size uint8 pictures, one core, in alternating rou
 - Kiln before: the decoder Kiln had before (Pillow decodes, turns, converts and resizes);
 - Kiln on Pillow: today's function with simplejpeg switched off (its fallback);
 - Pillow: open, convert, resize; and Pillow with draft (its own reduced DCT scale);
-- torchvision: torchvision.io.decode_jpeg and an antialiased resize.
+- torchvision: torchvision.io.decode_jpeg and an antialiased resize;
+- on --device (nvJPEG on a GPU): the files' bytes read on one core, decoded by torchvision's
+  decode_jpeg in batches of --batch on the device and resized there (what decoding on the GPU
+  instead of in DataLoader workers would do; on the CPU, the same batched call on one core).
 Prints the images/s of each (median of the rounds) and its ratio to Kiln's before.
 """
 
@@ -36,7 +39,7 @@ def pillow(path, size, draft=False):
     with Image.open(path) as image:
         if draft:
             image.draft('RGB', (size, size))
-        return torch.from_numpy(np.asarray(image.convert('RGB').resize((size, size), Image.BILINEAR)))
+        return torch.from_numpy(np.array(image.convert('RGB').resize((size, size), Image.BILINEAR)))
 
 
 def kiln_before(path, size):
@@ -57,6 +60,21 @@ def torchvision_decode(path, size):
     return F.interpolate(image, (size, size), mode='bilinear', antialias=True)[0].round().byte()
 
 
+def decode_on_device(paths, size, device, batch):
+    """Read the files, decode them with torchvision's decode_jpeg on `device` in batches of `batch`
+    and resize each there (antialiased bilinear) into a (batch, 3, size, size) uint8 tensor."""
+    from torchvision.io import decode_jpeg, read_file
+
+    for start in range(0, len(paths), batch):
+        images = decode_jpeg([read_file(path) for path in paths[start : start + batch]], device=device)
+        resized = [
+            F.interpolate(image[None].float(), (size, size), mode='bilinear', antialias=True) for image in images
+        ]
+        torch.cat(resized).round().byte()
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+
+
 def kiln_on_pillow(path, size, resize):
     """decode_image with simplejpeg switched off."""
     saved, image_io.simplejpeg = image_io.simplejpeg, None
@@ -72,7 +90,10 @@ def main():
     parser.add_argument('--size', type=int, default=224)
     parser.add_argument('--rounds', type=int, default=5)
     parser.add_argument('--per_class', type=int, default=30, help='photos per class (6 classes)')
+    parser.add_argument('--device', default='cpu', help='where decode_jpeg decodes batches (cuda: nvJPEG)')
+    parser.add_argument('--batch', type=int, default=64, help='files per decode_jpeg call on --device')
     options = parser.parse_args()
+    device = torch.device(options.device)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
         root = make_photo_set(os.path.join(scratch, 'photos'), options.per_class, 0, sizes=(400, 600))
@@ -88,13 +109,18 @@ def main():
             'Pillow with draft': lambda path: pillow(path, size, draft=True),
             'torchvision decode_jpeg': lambda path: torchvision_decode(path, size),
         }
-        speeds = {name: [] for name in decoders}
+        whole_list = {f'decode_jpeg on {device}, batches of {options.batch}': None}  # timed over every path at once
+        decode_on_device(paths[: options.batch], size, device, options.batch)  # warm-up: nvJPEG's start, kernels
+        speeds = {name: [] for name in [*decoders, *whole_list]}
         for round_number in range(options.rounds):
-            order = list(decoders) if round_number % 2 == 0 else list(reversed(decoders))
+            order = list(speeds) if round_number % 2 == 0 else list(reversed(speeds))
             for name in order:
                 start = time.perf_counter()
-                for path in paths:
-                    decoders[name](path)
+                if name in whole_list:
+                    decode_on_device(paths, size, device, options.batch)
+                else:
+                    for path in paths:
+                        decoders[name](path)
                 speeds[name].append(len(paths) / (time.perf_counter() - start))
     print(
         f'{len(paths)} JPEGs of 400 to 600 pixels a side to {size}x{size}, one core '
@@ -102,7 +128,7 @@ def main():
     )
     base = statistics.median(speeds['Kiln before (Pillow)'])
     for name, values in speeds.items():
-        print(f'  {name:26s} {statistics.median(values):6.0f} images/s  {statistics.median(values) / base:.2f}x')
+        print(f'  {name:32s} {statistics.median(values):6.0f} images/s  {statistics.median(values) / base:.2f}x')
 
 
 if __name__ == '__main__':

@@ -9,7 +9,8 @@
 #                every --compile_mode, eval.py and predict.py from a GPU checkpoint on the GPU and on
 #                the CPU, and torchrun asking for more processes than GPUs (one line)
 #   speed        bench_overhead.py on CUDA (linear, small_cnn), the default job with and without
-#                --compile_mode reduce-overhead (alternating rounds) and a --profile trace
+#                --compile_mode reduce-overhead (alternating rounds), JPEG decoding on the CPU against
+#                nvJPEG (bench_decode.py) and photos trained from disk, and a --profile trace
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?say which stage: suite, correctness or speed}
@@ -32,7 +33,7 @@ python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())
 # a GPU image may lack some of Kiln's requirements (pip install -r requirements-dev.txt): tests fail on them
 python3 - <<'PY' | tee -a "$log"
 import importlib.util
-wanted = ('simplejpeg', 'google_crc32c', 'pycocotools', 'torchmetrics', 'safetensors', 'xdist', 'yaml', 'tqdm')
+wanted = ('simplejpeg', 'google_crc32c', 'pycocotools', 'torchmetrics', 'safetensors', 'xdist', 'yaml', 'tqdm', 'skimage')
 missing = [name for name in wanted if importlib.util.find_spec(name) is None]
 print('missing packages: ' + (' '.join(missing) if missing else 'none'))
 PY
@@ -77,8 +78,14 @@ speed)
             echo "default job ($mode) round $round: $(best), $(speeds), $(grep -o 'done after [0-9]*s' "$log" | tail -1)"
         done
     done
+    # photos from disk: decoding on the CPU (DataLoader workers, the default) against nvJPEG on the GPU
+    run python3 bench/bench_decode.py --device cuda --rounds 3
+    run python3 -m data.photo_set "$scratch/photos" --per_class 400 --sizes 400 600
+    run python3 train.py --data_type photos --train_list "$scratch/photos/train" --val_list "$scratch/photos/val" \
+        --model_type linear --img_size 224 --epochs 3 --print_freq 5 --no-progress_bar --checkpoints_dir "$scratch"
+    echo "photos from disk, linear model: $(speeds)"
     run python3 train.py --profile --max_iteration 20 --no-progress_bar --checkpoints_dir "$logs" --save_prefix profile
-    grep -E '^(training|per epoch|checkpoint|time to first|evaluation):' "$log"
+    grep -E '^(training|per epoch|checkpoint|time to first|evaluation):|^  decode_jpeg on|^  Kiln \(' "$log"
     ;;
 *)
     echo "unknown stage $stage: suite, correctness or speed" >&2

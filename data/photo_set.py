@@ -116,8 +116,9 @@ def main(argv=None):
     parser.add_argument('--per_class', type=int, default=60, help='training images per class')
     parser.add_argument('--val_per_class', type=int, default=20, help='validation images per class')
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--sizes', type=int, nargs=2, default=(64, 320), metavar=('MIN', 'MAX'), help='sides in pixels')
     args = parser.parse_args(argv)
-    root = make_photo_set(args.dest, args.per_class, args.val_per_class, seed=args.seed)
+    root = make_photo_set(args.dest, args.per_class, args.val_per_class, tuple(args.sizes), args.seed)
     print(f'{root}: train/ and val/ with {len(SOURCES)} class folders ({", ".join(SOURCES)})')
 
 
