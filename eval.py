@@ -22,7 +22,7 @@ import os
 import sys
 
 from data.data_entry import select_dataset
-from data.list_dataset import check_classes
+from data.list_dataset import match_classes
 from data.loader import Batches
 from options import given_options, inherit, prefix_map
 from tasks.task_entry import task_class
@@ -76,7 +76,7 @@ class Evaluator:
         self.device = select_device(options.cpu, options.gpus)
         self.dataset = select_dataset(options, 'val')
         self.options = options = options.replace(num_classes=options.num_classes or self.dataset.num_classes)
-        check_classes(self.dataset, checkpoint.get('class_names'), options.load_model_path)
+        match_classes(self.dataset, checkpoint.get('class_names'), options.load_model_path)
         self.task = task_type(options, self.dataset.class_names or checkpoint.get('class_names'))
         self.task.check_dataset(self.dataset, options.data_type)
         self.data = Batches(

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from data.augment import AUGMENTATIONS, MIXES, augmentation_names
 from data.data_entry import select_dataset
-from data.list_dataset import check_classes
+from data.list_dataset import match_classes
 from data.loader import Batches
 from options import option_defaults, prefix_map, resolve, saved_options
 from tasks.task_entry import TASKS, task_class
@@ -204,7 +204,7 @@ class Trainer:
             )
         # --overfit_batches validates on the very batches it trains on
         val_set = train_set if options.overfit_batches else select_dataset(options, 'val')
-        check_classes(val_set, train_set.class_names, options.train_list)
+        match_classes(val_set, train_set.class_names, options.train_list)
         train_data = batches(options, task, train_set, device, True)
         val_data = batches(options, task, val_set, device, False)
 

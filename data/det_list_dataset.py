@@ -25,6 +25,7 @@ class DetListDataset(ListDataset):
     targets = ('boxes', 'box_labels')
     augment = ('crop',)
     columns = None  # as many boxes as the image has
+    renumber_classes = None  # class numbers are in the box lines: the names must match as they are
 
     def parse_target(self, fields, number):
         """(boxes (k, 4) float32, labels (k,) int64) from `x1,y1,x2,y2,class` fields."""

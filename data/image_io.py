@@ -82,13 +82,13 @@ IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.jfif', '.bmp', '.gif', '.tif', '.
 
 def find_images(folder):
     """The image files below `folder` (any depth, symbolic links followed, each folder once), sorted;
-    hidden files (.DS_Store, ._photo.jpg) left out."""
+    hidden files and folders (.DS_Store, ._photo.jpg, the thumbnails a NAS keeps in .@__thumb) left out."""
     found, seen = [], {os.path.realpath(folder)}
     for root, folders, files in os.walk(folder, followlinks=True):
         here, kept = os.path.realpath(root), []
         for name in folders:  # a link to a folder read already, or to one above, would read images twice or forever
             target = os.path.realpath(os.path.join(root, name))
-            if target not in seen and os.path.commonpath([target, here]) != target:
+            if not name.startswith('.') and target not in seen and os.path.commonpath([target, here]) != target:
                 seen.add(target)
                 kept.append(name)
         folders[:] = kept

@@ -5,12 +5,15 @@ with a subfolder of images per class.
 A `classes.txt` beside the list file (one class name per line) names the classes and fixes their
 number; without it the number of classes is the largest label + 1 (see count_classes). A folder's classes are its
 subfolders' names, in sorted order (saved with the run), and its images are every file below them
-in a format Kiln decodes, at any depth.
+in a format Kiln decodes, at any depth. Validation and evaluation data are numbered as the training
+classes by name (match_classes). Class names are compared in Unicode's composed form (NFC): macOS
+writes file names decomposed.
 """
 
 import contextlib
 import hashlib
 import os
+import unicodedata
 from stat import S_ISREG
 
 import torch
@@ -26,13 +29,15 @@ def read_class_folders(folder):
     """(samples [(path, label, path relative to `folder`)], class names) of a folder holding a subfolder
     per class: classes in sorted order, each subfolder's images (any depth) in sorted order. A class
     folder without images is a KilnError."""
-    names = sorted(
-        name for name in os.listdir(folder) if not name.startswith('.') and os.path.isdir(os.path.join(folder, name))
+    folders = sorted(
+        (unicodedata.normalize('NFC', name), name)
+        for name in os.listdir(folder)
+        if not name.startswith('.') and os.path.isdir(os.path.join(folder, name))
     )
-    if not names:
+    if not folders:
         raise KilnError(f'{folder} holds no class folders; put the images of each class in a folder of its own')
     samples = []
-    for label, name in enumerate(names):
+    for label, (_, name) in enumerate(folders):
         found = find_images(os.path.join(folder, name))
         if not found:
             raise KilnError(
@@ -40,34 +45,38 @@ def read_class_folders(folder):
                 f'remove the folder'
             )
         samples += [(path, label, os.path.relpath(path, folder)) for path in found]
-    return samples, names
+    return samples, [name for name, _ in folders]
 
 
-def check_classes(dataset, class_names, source):
-    """A KilnError when `dataset` names its classes (class folders, or a list's classes.txt) otherwise
-    than `class_names` (those of `source`: the training data or the checkpoint): for a folder, the first
-    class it lacks, holds in addition or orders differently. Labels are positions in the names, so
-    any difference would mix classes up without a word."""
+def match_classes(dataset, class_names, source):
+    """Number `dataset`'s classes as `class_names` (those of `source`: the training data or the checkpoint)
+    by their names: a validation folder may lack a class, a classes.txt may order them otherwise. A class
+    that `source` lacks is a KilnError, and so is any difference for a dataset that cannot renumber its
+    labels (masks, boxes): labels are positions in the names, so a difference let through would mix
+    classes up without a word."""
     found = getattr(dataset, 'class_names', None)
-    class_names = list(class_names or ())
-    while class_names and class_names[-1] == str(len(class_names) - 1):  # numbered, not named (tasks/task.py)
-        class_names.pop()
-    if not found or not class_names or found == class_names:
+    reference = [unicodedata.normalize('NFC', name) for name in class_names or ()]
+    if not found or not reference or found == reference[: len(found)]:
+        return  # the same classes (a list may number more classes than it names)
+    renumber = getattr(dataset, 'renumber_classes', None)
+    if renumber is not None and set(found) <= set(reference):
+        renumber(reference)
         return
-    if not getattr(dataset, 'from_folder', False):
+    named = list(reference)
+    while named and named[-1] == str(len(named) - 1):  # numbered, not named (tasks/task.py)
+        named.pop()
+    if not named:
+        return  # trained on label numbers alone: no names to match
+    if getattr(dataset, 'from_folder', False):
+        extra = next(name for name in found if name not in reference)
         raise KilnError(
-            f'{dataset.list_path}: its classes.txt names the classes {", ".join(found)}, {source} has '
-            f'{", ".join(class_names)}; labels are positions in that list, so give it the same classes.txt'
+            f'{dataset.list_path} has a folder {extra!r} that is no class of {source}; give it class folders '
+            f'among {", ".join(named)}'
         )
-    missing = [name for name in class_names if name not in found]
-    extra = [name for name in found if name not in class_names]
-    if missing:
-        problem = f'has no folder (or no images) for class {missing[0]!r}, which {source} has'
-    elif extra:
-        problem = f'has a folder {extra[0]!r} that is no class of {source}'
-    else:
-        problem = f'orders its classes differently from {source}'
-    raise KilnError(f'{dataset.list_path} {problem}; give it the same class folders ({", ".join(class_names)})')
+    raise KilnError(
+        f'{dataset.list_path}: its classes.txt names the classes {", ".join(found)}, {source} has '
+        f'{", ".join(named)}; labels are positions in that list, so give it the same classes.txt'
+    )
 
 
 def read_class_names(list_path, file_names=('classes.txt',)):
@@ -78,7 +87,7 @@ def read_class_names(list_path, file_names=('classes.txt',)):
         if os.path.isfile(path):
             if os.path.getsize(path) == 0:
                 raise KilnError(f'{path} is empty; give one class name per line, in label order')
-            names = [fields[0] for _, fields in read_list_file(path, columns=1)]
+            names = [unicodedata.normalize('NFC', fields[0]) for _, fields in read_list_file(path, columns=1)]
             twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
             if twice is not None:
                 raise KilnError(f'{path} names the class {twice!r} twice; give each class its own name')
@@ -124,14 +133,29 @@ class ListDataset(Dataset):
             self.class_names = read_class_names(self.list_path, self.class_files)
         self.check_files()
         self.num_classes = args.num_classes or self.count_classes()
-        # (fewer names: the task numbers the other classes; other splits: check_classes compares the names)
+        # (fewer names: the task numbers the other classes; other splits: match_classes compares the names)
         if split == 'train' and self.class_names and len(self.class_names) > self.num_classes:
             raise KilnError(
                 f'{self.list_path}: {len(self.class_names)} classes are named but --num_classes is '
                 f'{self.num_classes}; drop --num_classes, or name only the classes the model has'
             )
-        if not self.from_folder:  # a folder's labels are its classes (data.list_dataset.check_classes compares them)
+        if not self.from_folder:  # a folder's labels are its classes (match_classes compares them)
             self.check_targets()
+
+    def renumber_classes(self, names):
+        """Make the labels positions in `names`, which hold every class name of this dataset (a label beyond
+        the named ones goes by its number, which must be one of `names` too)."""
+        position = {label: names.index(name) for label, name in enumerate(self.class_names)}
+        for _, label, number in self.samples:
+            if label not in position:
+                if str(label) not in names:
+                    raise KilnError(
+                        f'{self.list_path}:{number}: label {label} has no name in classes.txt and is no class '
+                        f'of {", ".join(names)}; name it in classes.txt'
+                    )
+                position[label] = names.index(str(label))
+        self.samples = [(path, position[label], number) for path, label, number in self.samples]
+        self.class_names, self.num_classes = list(names), max(self.num_classes, len(names))
 
     def decode_crops(self, crop):
         """From now on, read every image through `crop` (a data.augment.RandomResizedCrop): the training

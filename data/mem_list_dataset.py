@@ -72,8 +72,10 @@ class InMemory:
         return self.cache_file(type(self).__name__, f'_{self.size}_{self.resize}.pt')
 
     def cache_key(self):
-        """A digest of how images are decoded and of the files (ListDataset.files_digest)."""
-        decoding = f'{type(self).__name__} {self.size} {self.resize} {self.crop_pct} {self.files_digest()}'
+        """A digest of how images are decoded, of the files (ListDataset.files_digest) and of the class order
+        (match_classes may renumber the labels)."""
+        decoding = f'{type(self).__name__} {self.size} {self.resize} {self.crop_pct} {self.class_names} '
+        decoding += self.files_digest()
         return hashlib.sha256(decoding.encode()).hexdigest()
 
     decode_crops = None  # decoded once: training crops are made on the device (data/augment.py)

@@ -22,6 +22,7 @@ class SegListDataset(ListDataset):
 
     targets = ('mask',)
     augment = ('crop',)
+    renumber_classes = None  # class numbers are in the masks: the names must match as they are
     class_files = ('seg_classes.txt', 'classes.txt')
 
     def parse_target(self, fields, number):

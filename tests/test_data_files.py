@@ -591,3 +591,20 @@ def test_a_label_far_beyond_the_others_is_refused_not_an_out_of_memory(tmp_path)
         ).num_classes
         == 6
     )
+
+
+def test_hidden_folders_inside_class_folders_are_left_out(tmp_path):
+    """The thumbnails a NAS keeps in hidden folders (QNAP's .@__thumb, .thumbs) were read as more
+    training images of the class, low-resolution copies of the real ones."""
+    from data.image_io import find_images
+    from data.list_dataset import read_class_folders
+
+    for folder in ('cat', 'cat/more', 'cat/.thumbs', 'cat/.@__thumb/deeper', 'dog'):
+        (tmp_path / folder).mkdir(parents=True)
+        Image.new('RGB', (8, 8)).save(tmp_path / folder / 'a.png')
+    assert find_images(str(tmp_path / 'cat')) == [
+        str(tmp_path / 'cat' / 'a.png'),
+        str(tmp_path / 'cat' / 'more' / 'a.png'),
+    ]
+    samples, names = read_class_folders(str(tmp_path))
+    assert names == ['cat', 'dog'] and [label for _, label, _ in samples] == [0, 0, 1]

@@ -1,15 +1,17 @@
 """End to end: train.py, eval.py and the bash scripts run as a user runs them, on tiny data."""
 
 import csv
+import glob
 import json
 import os
+import shutil
 
 import pytest
 import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import run_script, tiny_run_args
+from conftest import experiment_of, run_script, tiny_run_args
 
 
 def _train(tiny_args, *extra):
@@ -129,16 +131,34 @@ def test_eval_on_another_list_names_the_result_folder_after_it(trained, tiny_sha
     assert not [f for f in os.listdir(out) if f.startswith('predictions_batch')]
 
 
-def test_a_list_whose_classes_txt_names_other_classes_is_refused(trained, tiny_shapes, tmp_path):
-    """Labels are positions in classes.txt: a list whose classes.txt orders the names otherwise would be
-    scored, and its predictions named, against the wrong classes (it passed without a word)."""
+def test_a_list_whose_classes_txt_orders_the_classes_otherwise_is_numbered_by_name(trained, tiny_shapes, tmp_path):
+    """Labels are positions in classes.txt: a list whose classes.txt orders the names otherwise is numbered
+    as the checkpoint's classes (it was scored against the wrong classes without a word, then refused);
+    one that names a class the model lacks is one line."""
     folder, _ = trained
     with open(os.path.join(tiny_shapes, 'classes.txt')) as f:
         names = f.read().split()
-    (tmp_path / 'classes.txt').write_text('\n'.join(reversed(names)) + '\n')
     with open(os.path.join(tiny_shapes, 'val.txt')) as f:
         lines = [line.split() for line in f if line.strip()]
-    (tmp_path / 'reversed.txt').write_text(''.join(f'{os.path.join(tiny_shapes, p)} {label}\n' for p, label in lines))
+    (tmp_path / 'classes.txt').write_text('\n'.join(reversed(names)) + '\n')
+    flipped = ''.join(f'{os.path.join(tiny_shapes, p)} {len(names) - 1 - int(label)}\n' for p, label in lines)
+    (tmp_path / 'reversed.txt').write_text(flipped)  # the same images and classes, numbered backwards
+    results = {}
+    for name, val_list in (('same', os.path.join(tiny_shapes, 'val.txt')), ('reversed', tmp_path / 'reversed.txt')):
+        result = run_script(
+            'eval.py', '--load_model_path', folder, '--val_list', val_list, '--save_prefix', name, '--no-progress_bar'
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        (evaluated,) = glob.glob(os.path.join(folder, 'eval', f'best_*_{name}'))
+        with open(os.path.join(evaluated, 'result.json')) as f:
+            results[name] = json.load(f)
+        with open(os.path.join(evaluated, 'predictions.csv')) as f:
+            rows = list(csv.DictReader(f))
+        assert [row['label_name'] for row in rows] == [names[int(label)] for _, label in lines]
+    assert results['reversed']['metrics'] == results['same']['metrics']
+    assert results['reversed']['class_names'] == names
+
+    (tmp_path / 'classes.txt').write_text('\n'.join(reversed(names[:-1] + ['hexagon'])) + '\n')
     runs = [
         run_script(
             'eval.py', '--load_model_path', folder, '--val_list', tmp_path / 'reversed.txt', '--no-progress_bar'
@@ -155,9 +175,50 @@ def test_a_list_whose_classes_txt_names_other_classes_is_refused(trained, tiny_s
     for result in runs:
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1, result.stdout + result.stderr
-        assert 'classes.txt names the classes ring, cross' in lines[0] and 'circle, square' in lines[0], lines[0]
+        assert 'classes.txt names the classes hexagon, cross' in lines[0] and 'circle, square' in lines[0], lines[0]
     assert not (tmp_path / 'ck' / 'small_cnn_list_default').exists()  # no folder left behind
     assert not os.path.exists(os.path.join(folder, 'eval', 'best_reversed_default'))
+
+
+@pytest.mark.parametrize('named', [False, True], ids=['numbers', 'numbers-and-a-name'])
+def test_validation_class_folders_are_numbered_by_their_names(tiny_shapes, tmp_path, named):
+    """Class folders named by numbers (as MNIST's are) and a validation set lacking one: validation's
+    folder '3' is class 3, not 2 (its place among validation's folders: the check skipped names that look
+    like numbers, and every image after the gap was scored against the wrong class); a name written
+    decomposed, as macOS writes file names, is the same class as its composed form."""
+    import unicodedata
+
+    import eval as evaluation
+    import train
+
+    composed = 'gr\u00fcn'
+    with open(os.path.join(tiny_shapes, 'train.txt')) as f:
+        images = [os.path.join(tiny_shapes, line.split()[0]) for line in f if line.strip()]
+    decomposed = unicodedata.normalize('NFD', composed)
+    extra = {'train': [composed], 'val': [decomposed]} if named else {'train': [], 'val': []}
+    names = {'train': ['0', '1', '2', '3', *extra['train']], 'val': ['0', '1', '3', *extra['val']]}
+    for split, folders in names.items():
+        for number, name in enumerate(folders):
+            (tmp_path / split / name).mkdir(parents=True)
+            for image in images[number * 4 : number * 4 + 4]:
+                shutil.copy(image, tmp_path / split / name)
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1', '--loggers', 'csv', '--img_size', '32']
+    args[args.index('--train_list') + 1], args[args.index('--val_list') + 1] = tmp_path / 'train', tmp_path / 'val'
+    args = [str(arg) for arg in args]
+    trainer = train.start(args)
+    val = trainer.val_data.dataset
+    assert val.class_names == names['train']
+    labels = {os.path.basename(os.path.dirname(path)): label for path, label, _ in val.samples}
+    assert labels == {'0': 0, '1': 1, '3': 3, **dict.fromkeys(extra['val'], 4)}, labels
+    assert trainer.run() is None
+    folder = experiment_of(args)
+    evaluation.main(['--load_model_path', folder, '--no-progress_bar', '--cpu'])
+    (evaluated,) = glob.glob(os.path.join(folder, 'eval', '*'))
+    with open(os.path.join(evaluated, 'predictions.csv')) as f:
+        rows = list(csv.DictReader(f))
+    named_rows = {unicodedata.normalize('NFC', os.path.basename(os.path.dirname(row['image']))): row for row in rows}
+    expected = {'0': ('0', '0'), '1': ('1', '1'), '3': ('3', '3'), **({composed: ('4', composed)} if named else {})}
+    assert {name: (row['label'], row['label_name']) for name, row in named_rows.items()} == expected
 
 
 def test_saved_args_given_back_with_config_reproduce_the_run(trained, tmp_path):
