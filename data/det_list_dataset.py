@@ -71,8 +71,15 @@ class DetListDataset(ListDataset):
                 )
 
     def __getitem__(self, index):
-        _, (boxes, labels), _ = self.samples[index]
-        image, (x0, y0, x1, y1), _ = self.read(index, with_box=True)
+        _, (boxes, labels), number = self.samples[index]
+        image, (x0, y0, x1, y1), (width, height) = self.read(index, with_box=True)
+        outside = (boxes[:, 0] >= width) | (boxes[:, 1] >= height) | (boxes[:, 2] <= 0) | (boxes[:, 3] <= 0)
+        if outside.any():  # a box partly outside is clipped to the image; one wholly outside is a mistake
+            box = ','.join(f'{value:g}' for value in boxes[outside.argmax()])
+            raise KilnError(
+                f'{self.list_path}:{number}: box {box} lies outside its image ({width}x{height} pixels, as turned '
+                f'upright by its EXIF orientation); give boxes in pixels of the image itself'
+            )
         # into the picture's pixels: the shown part `box` of the image became size x size
         scale = torch.tensor([self.size / (x1 - x0), self.size / (y1 - y0)] * 2, dtype=torch.float32)
         boxes = ((torch.from_numpy(boxes) - torch.tensor([x0, y0, x0, y0])) * scale).clamp(0, self.size)

@@ -171,3 +171,31 @@ def test_normalized_boxes_are_refused_and_small_boxes_kept(tmp_path):
     sample = DetListDataset(argparse.Namespace(**vars(options), train_list=str(tmp_path / 'small.txt')), 'train')[0]
     assert sample['box_labels'].tolist() == [0, 1]  # the 8-pixel box is 0.64 pixels at 32: kept
     assert sample['boxes'][1].tolist() == pytest.approx([24, 24, 24.64, 24.64])
+
+
+def test_a_box_outside_its_image_is_one_line_and_one_partly_outside_is_clipped(tmp_path):
+    """Boxes written for another resolution (500,500,600,600 in a 100x60 image) were clamped to nothing
+    and dropped: training and validation's mAP went on without them, without a word."""
+    import argparse
+
+    from PIL import Image
+
+    from data.det_list_dataset import DetListDataset
+
+    for name in ('a', 'b'):
+        Image.new('RGB', (100, 60), 'black').save(tmp_path / f'{name}.png')
+    (tmp_path / 'classes.txt').write_text('thing\n')
+    (tmp_path / 'partly.txt').write_text('a.png 90,50,130,70,0\nb.png 10,10,20,20,0\n')
+    options = argparse.Namespace(img_size=50, num_classes=None, data_type='det_list', resize='squash')
+    sample = DetListDataset(argparse.Namespace(**vars(options), train_list=str(tmp_path / 'partly.txt')), 'train')[0]
+    assert sample['boxes'].tolist() == [pytest.approx([45, 250 / 6, 50, 50])]  # clipped at 100x60, then halved
+    (tmp_path / 'outside.txt').write_text('a.png 10,10,20,20,0\nb.png 10,10,20,20,0 500,500,600,600,0\n')
+    result = run_script(
+        'train.py',
+        *('--task', 'detect', '--data_type', 'det_list', '--train_list', tmp_path / 'outside.txt'),
+        *('--val_list', tmp_path / 'partly.txt', '--img_size', '32', '--batch_size', '2', '--epochs', '1'),
+        *('--num_workers', '1', '--cpu', '--no-progress_bar', '--checkpoints_dir', tmp_path / 'ck'),
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stdout + result.stderr
+    assert 'outside.txt:2: box 500,500,600,600 lies outside its image (100x60 pixels' in lines[0], lines[0]
