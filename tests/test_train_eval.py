@@ -11,7 +11,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import experiment_of, run_script, tiny_run_args
+from conftest import experiment_of, run_script, tiny_run_args, train_succeeds
 
 
 def _train(tiny_args, *extra):
@@ -285,6 +285,21 @@ def test_scripts_train_then_eval_on_the_default_dataset(tmp_path):
     # one epoch on 6000 images already beats chance (1/6) by far
     accuracy = float(result.split('acc: ')[1].split()[0])
     assert accuracy > 0.3
+
+
+def test_eval_script_evaluates_the_newest_best_checkpoint(tiny_shapes, tmp_path):
+    """scripts/eval.sh without CHECKPOINT named the default classification run's folder, which another task,
+    model or dataset (or a project from scripts/new_task.py) never makes: it takes the newest best.pth."""
+    for prefix in ('older', 'newer'):
+        train_succeeds(tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--max_iteration', '2', '--save_prefix', prefix)
+    older = tmp_path / 'ck' / 'small_cnn_list_older'
+    os.utime(older / 'best.pth', (1_000_000_000, 1_000_000_000))  # made long ago
+    result = run_script(
+        'bash', 'scripts/eval.sh', '--cpu', '--no-progress_bar', env={'CHECKPOINTS_DIR': str(tmp_path / 'ck')}
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert os.listdir(tmp_path / 'ck' / 'small_cnn_list_newer' / 'eval') == ['best_val_default']
+    assert not (older / 'eval').exists()
 
 
 def test_the_progress_bar_shows_where_stderr_is_read_live_not_in_log_files(tiny_shapes, tmp_path, monkeypatch):
