@@ -156,7 +156,7 @@ class Evaluator:
 
 
 def evaluate_checkpoint(args, given, path):
-    """Evaluate one checkpoint into its own new result folder; return its metrics."""
+    """Evaluate one checkpoint into its own new result folder; return (its metrics, the list evaluated)."""
     options, checkpoint, task_type = load_for_inference(args, given, path)
     name = evaluated_list_name(args.val_list)  # 'val' unless given
     folder = result_folder(path, 'eval', name, options.save_prefix, options.output_dir)
@@ -167,7 +167,7 @@ def evaluate_checkpoint(args, given, path):
     with discard_folder_if_setup_fails(folder) if is_main_process() else contextlib.nullcontext():
         evaluator = Evaluator(options, checkpoint, task_type, folder)
         try:
-            return evaluator.eval()
+            return evaluator.eval(), getattr(evaluator.dataset, 'list_path', None)
         finally:
             evaluator.data.close()
 
@@ -189,21 +189,29 @@ def prepare_comparison(args, checkpoints):
 
 
 def write_comparison(folder, rows):
-    """comparison.csv (every metric) and comparison.txt (the main ones, aligned): one row per checkpoint."""
-    names = list(dict.fromkeys(name for _, metrics in rows for name in metrics))
+    """comparison.csv (every metric) and comparison.txt (the main ones, aligned): one row per checkpoint,
+    `rows` being (checkpoint, metrics, list evaluated); a `list` column when the checkpoints were evaluated
+    on different lists (each on its own validation list: no --val_list)."""
+    names = list(dict.fromkeys(name for _, metrics, _ in rows for name in metrics))
+    main_names = [name for name in names if '/' not in name]
+    lists = len({list_path for _, _, list_path in rows}) > 1
+
+    def row(path, list_path, values):
+        return [str(path), *([str(list_path)] if lists else []), *values]
+
     with open(os.path.join(folder, 'comparison.csv'), 'w', newline='') as f:
         writer = csv.writer(f)
-        writer.writerow(['checkpoint', *names])
-        writer.writerows(
-            [path, *(f'{metrics[n]:.6f}' if n in metrics else '' for n in names)] for path, metrics in rows
-        )
-    main_names = [name for name in names if '/' not in name]
-    table = [['checkpoint', *main_names]] + [
-        [path, *(f'{metrics[n]:.4f}' if n in metrics else '-' for n in main_names)] for path, metrics in rows
+        writer.writerow(row('checkpoint', 'list', names))
+        for path, metrics, list_path in rows:
+            writer.writerow(row(path, list_path, (f'{metrics[n]:.6f}' if n in metrics else '' for n in names)))
+    table = [row('checkpoint', 'list', main_names)] + [
+        row(path, list_path, (f'{metrics[n]:.4f}' if n in metrics else '-' for n in main_names))
+        for path, metrics, list_path in rows
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    widths = [max(len(cells[i]) for cells in table) for i in range(len(table[0]))]
     with open(os.path.join(folder, 'comparison.txt'), 'w') as f:
-        f.writelines('  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() + '\n' for row in table)
+        for cells in table:
+            f.write('  '.join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip() + '\n')
 
 
 def main(argv=None, args=None):
@@ -215,14 +223,16 @@ def main(argv=None, args=None):
     try:
         checkpoints = checkpoints_to_evaluate(args.load_model_path)
         if len(checkpoints) == 1:
-            return evaluate_checkpoint(args, given, checkpoints[0])
+            return evaluate_checkpoint(args, given, checkpoints[0])[0]
         folder = run_on_main_process(prepare_comparison, args, checkpoints)
-        rows = [(checkpoint, evaluate_checkpoint(args, given, checkpoint)) for checkpoint in checkpoints]
+        rows = [(checkpoint, *evaluate_checkpoint(args, given, checkpoint)) for checkpoint in checkpoints]
         if is_main_process():
             write_comparison(folder, rows)
             with open(os.path.join(folder, 'comparison.txt')) as f:
                 print(f.read().rstrip())
             print(f'comparison of {len(rows)} checkpoints in {folder}: comparison.txt, comparison.csv')
+            if len({list_path for _, _, list_path in rows}) > 1:
+                print('  (each on its own validation list, in the list column: give --val_list to compare on one)')
         return rows
     finally:
         cleanup_distributed()

@@ -302,6 +302,37 @@ def test_eval_script_evaluates_the_newest_best_checkpoint(tiny_shapes, tmp_path)
     assert not (older / 'eval').exists()
 
 
+def test_a_comparison_of_checkpoints_validated_on_different_lists_names_each_list(tiny_shapes, tmp_path):
+    """Without --val_list each checkpoint is evaluated on its own validation list: the table mixed results
+    on different data without a word; it now has a list column (and none when the lists are the same)."""
+    other = tmp_path / 'other_val.txt'
+    with open(os.path.join(tiny_shapes, 'val.txt')) as f:
+        other.write_text(''.join(f'{os.path.join(tiny_shapes, line)}' for line in f.readlines()[:20]))
+    shutil.copy(os.path.join(tiny_shapes, 'classes.txt'), tmp_path)
+    for prefix, val_list in (('a', os.path.join(tiny_shapes, 'val.txt')), ('b', str(other))):
+        args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--max_iteration', '2', '--save_prefix', prefix]
+        args[args.index('--val_list') + 1] = val_list
+        train_succeeds(args)
+    pattern = str(tmp_path / 'ck' / 'small_cnn_list_*')
+    result = run_script(
+        'eval.py',
+        '--load_model_path',
+        pattern,
+        '--cpu',
+        '--no-progress_bar',
+        '--save_prefix',
+        'cmp',
+        '--checkpoints_dir',
+        tmp_path / 'ck',
+    )
+    assert result.returncode == 0 and '--val_list to compare on one' in result.stdout, result.stdout + result.stderr
+    with open(tmp_path / 'ck' / 'comparisons' / 'val_cmp' / 'comparison.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert [row['list'] for row in rows] == [os.path.join(tiny_shapes, 'val.txt'), str(other)]
+    header = (tmp_path / 'ck' / 'comparisons' / 'val_cmp' / 'comparison.txt').read_text().split()[:3]
+    assert header == ['checkpoint', 'list', 'loss']
+
+
 def test_the_progress_bar_shows_where_stderr_is_read_live_not_in_log_files(tiny_shapes, tmp_path, monkeypatch):
     """Without --progress_bar, a bar is drawn only where stderr is a terminal or PyCharm's console: a
     log file (here, captured stderr) would keep every redraw. --progress_bar forces it, --no-progress_bar
