@@ -9,6 +9,7 @@ import io
 import math
 import os
 import struct
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -26,6 +27,11 @@ except ImportError:  # then Pillow decodes JPEGs too, at about half the speed
 # struct.error come out of some corrupt-file parsers)
 IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
 ALPHA_MODES = ('LA', 'La', 'PA', 'RGBA', 'RGBa')
+# Pillow refuses images of more than twice MAX_IMAGE_PIXELS (a guard against files made to exhaust memory)
+# and warns above it, in two raw lines per worker: scans and panoramas of 90 to 270 million pixels are
+# decoded here without a word (they are the user's own data), larger ones are refused in one line
+Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, 1 << 27)
+warnings.simplefilter('ignore', Image.DecompressionBombWarning)
 
 
 def _gray(values):
@@ -209,6 +215,11 @@ def _reason(error):
     """What went wrong reading an image, in one line."""
     if isinstance(error, Image.UnidentifiedImageError):  # Pillow's text names the buffer it read, not the file
         return f'not an image in a format Pillow reads ({", ".join(IMAGE_EXTENSIONS)})'
+    if isinstance(error, Image.DecompressionBombError):
+        return (
+            f'more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels, too many to decode safely; cut it into tiles or '
+            f'shrink it'
+        )
     return ' '.join(str(error).split()) or type(error).__name__
 
 

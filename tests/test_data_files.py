@@ -608,3 +608,33 @@ def test_hidden_folders_inside_class_folders_are_left_out(tmp_path):
     ]
     samples, names = read_class_folders(str(tmp_path))
     assert names == ['cat', 'dog'] and [label for _, label, _ in samples] == [0, 0, 1]
+
+
+def test_very_large_images_decode_without_pillows_warning_and_larger_ones_are_one_line(tmp_path):
+    """A 190-million-pixel panorama was refused as a 'decompression bomb' and one of 96 million printed
+    Pillow's two-line warning from every worker; here Pillow's limit is shrunk to 100 pixels to try both."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    for side in (12, 15):  # 144 pixels: over the limit, under twice it; 225: over twice
+        Image.new('RGB', (side, side), 'red').save(tmp_path / f'{side}.png')
+    probe = f"""
+import sys
+sys.path.insert(0, {REPO!r})
+from PIL import Image
+from data.image_io import decode_image
+from utils.errors import KilnError
+Image.MAX_IMAGE_PIXELS = 100
+print(tuple(decode_image({str(tmp_path / '12.png')!r}, 8).shape))
+try:
+    decode_image({str(tmp_path / '15.png')!r}, 8)
+except KilnError as error:
+    print(error)
+"""
+    result = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == '', result.stderr
+    decoded, refused = result.stdout.splitlines()
+    assert decoded == '(3, 8, 8)'
+    assert refused.startswith('cannot read image') and 'more than 200 pixels, too many to decode safely' in refused
