@@ -162,6 +162,24 @@ def _augmentations(text):
     return ','.join(names)
 
 
+def _logger_names(text):
+    """--loggers: names from LOGGERS, one per word or joined by commas (as --augment takes them)."""
+    names = [name.strip() for name in text.split(',') if name.strip()]
+    unknown = [name for name in names if name not in LOGGERS] or ([] if names else [text])
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f'unknown logger {unknown[0]!r}{did_you_mean(unknown[0], LOGGERS)}; choose from {", ".join(LOGGERS)}'
+        )
+    return names
+
+
+class _Joined(argparse.Action):
+    """An option of several words whose type gives a list for each: its value is one list of them all, each once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, list(dict.fromkeys(item for value in values for item in value)))
+
+
 def _prefix_rename(text):
     old, separator, _ = text.partition('=')
     if not separator or not old:
@@ -444,7 +462,8 @@ def parse_train_args(parser):
     parser.add_argument(
         '--loggers',
         nargs='+',
-        choices=LOGGERS,
+        type=_logger_names,
+        action=_Joined,
         default=['tensorboard'],
         help='experiment trackers: any of tensorboard, csv (metrics.csv), wandb (offline unless '
         'logged in), mlflow (a local store unless --mlflow_uri); wandb and mlflow are the '

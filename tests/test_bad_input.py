@@ -141,11 +141,21 @@ def test_unknown_name_lists_the_valid_ones_and_leaves_no_folder(data, tmp_path, 
         (['--data_type', 'shape'], '(did you mean shapes?)'),
         (['--batchsize', '8'], '--batchsize 8 (did you mean --batch_size?)'),
         (['--save_prefx', 'x'], '(did you mean --save_prefix?)'),
+        (['--loggers', 'csv,tensorbord'], "unknown logger 'tensorbord' (did you mean tensorboard?)"),
     ],
 )
 def test_a_mistyped_name_or_flag_comes_with_the_one_meant(data, tmp_path, argv, suggestion):
     assert_one_error_line(train(tmp_path / 'ck', data, *argv), suggestion)
     assert leftovers(tmp_path / 'ck') == []
+
+
+def test_loggers_are_given_apart_or_joined_by_commas_as_augmentations_are():
+    """--loggers csv,tensorboard was refused as one unknown name, though --augment takes its names so."""
+    from options import parse_args, parse_train_args
+
+    for argv in (['csv', 'tensorboard'], ['csv,tensorboard'], ['csv, tensorboard', 'csv']):
+        assert parse_args(parse_train_args, ['--loggers', *argv]).loggers == ['csv', 'tensorboard'], argv
+    assert parse_args(parse_train_args, []).loggers == ['tensorboard']
 
 
 # 2. missing list file ------------------------------------------------------------------------------
