@@ -12,6 +12,7 @@ and 12 val images), so one training run takes a second or two.
 """
 
 import hashlib
+import io
 import os
 import random
 
@@ -297,19 +298,26 @@ def test_train_checkpoint_with_other_num_classes(data, trained, tmp_path):
 # 9. a file that is not a checkpoint -----------------------------------------------------------------
 
 
+def _cut_short_checkpoint():
+    buffer = io.BytesIO()
+    torch.save({'model': {'weight': torch.zeros(100)}}, buffer)
+    return buffer.getvalue()[:-10]
+
+
 @pytest.mark.parametrize(
-    'content',
+    'content, reason',
     [
-        random.Random(0).randbytes(3000),
-        b'',
-        b'this is not a checkpoint\n',
+        (random.Random(0).randbytes(3000), 'not a torch.save file'),
+        (b'', 'the file is empty'),
+        (b'this is not a checkpoint\n', 'not a torch.save file'),  # it said "(pop from empty list)"
+        (_cut_short_checkpoint(), 'the file is cut short or damaged'),  # "([Errno 22] Invalid argument)"
     ],
-    ids=['random_bytes', 'empty', 'text'],
+    ids=['random_bytes', 'empty', 'text', 'cut_short'],
 )
-def test_eval_file_that_is_not_a_checkpoint(tmp_path, content):
+def test_eval_file_that_is_not_a_checkpoint(tmp_path, content, reason):
     path = tmp_path / 'x.pth'
     path.write_bytes(content)
-    line = assert_one_error_line(evaluate(path), path)
+    line = assert_one_error_line(evaluate(path), path, f'not a readable PyTorch checkpoint ({reason})')
     # it is a damaged or foreign file, not a checkpoint that safe loading refuses: re-saving it cannot help
     assert 'safe loading does not allow' not in line
     assert not (tmp_path / 'eval').exists()  # no empty result folders left behind

@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +74,9 @@ def load_checkpoint(path, map_location='cpu', mmap=False):
         except (SafetensorError, OSError, ValueError) as error:
             raise KilnError(f'{path} is not a readable safetensors file ({error})') from None
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():  # a plain pickle is refused below in one line, without torch's warning
+            warnings.filterwarnings('ignore', message='Detected pickle protocol')
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as error:  # noqa: BLE001 - every failure of torch.load becomes one line
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         blocked = re.search(r'GLOBAL ([\w.]+)', str(error))
@@ -82,15 +85,21 @@ def load_checkpoint(path, map_location='cpu', mmap=False):
                 f'refusing to load {path}: it holds the Python object {blocked.group(1)}, which could run '
                 f'code and which safe loading does not allow; re-save it as a plain state dict'
             ) from None
-        reason = lines[0] if lines else type(error).__name__
-        if isinstance(error, pickle.UnpicklingError):
-            with open(path, 'rb') as f:
-                if f.read(1) == b'\x80':  # a pickle's PROTO opcode: a plain pickle, not torch.save's zip
-                    raise KilnError(
-                        f'refusing to load {path}: it is a plain pickle, which could run code and which '
-                        f'safe loading does not allow; re-save it with torch.save as a state dict'
-                    ) from None
+        with open(path, 'rb') as f:
+            head = f.read(2)
+        if isinstance(error, pickle.UnpicklingError) and head[:1] == b'\x80':  # a pickle's PROTO opcode
+            raise KilnError(
+                f'refusing to load {path}: it is a plain pickle, which could run code and which '
+                f'safe loading does not allow; re-save it with torch.save as a state dict'
+            ) from None
+        if not head:
+            reason = 'the file is empty'
+        elif head != b'PK':  # torch.save writes a zip archive
             reason = 'not a torch.save file'
+        elif isinstance(error, OSError) or 'zip archive' in str(error):  # torch's own words name its zip reader
+            reason = 'the file is cut short or damaged'
+        else:
+            reason = (lines[0].split('. ')[0] if lines else '') or type(error).__name__
         raise KilnError(
             f'{path} is not a readable PyTorch checkpoint ({reason}); '
             f'check that the file is complete and was written by torch.save'
