@@ -119,7 +119,7 @@ def main(argv=None, args=None):
     if unreadable:
         raise KilnError(
             f'{len(unreadable)} of {len(paths)} images could not be read (listed with the '
-            f'reasons in {folder}/unreadable.txt); the others were predicted'
+            f'reasons in {folder}/unreadable.txt)' + ('; the others were predicted' if predicted else '')
         )
 
 

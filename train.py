@@ -519,9 +519,11 @@ class Trainer:
         """What the run trains, on what, for how long and where: read at the start, it catches a wrong
         list, a class count off by a typo or a schedule of the wrong length before any time is spent."""
         o = self.options
+        limited = o.overfit_batches or o.limit_train_batches or o.limit_val_batches
+        used = f' (using {len(self.train_data)} and {len(self.val_data)} batches)' if limited else ''
         return (
             f'{o.task}: {o.model_type} on {o.data_type}, {o.num_classes} classes, '
-            f'{len(self.train_data.dataset)} training and {len(self.val_data.dataset)} validation samples; '
+            f'{len(self.train_data.dataset)} training and {len(self.val_data.dataset)} validation samples{used}; '
             f'{self.updates_per_epoch} steps per epoch, {self.max_steps} in all; into {o.model_dir}'
         )
 

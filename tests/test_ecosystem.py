@@ -510,6 +510,8 @@ def test_overfit_batches_drives_the_train_loss_to_about_zero_on_the_same_batches
     print('--overfit_batches 2: train loss by epoch', ' '.join(f'{value:.3f}' for value in curve))
     assert len(curve) == 30 and curve[0] > 1.5 and curve[-1] < OVERFIT_LOSS
     assert history['val/acc'][-1] == 1.0 and history['val/loss'][-1] < 2 * OVERFIT_LOSS
+    # the first line says what is used (it named the whole list as validated)
+    assert '96 training and 96 validation samples (using 2 and 2 batches)' in run.summary_line()
     _, table = read_metrics_csv(os.path.join(run.options.model_dir, 'metrics.csv'))
     assert sorted(table['train/loss']) == list(range(2, 61, 2))  # 2 steps per epoch
     # the same 2 batches, in the same order, every epoch; validated on exactly those (32 images, not

@@ -217,6 +217,12 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
     assert [os.path.basename(r['image']) for r in rows] == ['00000.png', '00001.png', '00002.png']
     assert all(r['prediction_name'] in ('circle', 'square', 'triangle', 'star', 'cross', 'ring') for r in rows)
     assert 'broken.png' in open(os.path.join(folder, 'unreadable.txt')).read()
+    assert 'the others were predicted' in result.stderr
+    alone = run_script(  # nothing else to predict: no word of others
+        'predict.py', '--load_model_path', classified[0], '--input', images / 'broken.png', '--no-progress_bar'
+    )
+    assert alone.returncode == 2 and '1 of 1 images could not be read' in alone.stderr, alone.stderr
+    assert 'others' not in alone.stderr
 
 
 def test_predict_segmentation_writes_masks(tiny_shapes, segmented):
