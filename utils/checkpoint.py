@@ -75,7 +75,7 @@ def load_checkpoint(path, map_location='cpu', mmap=False):
             raise KilnError(f'{path} is not a readable safetensors file ({error})') from None
     try:
         with warnings.catch_warnings():  # a plain pickle is refused below in one line, without torch's warning
-            warnings.filterwarnings('ignore', message='Detected pickle protocol')
+            warnings.filterwarnings('ignore', message='.*pickle protocol')
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as error:  # noqa: BLE001 - every failure of torch.load becomes one line
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
