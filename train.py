@@ -316,7 +316,7 @@ class Trainer:
         self.record_start()
         seen, self.pictured_at = 0, time.perf_counter()
         self.printed_at = self.pictured_at, 0  # (time, samples trained) of the last printed line
-        with stopper, training_profiler(o.profile, o.model_dir) as profiler:
+        with stopper, training_profiler(o.profile, o.model_dir, self.device) as profiler:
             while stopper.stop is None and position.step < self.max_steps:
                 if self.finetuning.unfreezes_at(position.epoch, position.batch):  # --unfreeze_at_epoch
                     self.finetuning.unfreeze()
