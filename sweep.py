@@ -389,11 +389,12 @@ def compare_runs(runs, name, base, trained):
 
 SBATCH = """#!/usr/bin/env bash
 # Kiln sweep {name}: one array task per line of {combos} (train.py options), written by sweep.py.
-# Pre-emption sends SIGTERM two minutes ahead: train.py saves, and the requeued task resumes the run.
+# SIGTERM (pre-emption, or B: two minutes before the time limit to this shell, which execs train.py) makes
+# train.py save and stop; a requeued task resumes the run (every line has --resume).
 #SBATCH --job-name={name}
 #SBATCH --array=0-{last}
 #SBATCH --requeue
-#SBATCH --signal=TERM@120
+#SBATCH --signal=B:TERM@120
 #SBATCH --output={folder}/slurm-%A_%a.out
 #SBATCH --chdir={cwd}
 set -euo pipefail
