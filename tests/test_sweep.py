@@ -237,6 +237,17 @@ def test_slurm_writes_a_job_array_and_submits_it(tiny_shapes, tmp_path):
     ]
     dry = _sweep('--config', str(config), '--slurm', '--dry_run', '--name', 'other', '--', *train, env=env)
     assert '#SBATCH --array=0-3' in dry.stdout and not (checkpoints / 'sweeps' / 'other').exists()
+    # the time-limit signal goes to the batch shell (B:), which is train.py itself: with no job step, a
+    # signal without B: reached no process (train.py never saved before the kill)
+    assert '#SBATCH --signal=B:TERM@120\n' in text
+    echo.write_text('#!/bin/sh\necho $$\n')
+    shell = subprocess.Popen(
+        ['bash', str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, 'SLURM_ARRAY_TASK_ID': '0', 'PYTHON': str(echo)},
+    )
+    assert shell.communicate(timeout=timeout(60))[0].strip() == str(shell.pid)  # exec: the same process
 
 
 def test_random_ranges_are_log_uniform_over_a_decade_else_uniform():
