@@ -405,6 +405,8 @@ class Trainer:
         metrics['train/lr'] = self.optimizer.param_groups[0]['lr']
         last = step >= self.max_steps
         pictures = o.log_images and (last or time.perf_counter() - self.pictured_at >= o.image_interval)
+        if self.ema is not None:
+            self.ema.agree()  # every process validates the average that rank 0 saves
         evaluation = evaluate(
             self.ema.module if self.ema is not None else self.setup.wrapped,  # what best.pth and eval.py use
             self.val_data,

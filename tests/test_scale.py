@@ -128,6 +128,21 @@ def test_eval_under_two_processes_equals_one(one_and_two_processes):
     assert two_json == one_json
 
 
+def test_two_processes_validate_the_weight_average_eval_py_evaluates(tiny_shapes, tmp_path):
+    """--ema_decay with BatchNorm under torchrun: each process averaged the running statistics of its own
+    batches and validated its half of the images with them, so training's val/loss was not eval.py's on
+    the checkpoint (which holds rank 0's average)."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--batch_size', '8', '--ema_decay', '0.9', '--loggers', 'csv']
+    _torchrun('train.py', *args, '--epochs', '1')
+    folder = _folder(args)
+    with open(os.path.join(folder, 'history.json')) as f:
+        validated = json.load(f)['metrics']['val/loss'][-1]
+    run_script('eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--no-progress_bar', '--cpu')
+    with open(os.path.join(folder, 'eval', 'last_val_default', 'result.json')) as f:
+        result = json.load(f)
+    assert result['weights'] == 'ema' and result['metrics']['loss'] == pytest.approx(validated, rel=1e-6)
+
+
 def test_resume_under_two_processes(one_and_two_processes, tmp_path):
     _, whole = one_and_two_processes  # 2 epochs in one go; continue a copy of it from the end of epoch 1
     copy = tmp_path / 'copy'

@@ -4,8 +4,10 @@ predict.py use when it is on."""
 import copy
 
 import torch
+import torch.distributed as dist
 
 from utils.checkpoint import unwrap_model
+from utils.distributed import is_distributed
 
 
 class ModelEma:
@@ -28,6 +30,15 @@ class ModelEma:
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
         with torch.no_grad():
             torch._foreach_lerp_(self.floats[0], self.floats[1], 1 - decay)
+
+    def agree(self):
+        """Under torchrun, give every process rank 0's averaged buffers (BatchNorm's running statistics
+        follow each process's own batches; the weights agree already): validation, which every process
+        runs on its share of the images, then uses the average that rank 0 saves. A collective."""
+        if is_distributed():
+            for buffer in self.module.buffers():
+                if buffer.is_floating_point():
+                    dist.broadcast(buffer, 0)
 
     def state_dict(self):
         with torch.no_grad():
