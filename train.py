@@ -228,8 +228,11 @@ class Trainer:
             options.monitor, options.monitor_mode, options.early_stop_patience, options.early_stop_min_delta
         )
         trackers = None
-        # the others log to no tracker; nor does a finished run resumed as it was (nothing new to log)
+        # the others log to no tracker; nor does a finished or early-stopped run resumed (nothing new to log)
         finished = checkpoint is not None and Checkpointer.step_of(checkpoint, options.resume_from) >= max_steps
+        if checkpoint is not None and isinstance(checkpoint.get('monitor'), dict):
+            monitor.load_state_dict(checkpoint['monitor'])  # (again with every part in resume)
+            finished = finished or monitor.exhausted()
         if is_main_process() and not finished:
             trackers = build_trackers(
                 options.loggers,
@@ -299,6 +302,7 @@ class Trainer:
     def resume(self, checkpoint):
         """Continue from `checkpoint` (loaded from --resume): every part's state, and the freezing it had."""
         self.checkpointer.load(checkpoint, self.options.resume_from)
+        self.stopper.check_early_stop(self.monitor)  # it had stopped early: nothing left to train
         position = self.position
         if self.finetuning.is_unfrozen(position.epoch, position.batch):  # --unfreeze_at_epoch took effect before
             self.finetuning.unfreeze()
@@ -541,6 +545,8 @@ class Trainer:
         ]
         if stop is None and self.first_step_seconds is None:  # resumed at its end
             lines[0] += ' (nothing left to train: give more --epochs or --max_iteration to go on)'
+        elif stop is not None and stop.reason == StopReason.EARLY_STOP and self.first_step_seconds is None:
+            lines[0] += ' (when it was saved: nothing left to train)'
 
         existing = [name for name in (BEST, LAST) if os.path.exists(self.folder(name))]
         if existing:

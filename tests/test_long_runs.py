@@ -263,6 +263,14 @@ def test_early_stopping(tiny_shapes, tmp_path):
         history = json.load(f)
     assert len(history['metrics']['val/acc']) == 3
     assert _load(os.path.join(_folder(args), 'last.pth'))['monitor']['waited'] == 2
+    # a job script passes --resume every time: an early-stopped run trained one more epoch on each
+    files = {name: os.path.getmtime(os.path.join(_folder(args), name)) for name in os.listdir(_folder(args))}
+    again = _train(args, '--epochs', '20', '--early_stop_patience', '2', '--early_stop_min_delta', '1.0', '--resume')
+    assert 'early stop' in again.stdout and 'at step 18' in again.stdout and 'nothing left to train' in again.stdout
+    kept = ('epoch', 'last.pth', 'best.pth', 'history.json', 'checkpoints.json', 'events.out')  # the run's results
+    now = {name: os.path.getmtime(os.path.join(_folder(args), name)) for name in os.listdir(_folder(args))}
+    results = {n: t for n, t in now.items() if n.startswith(kept)}
+    assert results == {n: t for n, t in files.items() if n.startswith(kept)} and len(results) >= 5, results
 
 
 def test_iteration_mode_validates_and_saves_on_its_intervals(tiny_shapes, tmp_path):
