@@ -191,7 +191,7 @@ def prepare_comparison(args, checkpoints):
 def write_comparison(folder, rows):
     """comparison.csv (every metric) and comparison.txt (the main ones, aligned): one row per checkpoint,
     `rows` being (checkpoint, metrics, list evaluated); a `list` column when the checkpoints were evaluated
-    on different lists (each on its own validation list: no --val_list)."""
+    on different lists (each on its own validation list: no --val_list). Returns whether they were."""
     names = list(dict.fromkeys(name for _, metrics, _ in rows for name in metrics))
     main_names = [name for name in names if '/' not in name]
     lists = len({list_path for _, _, list_path in rows}) > 1
@@ -212,6 +212,7 @@ def write_comparison(folder, rows):
     with open(os.path.join(folder, 'comparison.txt'), 'w') as f:
         for cells in table:
             f.write('  '.join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip() + '\n')
+    return lists
 
 
 def main(argv=None, args=None):
@@ -227,11 +228,11 @@ def main(argv=None, args=None):
         folder = run_on_main_process(prepare_comparison, args, checkpoints)
         rows = [(checkpoint, *evaluate_checkpoint(args, given, checkpoint)) for checkpoint in checkpoints]
         if is_main_process():
-            write_comparison(folder, rows)
+            several_lists = write_comparison(folder, rows)
             with open(os.path.join(folder, 'comparison.txt')) as f:
                 print(f.read().rstrip())
             print(f'comparison of {len(rows)} checkpoints in {folder}: comparison.txt, comparison.csv')
-            if len({list_path for _, _, list_path in rows}) > 1:
+            if several_lists:
                 print('  (each on its own validation list, in the list column: give --val_list to compare on one)')
         return rows
     finally:
