@@ -185,6 +185,30 @@ def test_two_runs_of_one_folder_are_refused(tiny_shapes, tmp_path):
     assert len([n for n in os.listdir(_folder(args)) if n.startswith('events.')]) == 1
 
 
+def test_a_resume_of_a_folder_in_use_says_so_before_reading_its_checkpoints(tiny_shapes, tmp_path, monkeypatch):
+    """The running process prunes checkpoints: a second --resume that picked one before the lock check
+    read a file already gone and said 'does not exist' (once in a CI run of the test above)."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--max_iteration', '2', '--save_interval', '1']
+    assert run_script('train.py', *args).returncode == 0
+    folder = _folder(args)
+    pruned = os.path.join(folder, 'epoch000_step0000001.pth')
+    assert not os.path.exists(pruned)  # --keep_last 1: gone, as if pruned right after a resume chose it
+    import utils.run_folder
+
+    monkeypatch.setattr(utils.run_folder, '_newest_checkpoint', lambda folder: pruned)  # in this process
+    code = f'import sys, time; sys.path.insert(0, {REPO!r}); from utils.run_folder import FolderLock; '
+    code += f'lock = FolderLock({folder!r}); print("held", flush=True); time.sleep(60)'
+    holder = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'held'
+        second = run_script('train.py', *args, '--resume')
+        _one_error_line(second, 'is in use by process', str(holder.pid))
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
 def test_a_forked_child_of_a_dead_run_does_not_hold_its_folder(tmp_path):
     """DataLoader workers are forked from the run; when a SIGKILL ends the run first, they take a moment
     to notice, and a --resume in that moment must not be refused."""

@@ -118,15 +118,7 @@ class FolderLock:
     def __init__(self, folder):
         self.path = os.path.join(folder, LOCK)
         self.file = open(self.path, 'a+')
-        try:
-            fcntl.lockf(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            if error.errno not in (errno.EACCES, errno.EAGAIN):
-                raise
-            self.file.seek(0)
-            holder = self.file.read().strip() or 'another process'
-            self.file.close()
-            raise KilnError(f'{folder} is in use by {holder}; wait for that run to end or stop it') from None
+        _lock_or_refuse(self.file, fcntl.LOCK_EX, folder)
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f'process {os.getpid()} on {socket.gethostname()}')
@@ -135,6 +127,26 @@ class FolderLock:
     def release(self):
         """Give the folder back (also happens when the process ends)."""
         self.file.close()
+
+    @staticmethod
+    def refuse_if_held(folder):
+        """The KilnError of a folder in use, found without writing anything (a shared lock tried on its
+        lock file, opened to read): before a resume reads checkpoints that the running process may prune."""
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(folder, LOCK)) as file:
+            _lock_or_refuse(file, fcntl.LOCK_SH, folder)
+
+
+def _lock_or_refuse(file, kind, folder):
+    """Take a POSIX record lock of `kind` on `file` at once, or raise the KilnError naming its holder."""
+    try:
+        fcntl.lockf(file, kind | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        file.seek(0)
+        holder = file.read().strip() or 'another process'
+        file.close()
+        raise KilnError(f'{folder} is in use by {holder}; wait for that run to end or stop it') from None
 
 
 def open_experiment(argv, args):
@@ -178,6 +190,7 @@ def open_experiment(argv, args):
         )
         return args.replace(model_dir=folder, resume_from=None), FolderLock(folder)
     # read-only checks first: a refused resume touches no file (not even the lock's)
+    FolderLock.refuse_if_held(folder)  # a running process may prune the checkpoint about to be read
     resume_from = named or _newest_checkpoint(folder)
     saved = os.path.join(folder, ARGS_YAML)
     if resume_from and not os.path.isfile(saved):
