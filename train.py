@@ -165,6 +165,7 @@ class Trainer:
         checkpointer,
         ema=None,
         lock=None,
+        start_record=None,
     ):
         self.options, self.task, self.device = options, task, device
         self.train_data, self.val_data = train_data, val_data
@@ -174,6 +175,7 @@ class Trainer:
         self.logger, self.checkpointer = logger, checkpointer
         self.ema = ema  # the average of the weights that validation uses (--ema_decay), or None
         self.lock = lock  # the experiment folder's lock, held by rank 0 while the run lives
+        self.start_record = start_record  # this start's reproducibility_record (rank 0), made when built
         self.updates_per_epoch, self.max_steps = schedule_length(options, train_data)
         self.first_step_seconds = None
         self.pictured_at = None  # when validation pictures were last logged (see --image_interval)
@@ -183,6 +185,8 @@ class Trainer:
     def build(cls, options, lock=None):
         """Every part of a training run, from the options resolved by `open_experiment` (the number of
         classes still comes from the data); with --resume, loaded from the checkpoint."""
+        # git answers for reproduce.json while the data and the model load, rather than beside the first steps
+        start_record = reproducibility_record(options) if is_main_process() else None
         set_seed(options.seed)
         set_deterministic(options.deterministic)
         torch.autograd.set_detect_anomaly(options.detect_anomaly)
@@ -291,6 +295,7 @@ class Trainer:
             checkpointer=checkpointer,
             ema=ema,
             lock=lock,
+            start_record=start_record,
         )
         if checkpoint is not None:
             trainer.resume(checkpoint)
@@ -511,7 +516,8 @@ class Trainer:
             mixed_precision=o.amp,
         )
         self.logger.submit(config.save, o.model_dir)
-        self.logger.submit(append_reproducibility_record, o.model_dir, reproducibility_record(o))
+        record, self.start_record = self.start_record or reproducibility_record(o), None  # git's answers read once
+        self.logger.submit(append_reproducibility_record, o.model_dir, record)
 
     def final_metrics(self):
         """The last value of every metric and the best --monitor value."""

@@ -49,6 +49,7 @@ class ResumableBatchSampler(Sampler):
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.limit, self.fixed_order = limit, fixed_order
         self.epoch, self.start = 0, 0
+        self._drawn = (None, None)  # (seed, the order it gave)
 
     def set_epoch(self, epoch, start=0):
         """Make the next iteration give epoch `epoch`'s batches from batch number `start` on."""
@@ -59,9 +60,12 @@ class ResumableBatchSampler(Sampler):
         epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:
             return list(range(self.length))
-        generator = torch.Generator()
-        generator.manual_seed(mix(self.seed, 0 if self.fixed_order else epoch))
-        return torch.randperm(self.length, generator=generator).tolist()
+        seed = mix(self.seed, 0 if self.fixed_order else epoch)
+        if self._drawn[0] != seed:  # drawn once per epoch: a checkpoint keeps the order the epoch then reads
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+            self._drawn = seed, torch.randperm(self.length, generator=generator).tolist()
+        return list(self._drawn[1])
 
     def num_batches(self):
         """How many batches this rank gets in a whole epoch (arithmetic: no order is drawn)."""

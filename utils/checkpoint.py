@@ -20,11 +20,12 @@ from utils.errors import KilnError
 from utils.fault_points import fault_point
 
 
-def atomic_write_bytes(data, path):
+def atomic_write_bytes(data, path, sync_folder=True):
     """Write `data` to `path` so that a crash leaves either the old file or the new one, whole.
 
     The temporary file sits in the same folder (a rename across file systems is not atomic),
-    is flushed to disk before the rename, and is removed if anything fails.
+    is flushed to disk before the rename, and is removed if anything fails. `sync_folder=False`
+    leaves the folder's fsync (which makes the rename survive a power cut) to a later write there.
     """
     folder = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(folder, f'.{os.path.basename(path)}.tmp{os.getpid()}')
@@ -39,9 +40,15 @@ def atomic_write_bytes(data, path):
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
+    if sync_folder:
+        sync_directory(folder)
+
+
+def sync_directory(folder):
+    """fsync `folder`: the renames and links made in it survive a power cut."""
     directory = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(directory)  # make the rename itself survive a power cut
+        os.fsync(directory)
     finally:
         os.close(directory)
 
@@ -51,11 +58,12 @@ def atomic_write_json(data, path):
     atomic_write_bytes(json.dumps(data, indent=1, default=str).encode(), path)
 
 
-def save_checkpoint(state, path):
-    """Serialize `state` with torch.save and write it to `path` atomically; return the SHA-256 of its bytes."""
+def save_checkpoint(state, path, sync_folder=True):
+    """Serialize `state` with torch.save and write it to `path` atomically (see atomic_write_bytes);
+    return the SHA-256 of its bytes."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    atomic_write_bytes(buffer.getvalue(), path)
+    atomic_write_bytes(buffer.getvalue(), path, sync_folder)
     return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
 

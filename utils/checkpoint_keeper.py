@@ -131,7 +131,7 @@ class CheckpointKeeper:
         name = checkpoint_name(epoch, step)
         path = os.path.join(self.folder, name)
         try:
-            digest = save_checkpoint(state, path)
+            digest = save_checkpoint(state, path, sync_folder=False)  # the record's write syncs the folder once
             fault_point('checkpoint_written')
             _link_or_copy(path, os.path.join(self.folder, LAST))
             if is_best:
