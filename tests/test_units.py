@@ -468,6 +468,26 @@ def test_png_writer_round_trips_through_pillow(tmp_path, seed):
     assert (np.asarray(Image.open(tmp_path / 'picture.png')) == image).all(), f'seed {seed}'
 
 
+@pytest.mark.parametrize('seed', [0, 1])
+def test_picture_tiles_enlarge_small_images_sharply_and_shrink_large_ones_by_averaging(seed):
+    """Each source pixel of a small image becomes a whole block of one colour (rounded from [0, 1] to
+    bytes); an image larger than the tile is shrunk to the tile by averaging (mode 'area')."""
+    from utils.viz import tiles
+
+    generator = torch.Generator().manual_seed(seed)
+    small = torch.rand(2, 3, 20, 20, generator=generator) * 1.2 - 0.1  # a little outside [0, 1]: clamped
+    out = tiles(small, 96)
+    assert out.shape == (2, 80, 80, 3) and out.dtype.name == 'uint8', f'seed {seed}'  # 4x: the whole factor below 96
+    expected = (small.clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1)
+    assert (torch.from_numpy(out[:, ::4, ::4]) == expected).all(), f'seed {seed}'
+    assert (out[:, 1::4, 3::4] == out[:, ::4, ::4]).all(), f'seed {seed}: a block is one colour'
+    large = torch.rand(1, 3, 192, 192, generator=generator)
+    shrunk = tiles(large, 96)
+    means = large.unfold(2, 2, 2).unfold(3, 2, 2).mean((-1, -2))  # each 2x2 block's mean
+    assert shrunk.shape == (1, 96, 96, 3), f'seed {seed}'
+    assert (torch.from_numpy(shrunk).permute(0, 3, 1, 2).int() - (means * 255).round().int()).abs().max() <= 1
+
+
 def test_pictures_draw_class_names_with_a_font_that_has_their_letters():
     """Pillow's own font has ASCII only: 'élan' came out as '□lan'. A name it cannot draw is drawn with
     a system font that can (where the system has one)."""
