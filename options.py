@@ -104,8 +104,9 @@ class KilnArgumentParser(argparse.ArgumentParser):
             flags = [flag for action in self._actions for flag in action.option_strings]
             unknown = next((token for token in message.split()[2:] if token.startswith('--')), '')
             message += did_you_mean(unknown.split('=')[0], flags)
-        # every torchrun rank parses the same command line: rank 0 says what is wrong
-        self.exit(2, f'error: {message} (see --help)\n' if os.environ.get('RANK', '0') == '0' else None)
+        from utils.errors import exit_with_shared_error
+
+        exit_with_shared_error(f'error: {message} (see --help)')  # every torchrun rank parses the same line
 
 
 class Switch(argparse.BooleanOptionalAction):

@@ -188,6 +188,33 @@ def test_a_mistake_in_the_options_is_said_once_under_torchrun(mistake, needle):
     assert result.returncode != 0 and result.stderr.count('error: ') == 1 and needle in result.stderr, result.stderr
 
 
+def test_a_rank_other_than_0_leaves_a_shared_mistake_to_rank_0():
+    """Seen in CI: rank 1 exited at once on a mistyped option, torchrun stopped rank 0 before it had
+    printed the line, and the user saw no error at all. Rank 1 now waits (torchrun stops it when rank
+    0 exits) and says the mistake itself only when rank 0 has not."""
+    env = {**os.environ, 'RANK': '1', 'WORLD_SIZE': '2'}
+    process = subprocess.Popen(
+        [sys.executable, 'train.py', '--batchsize', '8'], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=1.5)  # still waiting for rank 0's line
+    finally:
+        process.kill()
+        _, stderr = process.communicate()
+    assert stderr == '', stderr
+
+    from utils import errors
+
+    code = (
+        f'import sys; sys.path.insert(0, {REPO!r}); from utils import errors; errors.SHARED_ERROR_WAIT = 0; '
+        f'errors.exit_with_shared_error("error: the same mistake")'
+    )
+    alone = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=timeout())
+    assert alone.returncode == 2 and alone.stderr == 'rank 1: error: the same mistake\n', alone.stderr
+    assert errors.SHARED_ERROR_WAIT >= 10  # long enough for a rank 0 that is slow to start
+
+
 def _worker_pids(launcher):
     deadline = time.time() + timeout(120)
     while time.time() < deadline:

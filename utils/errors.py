@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 
 class KilnError(Exception):
@@ -16,7 +17,25 @@ class KilnError(Exception):
 
 class SharedKilnError(KilnError):
     """A KilnError that every torchrun rank meets alike (rank 0's, re-raised by each; a mistake in the
-    options): only rank 0 prints it."""
+    options): only rank 0 prints it (see exit_with_shared_error)."""
+
+
+SHARED_ERROR_WAIT = 30.0  # seconds a rank other than 0 gives rank 0 to say a shared error
+
+
+def exit_with_shared_error(line, code=2):
+    """Exit with `code` on a mistake every torchrun rank meets alike; rank 0 prints `line` to stderr.
+
+    The other ranks wait first: torchrun stops every worker as soon as one exits, so a rank that exited
+    at once could stop rank 0 before its line is out, leaving no error at all. torchrun stops them when
+    rank 0 exits; one still running after SHARED_ERROR_WAIT seconds (rank 0 did not fail alike) prints
+    the line itself."""
+    rank = os.environ.get('RANK', '0')
+    if rank != '0':
+        time.sleep(SHARED_ERROR_WAIT)
+        line = f'rank {rank}: {line}'
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def _one_line(error):
@@ -105,9 +124,9 @@ def _run_reporting_errors(main, argv):
     except KeyboardInterrupt:
         _interrupted()
     except KilnError as error:
-        # under torchrun every rank fails alike on a shared error; one copy of the line is enough
-        if os.environ.get('RANK', '0') == '0' or not isinstance(error, SharedKilnError):
-            print(f'error: {_one_line(error)}', file=sys.stderr)
+        if isinstance(error, SharedKilnError):  # under torchrun every rank fails alike: one line is enough
+            exit_with_shared_error(f'error: {_one_line(error)}')
+        print(f'error: {_one_line(error)}', file=sys.stderr)
         sys.exit(2)
     except OSError as error:
         where = f' {error.filename}' if error.filename else ''
