@@ -727,6 +727,11 @@ def parse_args(add_args, argv=None, base_config=None):
         low, high = getattr(args, name, None) or (0, 0)
         if low > high:
             parser.error(f'argument --{name}: MIN {low:g} is above MAX {high:g}')
+    if getattr(args, 'warmup_steps', 0) and args.scheduler != 'cosine':  # it would be ignored without a word
+        parser.error(
+            f'argument --warmup_steps: warms up --scheduler cosine only, not {args.scheduler}; '
+            f'use --scheduler cosine, or --warmup_steps 0'
+        )
     _check_names(args)
     return args
 

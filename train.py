@@ -533,10 +533,15 @@ class Trainer:
         o = self.options
         limited = o.overfit_batches or o.limit_train_batches or o.limit_val_batches
         used = f' (using {len(self.train_data)} and {len(self.val_data)} batches)' if limited else ''
+        warmup = ''
+        if o.scheduler == 'cosine' and o.warmup_steps >= self.max_steps:
+            warmup = (
+                f' (the warm-up, --warmup_steps {o.warmup_steps}, outlasts them: the learning rate never reaches --lr)'
+            )
         return (
             f'{o.task}: {o.model_type} on {o.data_type}, {o.num_classes} classes, '
             f'{len(self.train_data.dataset)} training and {len(self.val_data.dataset)} validation samples{used}; '
-            f'{self.updates_per_epoch} steps per epoch, {self.max_steps} in all; into {o.model_dir}'
+            f'{self.updates_per_epoch} steps per epoch, {self.max_steps} in all{warmup}; into {o.model_dir}'
         )
 
     def report(self, stop, seconds):

@@ -150,6 +150,24 @@ def test_a_mistyped_name_or_flag_comes_with_the_one_meant(data, tmp_path, argv, 
     assert leftovers(tmp_path / 'ck') == []
 
 
+@pytest.mark.parametrize('scheduler', ['step', 'plateau', 'none'])
+def test_a_warmup_that_the_schedule_would_ignore_is_refused(data, tmp_path, scheduler):
+    """--warmup_steps warms up the cosine schedule only: with another it was ignored without a word."""
+    result = train(tmp_path / 'ck', data, '--scheduler', scheduler, '--warmup_steps', '5')
+    assert_one_error_line(result, '--warmup_steps', f'not {scheduler}', '--scheduler cosine')
+    assert leftovers(tmp_path / 'ck') == []
+
+
+def test_the_summary_line_says_when_the_warmup_outlasts_the_run(data, tmp_path):
+    """A warm-up as long as the run never reaches --lr: the line printed at the start says so."""
+    long_warmup = train(tmp_path / 'ck', data, '--warmup_steps', '3', '--save_prefix', 'long')  # 3 steps of 8 of 24
+    assert_succeeded(long_warmup)
+    assert 'outlasts them' in long_warmup.stdout.splitlines()[0], long_warmup.stdout
+    short_warmup = train(tmp_path / 'ck', data, '--warmup_steps', '2', '--save_prefix', 'short')
+    assert_succeeded(short_warmup)
+    assert 'warm-up' not in short_warmup.stdout, short_warmup.stdout
+
+
 def test_loggers_are_given_apart_or_joined_by_commas_as_augmentations_are():
     """--loggers csv,tensorboard was refused as one unknown name, though --augment takes its names so."""
     from options import parse_args, parse_train_args
