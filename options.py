@@ -254,7 +254,7 @@ def parse_common_args(parser):
         type=_prefix_rename,
         nargs='+',
         metavar='OLD=NEW',
-        help='rename tensors in --load_model_path first, e.g. net.=  or  fc.=head.',
+        help='rename tensors in --load_model_path first, e.g. net.=  or  fc.=head. (the longest OLD that fits)',
     )
     parser.add_argument('--val_list', help="list file for validation/evaluation (default: the dataset's own val split)")
     parser.add_argument('--data_root', default='data/generated', help='where generated datasets are written')

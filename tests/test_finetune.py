@@ -198,6 +198,16 @@ def test_prefix_map_and_file_formats(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
 
 
+def test_the_longest_prefix_that_starts_a_name_renames_it_whatever_the_order():
+    """--load_prefix_map net.= net.fc.=head.: net.fc.weight became fc.weight, the first rule given
+    winning over the one that names it more closely."""
+    from utils.checkpoint import state_dict_of
+
+    weights = {'net.fc.weight': torch.ones(1), 'net.conv.weight': torch.zeros(1), 'other': torch.ones(2)}
+    for rules in ({'net.': '', 'net.fc.': 'head.'}, {'net.fc.': 'head.', 'net.': ''}):
+        assert set(state_dict_of(weights, rules)) == {'head.weight', 'conv.weight', 'other'}, rules
+
+
 def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     marker = tmp_path / 'ran'
 

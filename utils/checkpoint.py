@@ -137,7 +137,7 @@ def state_dict_of(checkpoint, prefix_map=None):
     --ema_decay, what its run validated), a `{'state_dict': ...}` file or a plain state dict
     (torchvision's .pth files, .safetensors files), with wrapper prefixes (`module.`, `_orig_mod.`)
     stripped from the names, then names starting with a key of `prefix_map` renamed to start with
-    its value instead (--load_prefix_map old.=new.)."""
+    its value instead (--load_prefix_map old.=new.; where several keys start a name, the longest)."""
     if not isinstance(checkpoint, dict):
         raise KilnError(f'expected a dict of tensors in the checkpoint, got {type(checkpoint).__name__}')
     if checkpoint.get('weights') == 'ema' and isinstance(checkpoint.get('ema'), dict):
@@ -146,6 +146,7 @@ def state_dict_of(checkpoint, prefix_map=None):
         if isinstance(checkpoint.get(key), dict):
             checkpoint = checkpoint[key]
             break
+    rules = sorted((prefix_map or {}).items(), key=lambda rule: -len(rule[0]))  # the longest prefix that matches
     weights = {}
     for name, value in checkpoint.items():
         if not torch.is_tensor(value):
@@ -156,7 +157,7 @@ def state_dict_of(checkpoint, prefix_map=None):
             for prefix in WRAPPER_PREFIXES:
                 if name.startswith(prefix):
                     name, stripped = name[len(prefix) :], True
-        for old, new in (prefix_map or {}).items():
+        for old, new in rules:
             if name.startswith(old):
                 name = new + name[len(old) :]
                 break
