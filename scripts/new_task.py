@@ -27,6 +27,7 @@ TAKEN = {
     'model': ('model/model_entry.py', 'model/{}'),
 }
 INTRO = re.compile(r'<!-- intro -->.*?<!-- /intro -->', re.S)  # the README's template pitch, replaced in a project
+MEASURED = re.compile(r'<!-- measured -->.*?<!-- /measured -->', re.S)  # the template's figures: not the project's
 
 TASK_STUB = '''"""The {name} task. Everything this kind of problem needs beyond the loop is here (see tasks/task.py).
 
@@ -132,6 +133,10 @@ class {cls}(nn.Module):
         return self.head(self.pool(self.features(x)).flatten(1))
 '''
 
+PROJECT_MEASURED = """<!-- measured -->
+Not measured yet: the template's figures are in its own README. Measure this project with the
+commands above, and put its figures here.
+<!-- /measured -->"""
 PROJECT_INTRO = """<!-- intro -->
 {name} trains, evaluates and serves its models with PyTorch: `bash scripts/train.sh` trains,
 `bash scripts/eval.sh` evaluates, `python predict.py` predicts, TensorBoard shows the curves.
@@ -164,7 +169,7 @@ def copy_template(dest):
 
 
 def rename(dest, name):
-    """Put `name` where "Kiln" stood in the text files, and replace the README's template pitch."""
+    """Put `name` where "Kiln" stood in the text files, and replace the README's template pitch and figures."""
     for folder, _, files in os.walk(dest):
         for file in files:
             path = os.path.join(folder, file)
@@ -173,7 +178,7 @@ def rename(dest, name):
             with open(path, encoding='utf-8') as f:
                 text = f.read()
             if file == 'README.md' and folder == dest:
-                text = INTRO.sub(PROJECT_INTRO.format(name=name), text)
+                text = MEASURED.sub(PROJECT_MEASURED, INTRO.sub(PROJECT_INTRO.format(name=name), text))
             with open(path, 'w', encoding='utf-8') as f:
                 f.write(re.sub(r'\bKiln\b', name, text))
 

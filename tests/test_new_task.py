@@ -43,6 +43,9 @@ def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_pa
     } <= files
     readme = (dest / 'README.md').read_text()
     assert readme.startswith('# Glaze') and not re.search(r'\bKiln\b', readme)  # KilnError is code, kept
+    # the template's measured figures are not the project's: they read as Glaze's own with the name changed
+    assert 'Not measured yet' in readme and 'img/s' not in readme and 'images/s' not in readme
+    assert 'bench/bench_overhead.py' in readme  # how to measure stays
     assert "'leaves': 'data.leaves:LeavesDataset'," in (dest / 'data' / 'data_entry.py').read_text()
     assert "'leaf_net': 'model.leaf_net:LeafNet'," in (dest / 'model' / 'model_entry.py').read_text()
 
