@@ -26,6 +26,7 @@ from data.list_dataset import match_classes
 from data.loader import Batches
 from options import given_options, inherit, prefix_map
 from tasks.task_entry import task_class
+from utils.allocator import keep_freed_memory
 from utils.checkpoint import load_checkpoint
 from utils.checkpoint_keeper import verify
 from utils.device import select_device
@@ -73,6 +74,7 @@ class Evaluator:
 
     def __init__(self, options, checkpoint, task_type, folder):
         self.folder = folder
+        keep_freed_memory()  # each batch reuses the last one's memory, not fresh pages
         self.device = select_device(options.cpu, options.gpus)
         self.dataset = select_dataset(options, 'val')
         self.options = options = options.replace(num_classes=options.num_classes or self.dataset.num_classes)

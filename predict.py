@@ -26,6 +26,7 @@ from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images
 from data.list_file import read_image_paths
 from eval import load_for_inference
 from options import given_options, prefix_map
+from utils.allocator import keep_freed_memory
 from utils.device import select_device
 from utils.errors import KilnError
 from utils.model_setup import setup_model
@@ -108,6 +109,7 @@ def main(argv=None, args=None):
     folder = result_folder(path, 'predict', input_name, options.save_prefix, options.output_dir)
     create_run_folder(folder, options, 'choose a new --save_prefix to keep the old predictions', '--output_dir')
     with discard_folder_if_setup_fails(folder):
+        keep_freed_memory()  # each batch reuses the last one's memory, not fresh pages
         device = select_device(options.cpu, options.gpus)
         task = task_type(options, checkpoint.get('class_names'))
         setup = setup_model(

@@ -34,6 +34,7 @@ from data.list_dataset import match_classes
 from data.loader import Batches
 from options import option_defaults, prefix_map, resolve, saved_options
 from tasks.task_entry import TASKS, task_class
+from utils.allocator import keep_freed_memory
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper
 from utils.checkpointer import Checkpointer, Position, RandomStates
@@ -187,6 +188,7 @@ class Trainer:
         classes still comes from the data); with --resume, loaded from the checkpoint."""
         # git answers for reproduce.json while the data and the model load, rather than beside the first steps
         start_record = reproducibility_record(options) if is_main_process() else None
+        keep_freed_memory()  # each step's batches reuse the last step's memory, not fresh pages
         set_seed(options.seed)
         set_deterministic(options.deterministic)
         torch.autograd.set_detect_anomaly(options.detect_anomaly)

@@ -354,4 +354,4 @@ def denormalize(images):
     """Map normalized images (N, 3, H, W) back to [0, 1] for display."""
     mean = images.new_tensor(MEAN).view(1, -1, 1, 1)
     std = images.new_tensor(STD).view(1, -1, 1, 1)
-    return (images.float() * std + mean).clamp(0, 1)
+    return images.float().mul(std).add_(mean).clamp_(0, 1)  # one new tensor, changed in place

@@ -65,11 +65,11 @@ def font_for(text, size=11):
 def tiles(images, tile):
     """Float images (N, 3, H, W) in [0, 1] as uint8 tiles (N, T, T, 3) of side about `tile`: small
     images enlarged by a whole factor (pixels stay sharp), larger ones shrunk by averaging."""
-    images = images.detach().float().cpu().clamp(0, 1)
+    images = images.detach().float().cpu().clamp(0, 1)  # a copy: changed in place below
     side = images.shape[-1]
     if side > tile:
         images = torch.nn.functional.interpolate(images, size=(tile, tile), mode='area')
-    pixels = (images * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    pixels = images.mul_(255).round_().byte().permute(0, 2, 3, 1).numpy()
     factor = tile // side
     if factor > 1:  # enlarged as bytes after rounding: a ninth of the work of enlarging the floats
         pixels = pixels.repeat(factor, axis=1).repeat(factor, axis=2)
