@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import REPO, run_files, run_script, timeout, tiny_run_args, tiny_seg_args
 
@@ -416,6 +417,54 @@ def test_training_steps_between_print_intervals_make_no_host_sync(tiny_shapes, t
         if step % 4 and step % 6:  # neither a print interval nor an epoch end (validation, checkpoint)
             assert calls == [], f'step {step} synced: {calls}'
     assert any(calls for _, calls in training), 'the counter saw nothing: the test is broken'
+
+
+class KernelCount(TorchDispatchMode):
+    """Counts the operators dispatched while active that compute (a kernel on a GPU), not views."""
+
+    def __init__(self):
+        super().__init__()
+        self.computing = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.computing += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('model_type', ['linear', 'small_cnn'])
+def test_a_training_step_computes_what_a_hand_written_step_does_and_little_more(tiny_shapes, tmp_path, model_type):
+    """On a GPU each operator is a kernel launch: Kiln's step (its loss, running means, train metrics
+    and loss watch) may add at most one per step, averaged over 64 steps (the kept values are added up
+    every 32 or 64 steps), to the forward, loss, backward and optimizer step a hand-written loop makes."""
+    import train
+
+    run = train.start(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--model_type', model_type])
+    batches = [batch for epoch in range(11) for batch in run.train_data.epoch(epoch)][:64]
+    assert len(batches) == 64
+    model, optimizer = run.setup.wrapped, run.optimizer
+
+    def hand_written_step(batch):
+        loss = torch.nn.functional.cross_entropy(model(batch['image']), batch['label'])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        run.scheduler.step()
+
+    def kiln_step(batch):
+        run.train_step(batch, 1, True)
+        run.optimizer_step()
+        run.position.step += 1
+        run.stopper.after_step()
+
+    counts = {}
+    for name, step in (('hand', hand_written_step), ('kiln', kiln_step)):
+        with KernelCount() as counter:
+            for batch in batches:
+                step(batch)
+        counts[name] = counter.computing
+    run.logger.close()
+    assert counts['hand'] > 64 * 5, counts  # the counter saw the steps
+    assert counts['kiln'] - counts['hand'] <= len(batches), counts
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
