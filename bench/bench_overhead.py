@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -92,11 +93,13 @@ def bench_training(options, scratch, quiet):
     ]
     runs = {}  # (epochs, 'kiln' or 'hand') -> seconds of each repeat
     cpu = {}  # the same in CPU seconds of the training thread: steadier than wall time on a busy machine
+    faults = {}  # the same in page faults of the process (memory the system hands out anew)
 
     def measure(key, function):
-        start = time.thread_time()
+        start, faulted = time.thread_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         runs.setdefault(key, []).append(timed(function))
         cpu.setdefault(key, []).append(time.thread_time() - start)
+        faults.setdefault(key, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
 
     lengths = (options.epochs, options.epochs + options.more_epochs) if options.more_epochs else (options.epochs,)
     for repeat in range(options.repeats):
@@ -141,6 +144,10 @@ def bench_training(options, scratch, quiet):
             f"{hand * 1000:.1f} ms: ratio {kiln / hand:.3f} (not counting Kiln's writer thread; with several torch "
             f'threads it counts their spinning while they wait for each other)'
         )
+        faulted = {key: statistics.median(values) for key, values in faults.items()}
+        kiln = (faulted[long, 'kiln'] - faulted[options.epochs, 'kiln']) / options.more_epochs
+        hand = (faulted[long, 'hand'] - faulted[options.epochs, 'hand']) / options.more_epochs
+        print(f'  page faults per epoch: Kiln {kiln:.0f}, hand-written {hand:.0f} (see utils/allocator.py)')
     return trainer, median[options.epochs, 'kiln'] / options.epochs
 
 
