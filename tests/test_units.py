@@ -681,7 +681,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='the malloc thresholds are glibc (Linux) ones')
 def test_memory_freed_by_a_step_is_reused_by_the_next_without_page_faults():
     def faults(mode):
-        env = {k: v for k, v in os.environ.items() if not k.startswith('MALLOC_')}
+        env = {k: v for k, v in os.environ.items() if not k.startswith('MALLOC_') and k != 'GLIBC_TUNABLES'}
         run = subprocess.run(
             [sys.executable, '-c', FREED_MEMORY_PATTERN, mode, REPO], capture_output=True, text=True, env=env
         )
@@ -695,8 +695,11 @@ def test_memory_freed_by_a_step_is_reused_by_the_next_without_page_faults():
     assert faults('kiln') < pages_per_step // 10, f"glibc's default: {default} page faults in 10 steps"
 
 
-def test_the_users_own_malloc_settings_are_left_alone(monkeypatch):
+@pytest.mark.parametrize(
+    ('name', 'value'), [('MALLOC_TRIM_THRESHOLD_', '131072'), ('GLIBC_TUNABLES', 'glibc.malloc.mmap_threshold=65536')]
+)
+def test_the_users_own_malloc_settings_are_left_alone(monkeypatch, name, value):
     from utils.allocator import keep_freed_memory
 
-    monkeypatch.setenv('MALLOC_TRIM_THRESHOLD_', '131072')
+    monkeypatch.setenv(name, value)
     assert keep_freed_memory() is False

@@ -7,7 +7,8 @@ each step may get its batches' memory anew from the kernel, one page fault per 4
 a loop that keeps a few small tensors between steps (running metrics) faulted 10,000 times per epoch
 where the same loop without them faulted 1,000 times, and ran 20 % slower. Fixing both thresholds
 once makes every run behave like the fast case. Only glibc (Linux) has these knobs; elsewhere, and
-where the user set MALLOC_* variables of their own, nothing changes.
+where the user set these thresholds themselves (MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES, ...),
+nothing changes.
 """
 
 import contextlib
@@ -24,8 +25,11 @@ TRIM_THRESHOLD = 1 << 30  # free memory at the heap's end kept for reuse, up to 
 def keep_freed_memory():
     """Have glibc's malloc keep and reuse the memory freed between steps (no-op elsewhere); returns
     whether it did."""
-    if not sys.platform.startswith('linux') or any(
-        name in os.environ for name in ('MALLOC_TRIM_THRESHOLD_', 'MALLOC_MMAP_THRESHOLD_')
+    tunables = os.environ.get('GLIBC_TUNABLES', '')  # glibc.malloc.trim_threshold=...: the newer spelling
+    if (
+        not sys.platform.startswith('linux')
+        or any(name in os.environ for name in ('MALLOC_TRIM_THRESHOLD_', 'MALLOC_MMAP_THRESHOLD_'))
+        or any(name in tunables for name in ('malloc.trim_threshold', 'malloc.mmap_threshold'))
     ):
         return False
     with contextlib.suppress(OSError, AttributeError):  # not glibc (musl has no mallopt)
