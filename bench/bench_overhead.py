@@ -130,23 +130,27 @@ def bench_training(options, scratch, quiet):
     )
     if options.more_epochs:
         long = options.epochs + options.more_epochs
-        kiln = (median[long, 'kiln'] - median[options.epochs, 'kiln']) / options.more_epochs
-        hand = (median[long, 'hand'] - median[options.epochs, 'hand']) / options.more_epochs
+
+        def per_epoch(measured):
+            """(Kiln, hand-written) per epoch: the median of the long runs less that of the short ones."""
+            return [
+                (statistics.median(measured[long, who]) - statistics.median(measured[options.epochs, who]))
+                / options.more_epochs
+                for who in ('kiln', 'hand')
+            ]
+
+        kiln, hand = per_epoch(runs)
         print(
             f'per epoch (runs of {long} less runs of {options.epochs} epochs, medians): Kiln {kiln * 1000:.1f} ms, '
             f'hand-written {hand * 1000:.1f} ms: ratio {kiln / hand:.3f}'
         )
-        spent = {key: statistics.median(values) for key, values in cpu.items()}
-        kiln = (spent[long, 'kiln'] - spent[options.epochs, 'kiln']) / options.more_epochs
-        hand = (spent[long, 'hand'] - spent[options.epochs, 'hand']) / options.more_epochs
+        kiln, hand = per_epoch(cpu)
         print(
             f'  CPU time of the training thread per epoch: Kiln {kiln * 1000:.1f} ms, hand-written '
             f"{hand * 1000:.1f} ms: ratio {kiln / hand:.3f} (not counting Kiln's writer thread; with several torch "
             f'threads it counts their spinning while they wait for each other)'
         )
-        faulted = {key: statistics.median(values) for key, values in faults.items()}
-        kiln = (faulted[long, 'kiln'] - faulted[options.epochs, 'kiln']) / options.more_epochs
-        hand = (faulted[long, 'hand'] - faulted[options.epochs, 'hand']) / options.more_epochs
+        kiln, hand = per_epoch(faults)
         print(f'  page faults per epoch: Kiln {kiln:.0f}, hand-written {hand:.0f} (see utils/allocator.py)')
     return trainer, median[options.epochs, 'kiln'] / options.epochs
 
