@@ -266,6 +266,37 @@ def _read_only_mount(folder):
         subprocess.run(['umount', '-l', str(folder)])
 
 
+FAILING_PICTURES = """
+import sys, time
+sys.argv[0] = 'train.py'
+import train
+from utils.errors import run_to_exit
+from utils.logger import Logger
+
+def failing(*args):  # a picture that takes a moment, then finds the disk full
+    time.sleep(0.5)
+    raise OSError(28, 'No space left on device')
+
+Logger._log_pictures = failing
+run_to_exit(train.main)
+"""
+
+
+def test_a_write_that_fails_on_the_writer_thread_ends_the_run_with_one_line(tiny_shapes, tmp_path):
+    """A picture that fails to be written cancels the checkpoint queued behind it; the next save, which
+    waits for that checkpoint, ends the run with the picture's error rather than waiting for ever."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    extra = ['--max_iteration', '6', '--valid_interval', '2', '--save_interval', '1', '--image_interval', '0']
+    result = subprocess.run(
+        [sys.executable, '-c', FAILING_PICTURES, *args, *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(120),
+    )
+    _one_error_line(result, 'No space left on device')
+
+
 def test_a_read_only_file_system_at_resume_is_one_line(tiny_shapes, tmp_path):
     with _read_only_mount(tmp_path / 'mnt') as make_read_only:
         args = tiny_run_args(tiny_shapes, tmp_path / 'mnt') + ['--epochs', '1']

@@ -16,7 +16,8 @@ class BackgroundWriter:
 
     A job that fails cancels the jobs queued after it (a checkpoint that was not written must not be
     announced as written); its error is raised in the submitting thread at the next `submit` or
-    `wait`. `wait()` returns once every job submitted so far has run.
+    `wait`. `wait()` returns once every job submitted so far has run; `submit` returns an event set
+    once that one job has run, failed or been cancelled.
     """
 
     def __init__(self):
@@ -26,12 +27,15 @@ class BackgroundWriter:
         self._cancelled = False
 
     def submit(self, function, *args):
-        """Run `function(*args)` after the jobs already submitted (raises an earlier job's error first)."""
+        """Run `function(*args)` after the jobs already submitted (raises an earlier job's error first);
+        returns a threading.Event set when the job is over (run, failed or cancelled)."""
         self._raise_error()
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name='kiln-writer', daemon=True)
             self._thread.start()
-        self._jobs.put((function, args))
+        over = threading.Event()
+        self._jobs.put((function, args, over))
+        return over
 
     def wait(self):
         """Block until every job submitted so far has run; raise the first error among them."""
@@ -53,13 +57,14 @@ class BackgroundWriter:
             if job is None:
                 self._jobs.task_done()
                 return
-            function, args = job
+            function, args, over = job
             try:
                 if not self._cancelled:
                     function(*args)
             except BaseException as error:  # noqa: BLE001 - handed to the submitting thread
                 self._error, self._cancelled = error, True
             finally:
+                over.set()  # also for a cancelled job: whoever waits for it learns the error at its next submit
                 self._jobs.task_done()
 
     def _raise_error(self):

@@ -10,7 +10,6 @@ memory at once (the next steps change the live tensors) and written on the write
 """
 
 import dataclasses
-import threading
 
 import torch
 
@@ -153,17 +152,14 @@ class Checkpointer:
         if self.keeper is None:
             return
         if self.previous_write is not None:  # one copy of the state in memory, not one per pending save
-            self.previous_write.wait()
-        self.previous_write = written = threading.Event()
-        self.writer.submit(self._write, Snapshot(state), extra or {}, epoch, step, metric, is_best, written)
+            self.previous_write.wait()  # over, even when a failed job before it cancelled it: submit raises
+        snapshot = Snapshot(state)
+        self.previous_write = self.writer.submit(self._write, snapshot, extra or {}, epoch, step, metric, is_best)
 
-    def _write(self, snapshot, extra, epoch, step, metric, is_best, written):
-        try:
-            state = {**snapshot.get(), **extra}
-            state.update({name: part.state_dict() for name, part in self.late_parts.items()})
-            self.keeper.save(state, epoch, step, metric, is_best)
-        finally:
-            written.set()
+    def _write(self, snapshot, extra, epoch, step, metric, is_best):
+        state = {**snapshot.get(), **extra}
+        state.update({name: part.state_dict() for name, part in self.late_parts.items()})
+        self.keeper.save(state, epoch, step, metric, is_best)
 
     @staticmethod
     def step_of(checkpoint, source):
