@@ -235,7 +235,11 @@ class Trainer:
         )
         trackers = None
         # the others log to no tracker; nor does a finished or early-stopped run resumed (nothing new to log)
-        finished = checkpoint is not None and Checkpointer.step_of(checkpoint, options.resume_from) >= max_steps
+        finished = (
+            checkpoint is not None
+            and Checkpointer.step_of(checkpoint, options.resume_from) >= max_steps
+            and not checkpoint['position'].get('validation_due')
+        )
         if checkpoint is not None and isinstance(checkpoint.get('monitor'), dict):
             monitor.load_state_dict(checkpoint['monitor'])  # (again with every part in resume)
             finished = finished or monitor.exhausted()
@@ -328,6 +332,8 @@ class Trainer:
         seen, self.pictured_at = 0, time.perf_counter()
         self.printed_at = self.pictured_at, 0  # (time, samples trained) of the last printed line
         with stopper, training_profiler(o.profile, o.model_dir, self.device) as profiler:
+            if position.validation_due:  # resumed from a stop signal that came before this step's validation
+                self.after_update()
             while stopper.stop is None and position.step < self.max_steps:
                 if self.finetuning.unfreezes_at(position.epoch, position.batch):  # --unfreeze_at_epoch
                     self.finetuning.unfreeze()
@@ -403,6 +409,8 @@ class Trainer:
         o, step, stopper = self.options, self.position.step, self.stopper
         finished = step >= self.max_steps
         due = step % o.valid_interval == 0 if o.valid_interval else self.position.batch == 0
+        # a stop signal leaves a due validation to the resumed run, which makes it first (not never)
+        self.position.validation_due = (due or finished) and stopper.stop is not None
         metrics = self.validate() if (due or finished) and stopper.stop is None else None
         due_save = o.save_interval is not None and step % o.save_interval == 0
         if metrics is not None or due_save or finished or stopper.stop:

@@ -168,6 +168,44 @@ def test_stop_signal_saves_the_state_and_exits_cleanly(tiny_shapes, tmp_path, si
     assert 'resuming' in _train(args, '--epochs', str(last['position']['epoch'] + 1), '--resume').stdout
 
 
+@pytest.mark.parametrize(
+    ('schedule', 'signal_at'),
+    [([], 6), ([], 12), (['--max_iteration', '12', '--valid_interval', '4'], 8)],
+    ids=['end of an epoch', 'last step', 'valid_interval'],
+)
+def test_a_stop_signal_at_a_step_due_for_validation_leaves_it_to_the_resumed_run(
+    tiny_shapes, tmp_path, monkeypatch, schedule, signal_at
+):
+    """The signal lands on the step that validates (12 steps of 16 images): the run saves without
+    validating, and the resumed run validates first, so it ends as a run never stopped (weights,
+    history, best.pth, curves)."""
+    from utils.stopping import Stopper
+
+    extra = ['--deterministic', *schedule]
+    whole = tiny_run_args(tiny_shapes, tmp_path / 'whole')
+    _train(whole, *extra)
+    stopped = tiny_run_args(tiny_shapes, tmp_path / 'stopped')
+    after_step, steps = Stopper.after_step, []
+
+    def signalled_after_step(self):
+        steps.append(None)
+        if len(steps) == signal_at:
+            self.signals.received = signal.SIGTERM  # as the handler does when the signal comes
+        after_step(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Stopper, 'after_step', signalled_after_step)
+        _train(stopped, *extra, code=128 + signal.SIGTERM)
+    assert _step(_load(os.path.join(_folder(stopped), 'last.pth'))) == signal_at
+    _train(stopped, *extra, '--resume')
+    for name in ('last.pth', 'best.pth'):
+        ours, theirs = _load(os.path.join(_folder(stopped), name)), _load(os.path.join(_folder(whole), name))
+        assert _step(ours) == _step(theirs), name
+        assert all(torch.equal(t, ours['model'][k]) for k, t in theirs['model'].items()), name
+        assert ours['history'] == theirs['history'], name
+    assert _scalars(_folder(stopped), 'val/acc') == _scalars(_folder(whole), 'val/acc')
+
+
 def test_second_ctrl_c_stops_at_once(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     process = _start(args, '--epochs', '200', '--save_interval', '2')
