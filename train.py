@@ -41,6 +41,7 @@ from utils.checkpointer import Checkpointer, Position, RandomStates
 from utils.debug import training_profiler
 from utils.device import select_device
 from utils.distributed import (
+    barrier,
     cleanup_distributed,
     init_distributed,
     is_distributed,
@@ -689,20 +690,28 @@ def main(argv=None, args=None):
     try:
         if args.fast_dev_run:
             return fast_dev_run(argv, args)
-        options, lock = open_run(argv, resolve(args))
-        # a failed start removes a folder it just made, never one that --resume reopened
-        fresh = is_main_process() and options.resume_from is None and not options.resume
-        with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
-            trainer = Trainer.build(options, lock)
-            try:
-                stop = trainer.run()
-            finally:
-                trainer.train_data.close()
-                trainer.val_data.close()
+        trainer, stop = train_in_group(argv, args)
     finally:
         cleanup_distributed()
     finish(trainer, stop)
     return trainer
+
+
+def train_in_group(argv, args):
+    """Open the experiment folder, build the Trainer and run it, in the process group already joined;
+    returns (the Trainer, its Stop or None)."""
+    options, lock = open_run(argv, resolve(args))
+    # a failed start removes a folder it just made, never one that --resume reopened
+    fresh = is_main_process() and options.resume_from is None and not options.resume
+    with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
+        trainer = Trainer.build(options, lock)
+        try:
+            stop = trainer.run()
+            barrier()  # each process returns once rank 0's files are written (--fast_dev_run reads them next)
+        finally:
+            trainer.train_data.close()
+            trainer.val_data.close()
+    return trainer, stop
 
 
 def finish(trainer, stop):
@@ -744,10 +753,14 @@ def fast_dev_run(argv, args):
         '2',
     ]
     dev_argv = [token for token in dev_argv if token != '--fast_dev_run']
-    trainer = main(dev_argv)
+    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv))
+    finish(trainer, stop)
     checkpoint = trainer.folder(LAST)
     device = ['--cpu'] if args.cpu else []
+    # in the same processes and group as the training; eval.py leaves the group at its end
     evaluation_script.main(['--load_model_path', checkpoint, '--no-progress_bar', *device])
+    if os.environ.get('RANK', '0') != '0':  # predict.py runs in one process: torchrun's others are done
+        return trainer
     predict.main(
         ['--load_model_path', checkpoint, '--input', trainer.val_data.dataset.list_path, '--no-progress_bar', *device]
     )

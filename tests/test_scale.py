@@ -108,6 +108,19 @@ def test_only_rank_zero_writes(one_and_two_processes):
         assert len(json.load(f)) == 1
 
 
+def test_fast_dev_run_under_two_processes_trains_evaluates_and_predicts_once(tiny_shapes, tmp_path):
+    """--fast_dev_run under torchrun: both processes train and evaluate (eval.py reads the checkpoint
+    once rank 0 has written it, in the same process group), and one predicts (into one folder)."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    result = _torchrun('train.py', *args, '--batch_size', '8', '--fast_dev_run')
+    throwaway = tmp_path / 'ck' / 'fast_dev_run'
+    (folder,) = [throwaway / name for name in os.listdir(throwaway)]
+    assert result.stdout.count(f'fast_dev_run: trained, saved, evaluated and predicted in {folder}') == 1, result
+    assert json.loads((folder / 'eval' / 'last_val_default' / 'result.json').read_text())['samples'] == 48
+    with open(folder / 'predict' / 'last_val_default' / 'predictions.csv') as f:
+        assert len(f.read().splitlines()) == 1 + 48  # a header and every validation image, each once
+
+
 def test_eval_under_two_processes_equals_one(one_and_two_processes):
     one, _ = one_and_two_processes
     checkpoint = os.path.join(_folder(one, 'linear'), 'last.pth')
