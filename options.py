@@ -142,11 +142,13 @@ _fraction = _number(float, lambda v: 0 < v <= 1, 'a fraction in (0, 1]')
 def _count_or_fraction(text):
     """--limit_*_batches: a number of batches (an integer >= 1) or a fraction of them (0 < f <= 1)."""
     value = float(text)
-    if not (0 < value <= 1 or (value >= 1 and value == int(value))) or not math.isfinite(value):
+    if not math.isfinite(value) or not (0 < value <= 1 or value == int(value) > 1):
         raise argparse.ArgumentTypeError(
             f'must be a count of batches (1, 2, ...) or a fraction (0 < f <= 1), got {text}'
         )
-    return int(value) if '.' not in text and 'e' not in text.lower() else value
+    if value > 1 or (value == 1 and '.' not in text and 'e' not in text.lower()):
+        return int(value)  # a count, 2.0 and 1e1 too (no fraction is above 1); 1 is one batch, 1.0 all of them
+    return value
 
 
 def _augmentations(text):

@@ -177,6 +177,23 @@ def test_loggers_are_given_apart_or_joined_by_commas_as_augmentations_are():
     assert parse_args(parse_train_args, []).loggers == ['tensorboard']
 
 
+@pytest.mark.parametrize(
+    'text, limit', [('2', 2), ('2.0', 2), ('1e1', 10), ('1', 1), ('1.0', 1.0), ('0.25', 0.25), ('5e-1', 0.5)]
+)
+def test_limit_batches_take_counts_written_as_floats_as_counts(text, limit):
+    """--limit_train_batches 2.0 (or `2.0` in a YAML config) was taken for a fraction: every batch."""
+    from options import parse_args, parse_train_args
+
+    parsed = parse_args(parse_train_args, ['--limit_train_batches', text]).limit_train_batches
+    assert parsed == limit and type(parsed) is type(limit), (text, parsed)
+
+
+@pytest.mark.parametrize('text', ['inf', 'nan', '2.5', '0', '-1'])
+def test_a_limit_that_is_neither_a_count_nor_a_fraction_is_one_line(data, tmp_path, text):
+    result = train(tmp_path / 'ck', data, '--limit_train_batches', text)
+    assert_one_error_line(result, '--limit_train_batches', text)
+
+
 # 2. missing list file ------------------------------------------------------------------------------
 
 
