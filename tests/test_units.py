@@ -145,6 +145,24 @@ def test_topk_hits_agree_with_torch_topk(seed):
         assert torch.equal(topk_hits(logits, targets, k), expected), f'seed {seed}, {classes} classes, k {k}'
 
 
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_topk_hits_break_ties_as_argmax_does(seed):
+    """Tied scores (constant outputs, coarse bf16 logits) were all hits: a collapsed model scored top3 1.0
+    with acc 0. Now top-1 is argmax's accuracy, constant outputs hit only the first k classes, NaN never."""
+    from metrics import topk_hits
+
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (500, 10), generator=generator).float()  # many ties
+    targets = torch.randint(0, 10, (500,), generator=generator)
+    assert torch.equal(topk_hits(logits, targets, 1), logits.argmax(1) == targets), f'seed {seed}'
+    for k in (2, 5):  # the rank of the true class when ties go to the lower index, counted by hand
+        rank = torch.tensor([(row > row[t]).sum() + (row[:t] == row[t]).sum() for row, t in zip(logits, targets)])
+        assert torch.equal(topk_hits(logits, targets, k), rank < k), f'seed {seed}, k {k}'
+    constant = torch.zeros(10, 10)
+    assert topk_hits(constant, torch.arange(10), 3).tolist() == [True] * 3 + [False] * 7
+    assert not topk_hits(torch.full((4, 10), float('nan')), torch.arange(4), 3).any()
+
+
 def test_metrics():
     logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 3.0, 2.0], [1.0, 2.0, 3.0], [3.0, 1.0, 2.0]])
     targets = torch.tensor([0, 2, 0, 1])
