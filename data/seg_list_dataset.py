@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageChops
 
 from data.list_dataset import ListDataset
 from data.list_file import missing_file_hint, resolve_path
@@ -58,7 +58,7 @@ class SegListDataset(ListDataset):
                         f'image {image_path} is {image_size[0]}x{image_size[1]} (as shown upright); a mask has '
                         f"its image's size"
                     )
-                mask = mask.convert('L') if mask.mode not in ('L', 'P', 'I', 'I;16') else mask
+                mask = class_numbers(mask, f'{self.list_path}:{number}: mask {path}')
                 if mask.size != (self.size, self.size) or box != (0, 0, *mask.size):
                     mask = mask.resize((self.size, self.size), Image.NEAREST, box=box)
                 values = np.asarray(mask).astype(np.int64)
@@ -74,3 +74,18 @@ class SegListDataset(ListDataset):
     def __getitem__(self, index):
         image, box, size = self.read(index, with_box=True)
         return {'image': image, 'mask': self.read_mask(index, box, size)}
+
+
+def class_numbers(mask, where):
+    """The one channel of class numbers of a mask image: single-channel modes (L, P, I, 1) as they are, an
+    alpha channel left out (LA, PA), and a colour mode only where its channels agree (grey saved as RGB):
+    a colour mask (a class per colour) would otherwise be read as brightness, wrong labels without a word."""
+    colours = [band for band in mask.getbands() if band != 'A']
+    if len(colours) > 1 and any(
+        ImageChops.difference(mask.getchannel(colours[0]), mask.getchannel(band)).getbbox() for band in colours[1:]
+    ):
+        raise KilnError(
+            f'{where} is a colour image ({mask.mode}) whose channels differ, but a mask holds a class number per '
+            f'pixel; save it with one channel (mode L, or P with a palette) whose values are the class numbers'
+        )
+    return mask.getchannel(colours[0]) if len(mask.getbands()) > 1 else mask

@@ -553,6 +553,38 @@ def test_a_mask_of_another_size_than_its_image_is_one_line(tmp_path, scale):
     assert '64x48' in str(caught.value) and '\n' not in str(caught.value)
 
 
+@pytest.mark.parametrize('mode', ['RGB', 'RGBA', 'LA', 'P', '1', 'I;16'])
+def test_masks_in_any_mode_are_read_as_class_numbers_and_colour_masks_are_refused(tmp_path, mode):
+    """An RGB mask was converted to brightness: class 1 in the red channel read as 0, 2 as 1, and the
+    run trained on wrong labels without a word. Grey saved in another mode reads as its class numbers."""
+    import argparse
+
+    from data.seg_list_dataset import SegListDataset
+
+    classes = np.zeros((48, 64), np.uint8)
+    classes[8:24, 8:40] = 1
+    grey = Image.fromarray(classes)
+    save(Image.new('RGB', (64, 48), 'white'), tmp_path / 'a.png')
+    if mode == 'I;16':
+        mask = Image.fromarray(classes.astype(np.uint16))
+    else:
+        mask = grey.convert(mode) if mode != '1' else Image.fromarray(classes.astype(bool))
+    assert mask.mode == mode
+    save(mask, tmp_path / 'a_mask.png')
+    (tmp_path / 'train.txt').write_text('a.png a_mask.png\n')
+    (tmp_path / 'seg_classes.txt').write_text('background\nthing\nother\n')
+    options = argparse.Namespace(train_list=str(tmp_path / 'train.txt'), img_size=32, num_classes=None)
+    expected = torch.from_numpy(np.asarray(grey.resize((32, 32), Image.NEAREST)))
+    assert torch.equal(SegListDataset(options, 'train')[0]['mask'], expected), mode
+    if mode in ('RGB', 'RGBA'):  # a class in one channel only: refused, naming the file
+        coloured = np.zeros((48, 64, len(mode)), np.uint8)
+        coloured[..., 0] = classes * 2
+        save(Image.fromarray(coloured, mode), tmp_path / 'a_mask.png')
+        with pytest.raises(KilnError) as caught:
+            SegListDataset(options, 'train')[0]
+        assert f'train.txt:1: mask {tmp_path / "a_mask.png"} is a colour image ({mode})' in str(caught.value)
+
+
 def test_a_missing_listed_file_says_what_to_check(tmp_path):
     """Where relative paths are read from; a Latin-1 list naming a UTF-8 file name: the encoding."""
     import argparse
