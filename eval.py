@@ -17,7 +17,6 @@ if __name__ == '__main__':
 
 import contextlib
 import csv
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ from data.loader import Batches
 from options import given_options, inherit, prefix_map
 from tasks.task_entry import task_class
 from utils.allocator import keep_freed_memory
-from utils.checkpoint import load_checkpoint
+from utils.checkpoint import json_text, load_checkpoint
 from utils.checkpoint_keeper import verify
 from utils.device import select_device
 from utils.distributed import cleanup_distributed, init_distributed, is_main_process, run_on_main_process
@@ -147,7 +146,7 @@ class Evaluator:
         if confusion is not None:
             details['confusion_matrix'] = confusion.tolist()
         with open(os.path.join(folder, 'result.json'), 'w') as f:
-            json.dump({**header, 'metrics': evaluation.metrics, **details}, f, indent=1)
+            f.write(json_text({**header, 'metrics': evaluation.metrics, **details}))
         with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
             writer = csv.writer(f)
             writer.writerow(task.eval_header)

@@ -131,6 +131,30 @@ def test_eval_on_another_list_names_the_result_folder_after_it(trained, tiny_sha
     assert not [f for f in os.listdir(out) if f.startswith('predictions_batch')]
 
 
+def test_result_json_is_strict_json_when_a_class_has_no_samples(trained, tiny_shapes, tmp_path):
+    """A validation list without class 0 made result.json hold `NaN` (its recall), which JSON readers
+    other than Python's refuse: it is null now."""
+    folder, _ = trained
+    lines = open(os.path.join(tiny_shapes, 'val.txt')).read().splitlines()
+    (tmp_path / 'classes.txt').write_text(open(os.path.join(tiny_shapes, 'classes.txt')).read())
+    (tmp_path / 'no_zero.txt').write_text(
+        ''.join(f'{os.path.join(tiny_shapes, path)} {label}\n' for path, label in map(str.split, lines) if label != '0')
+    )
+    result = run_script(
+        'eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--val_list', tmp_path / 'no_zero.txt',
+        '--no-save_viz', '--no-progress_bar',
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+    def refuse(constant):
+        raise ValueError(f'{constant} is not JSON')
+
+    with open(os.path.join(folder, 'eval', 'last_no_zero_default', 'result.json')) as f:
+        metrics = json.loads(f.read(), parse_constant=refuse)['metrics']
+    first = open(os.path.join(tiny_shapes, 'classes.txt')).read().split()[0]
+    assert metrics[f'recall/{first}'] is None and 0 <= metrics['acc'] <= 1
+
+
 def test_a_list_whose_classes_txt_orders_the_classes_otherwise_is_numbered_by_name(trained, tiny_shapes, tmp_path):
     """Labels are positions in classes.txt: a list whose classes.txt orders the names otherwise is numbered
     as the checkpoint's classes (it was scored against the wrong classes without a word, then refused);

@@ -8,6 +8,7 @@ a file cannot run code when loaded and a checkpoint written on a GPU loads on an
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -53,9 +54,25 @@ def sync_directory(folder):
         os.close(directory)
 
 
+def json_text(data):
+    """`data` as indented JSON that every reader takes: a non-finite number (NaN: the recall of a class
+    without samples, a diverged loss) is written as null, for JSON has no NaN or Infinity."""
+
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {key: finite(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(item) for item in value]
+        return value
+
+    return json.dumps(finite(data), indent=1, default=str, allow_nan=False)
+
+
 def atomic_write_json(data, path):
-    """Write `data` as indented JSON to `path` atomically (see atomic_write_bytes)."""
-    atomic_write_bytes(json.dumps(data, indent=1, default=str).encode(), path)
+    """Write `data` as indented JSON (json_text) to `path` atomically (see atomic_write_bytes)."""
+    atomic_write_bytes(json_text(data).encode(), path)
 
 
 def save_checkpoint(state, path, sync_folder=True):
