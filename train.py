@@ -218,7 +218,12 @@ class Trainer:
         checkpoint = load_checkpoint(options.resume_from) if options.resume_from else None
         weights = checkpoint_path(options.load_model_path) if options.load_model_path and checkpoint is None else None
         setup = setup_model(
-            options, device, weights, strict=not options.load_not_strict, prefix_map=prefix_map(options), wrap=False
+            options if checkpoint is None else options.replace(pretrained_path=None),  # resumed: its own weights
+            device,
+            weights,
+            strict=not options.load_not_strict,
+            prefix_map=prefix_map(options),
+            wrap=False,
         )
         # freeze before wrapping for DDP, which syncs only what is trainable when it wraps
         finetuning = FineTuning(setup.model, options.freeze_to, options.freeze_batch_norms, options.unfreeze_at_epoch)

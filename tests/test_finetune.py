@@ -253,6 +253,27 @@ def test_missing_pretrained_weights_say_how_to_get_them(tiny_shapes, tmp_path):
     assert str(missing) in result.stderr and 'never downloads' in result.stderr and "weights='DEFAULT'" in result.stderr
 
 
+def test_a_resume_needs_no_pretrained_file_and_a_file_of_another_net_says_so(tiny_shapes, tmp_path):
+    """--resume rebuilt the model from --pretrained_path before loading the checkpoint over it, so a run
+    whose ImageNet file had moved could not go on (and the option may not change on resume); a file of
+    another net advised --load_not_strict, which does nothing for --pretrained_path."""
+    import torchvision
+
+    weights = tmp_path / 'resnet18.pth'
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), weights)
+    args = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--model_type', 'tv_resnet18', '--img_size', '32']
+    assert run_script('train.py', *args, '--epochs', '1', '--pretrained_path', weights).returncode == 0
+    weights.rename(tmp_path / 'moved.pth')
+    folder = tmp_path / 'ck' / 'tv_resnet18_list_default'
+    resumed = run_script('train.py', '--resume', folder, '--epochs', '2')
+    assert resumed.returncode == 0 and 'step 12' in resumed.stdout, resumed.stdout + resumed.stderr
+
+    other = run_script('train.py', *args, '--model_type', 'tv_resnet34', '--pretrained_path', tmp_path / 'moved.pth')
+    error = other.stderr.strip()
+    assert other.returncode == 2 and error.startswith(f'error: --pretrained_path {tmp_path / "moved.pth"} does not fit')
+    assert "not tv_resnet34's weights" in error and '--load_not_strict' not in error, error
+
+
 @pytest.mark.parametrize('given', [['--freeze_batch_norms'], ['--unfreeze_at_epoch', '2']])
 def test_freezing_options_without_freeze_to_are_refused(given):
     """They were accepted and did nothing: nothing is frozen without --freeze_to."""

@@ -268,29 +268,31 @@ def load_pretrained(model, path, name, how_to_get):
             f'--pretrained_path {path} does not exist; Kiln never downloads weights: on a machine with internet '
             f'{how_to_get} and copy it to {path}'
         )
-    report = load_weights(model, path, strict=True)
+    advice = f"these are not {name}'s weights: {how_to_get} and give that file"
+    report = load_weights(model, path, strict=True, source=f'--pretrained_path {path}', advice=advice)
     print(f'{name}: {len(report.loaded)} tensors of ImageNet weights loaded from {path}')
 
 
-def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None):
+STRICT_ADVICE = 'check --model_type/--num_classes or pass --load_not_strict to load only the tensors that match'
+
+
+def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None, advice=STRICT_ADVICE):
     """Load model weights from `checkpoint` (a path or a loaded dict): all of them when `strict`,
     else the matching ones via load_match_dict, whose report is printed. Returns a LoadReport.
 
-    A strict load that does not fit raises a KilnError naming the first mismatched tensors and
-    suggesting --load_not_strict; `source` names an already loaded checkpoint in messages.
+    A strict load that does not fit raises a KilnError naming the first mismatched tensors and giving
+    `advice`; `source` names the checkpoint in messages (default: its path).
     """
-    source = checkpoint if isinstance(checkpoint, str) else source or 'the checkpoint'
-    if isinstance(checkpoint, str):
-        checkpoint = load_checkpoint(checkpoint)
+    path = checkpoint if isinstance(checkpoint, str) else None
+    source = source or path or 'the checkpoint'
+    if path is not None:
+        checkpoint = load_checkpoint(path)
     if not strict:
         report = load_match_dict(model, checkpoint, prefix_map)
         print(f'load_match_dict from {source}: {report}')
         return report
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
     if not report.fits():
-        raise KilnError(
-            f'{source} does not fit this model ({report.first_problems()}); check --model_type/'
-            f'--num_classes or pass --load_not_strict to load only the tensors that match'
-        )
+        raise KilnError(f'{source} does not fit this model ({report.first_problems()}); {advice}')
     unwrap_model(model).load_state_dict(matched)
     return report
