@@ -40,6 +40,7 @@ class DetectTask(Task):
     default_image_size = 64
     monitor = 'val/map'  # mAP@0.5 reaches 1.0 early and stays there: best.pth would be its first epoch at 1.0
     targets = ('boxes', 'box_labels')
+    min_classes = 1  # the boxes of one kind of object: found or not
 
     @classmethod
     def metric_names(cls, options):

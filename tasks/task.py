@@ -32,6 +32,7 @@ class Task:
     targets = ('label',)  # the batch keys a dataset must provide besides 'image'
     pictured = 8  # samples per pictured batch: `pictures` gets the first ones of a batch
     mixes = False  # whether `loss` and `metric_targets` take mixed batches (mixup, cutmix: data/augment.Mix)
+    min_classes = 2  # fewer make every answer right: a class to tell apart from another (or from background)
 
     def __init__(self, options, class_names=None):
         """`options` are the run's resolved options (num_classes is set); `class_names` may be None."""
@@ -56,6 +57,12 @@ class Task:
                 f'--task {self.options.task} needs a dataset that gives {", ".join(self.targets)}, but '
                 f"--data_type {data_type} gives {', '.join(provided)}; use one of this task's datasets "
                 f'(e.g. --data_type {self.default_data[0]}, or {self.default_data[1]} with list files)'
+            )
+        if self.num_classes < self.min_classes:
+            raise KilnError(
+                f'--task {self.options.task} needs {self.min_classes} classes or more, but the training data has '
+                f'{self.num_classes} ({", ".join(self.class_names)}): with one, every answer is right and the '
+                f'metrics say nothing; add the other classes (a folder or a label each)'
             )
 
     # the batch contract -------------------------------------------------------------------------

@@ -194,6 +194,18 @@ def test_a_limit_that_is_neither_a_count_nor_a_fraction_is_one_line(data, tmp_pa
     assert_one_error_line(result, '--limit_train_batches', text)
 
 
+def test_a_single_class_is_one_line(data, tmp_path):
+    """One class folder trained to acc 1.0 at once and said nothing: every answer is right."""
+    import shutil
+
+    (tmp_path / 'one' / 'cat').mkdir(parents=True)
+    for image in sorted((data / 'images' / 'train').iterdir())[:4]:
+        shutil.copy(image, tmp_path / 'one' / 'cat')
+    result = run('train.py', '--checkpoints_dir', tmp_path / 'ck', '--train_list', tmp_path / 'one', *FAST)
+    assert_one_error_line(result, '--task classify needs 2 classes or more', 'has 1 (cat)')
+    assert leftovers(tmp_path / 'ck') == []
+
+
 # 2. missing list file ------------------------------------------------------------------------------
 
 
