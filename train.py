@@ -319,6 +319,10 @@ class Trainer:
     def resume(self, checkpoint):
         """Continue from `checkpoint` (loaded from --resume): every part's state, and the freezing it had."""
         self.checkpointer.load(checkpoint, self.options.resume_from)
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):  # a longer --epochs: a longer schedule
+            scheduler = self.scheduler  # the rate of the step to come, not the one the file's schedule ended on
+            for group, base, factor in zip(self.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+                group['lr'] = base * factor(scheduler.last_epoch)
         self.stopper.check_early_stop(self.monitor)  # it had stopped early: nothing left to train
         position = self.position
         if self.finetuning.is_unfrozen(position.epoch, position.batch):  # --unfreeze_at_epoch took effect before

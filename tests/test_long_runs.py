@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from conftest import REPO, run_script, timeout, tiny_run_args
 from utils.checkpoint_keeper import CheckpointKeeper
@@ -204,6 +205,26 @@ def test_a_stop_signal_at_a_step_due_for_validation_leaves_it_to_the_resumed_run
         assert all(torch.equal(t, ours['model'][k]) for k, t in theirs['model'].items()), name
         assert ours['history'] == theirs['history'], name
     assert _scalars(_folder(stopped), 'val/acc') == _scalars(_folder(whole), 'val/acc')
+
+
+def test_a_run_resumed_with_more_epochs_follows_the_longer_schedule_from_its_first_step(tiny_args):
+    """The first step after `--resume --epochs 4` of a 2-epoch cosine run used the rate the short schedule
+    ended on (0), then jumped to the long one's."""
+    rates = []
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: rates.append(optimizer.param_groups[0]['lr'])
+    )
+    try:
+        _train(tiny_args, '--epochs', '4', '--save_prefix', 'long')
+        long = rates[:]
+        rates.clear()
+        _train(tiny_args, '--epochs', '2')
+        assert len(long) == 24 and rates[-1] < long[11] / 10  # near the end of the short cosine
+        rates.clear()
+        _train(['--resume', _folder(tiny_args), '--epochs', '4'])
+    finally:
+        hook.remove()
+    assert rates == long[12:]
 
 
 def test_second_ctrl_c_stops_at_once(tiny_shapes, tmp_path):
