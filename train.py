@@ -65,6 +65,7 @@ from utils.run_folder import (
     discard_folder_if_setup_fails,
     open_experiment,
     reproducibility_record,
+    save_args,
 )
 from utils.run_history import RunHistory
 from utils.seeding import set_deterministic, set_seed
@@ -512,8 +513,9 @@ class Trainer:
             )
 
     def record_start(self):
-        """Write run_config.json, add this start to reproduce.json and give the trackers the options
-        (the files on the writer thread)."""
+        """Write run_config.json, add this start to reproduce.json, write a resumed run's options (args.txt,
+        args.yaml: a resume refused while the run was built changes neither) and give the trackers the
+        options (the files on the writer thread)."""
         o = self.options
         self.logger.log_text(
             'args', '\n'.join(f'    {k}: {v}' for k, v in sorted(saved_options(o).items())), self.position.step
@@ -536,6 +538,8 @@ class Trainer:
             mixed_precision=o.amp,
         )
         self.logger.submit(config.save, o.model_dir)
+        if o.resume:
+            self.logger.submit(save_args, o, o.model_dir)
         record, self.start_record = self.start_record or reproducibility_record(o), None  # git's answers read once
         self.logger.submit(append_reproducibility_record, o.model_dir, record)
 

@@ -173,6 +173,24 @@ def test_a_resume_that_would_change_the_run_is_refused_before_any_file_changes(s
     assert _snapshot(folder) == before
 
 
+def test_a_resume_on_training_data_that_changed_since_is_refused_with_the_counts(tiny_shapes, tmp_path):
+    """An image added to the training list: the message blamed --train_list and --seed, which had not changed."""
+    lines = open(os.path.join(tiny_shapes, 'train.txt')).read().splitlines()
+    listed = tmp_path / 'train.txt'
+    listed.write_text(''.join(f'{os.path.join(tiny_shapes, line)}\n' for line in lines))
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    args[args.index('--train_list') + 1] = str(listed)
+    _ok(run_script('train.py', *args, '--epochs', '1'))
+    folder = _folder(args)
+    before = _snapshot(folder)
+    listed.write_text(listed.read_text() + f'{os.path.join(tiny_shapes, lines[0])}\n')
+    result = run_script('train.py', '--resume', folder, '--epochs', '2')
+    _one_error_line(
+        result, 'the training data have 97 samples now, the checkpoint was trained on 96', '--load_model_path'
+    )
+    assert _snapshot(folder) == before
+
+
 def test_two_runs_of_one_folder_are_refused(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '500', '--save_interval', '2', '--resume']
     first = _start(args)

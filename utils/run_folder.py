@@ -213,8 +213,7 @@ def open_experiment(argv, args):
             print(f'{folder} holds no checkpoint yet; starting the run in it')
         elif isinstance(checkpoint.get('position'), dict):
             _set_aside_newer(folder, checkpoint['position']['step'])
-        remove_stale_temporaries(folder)
-        save_args(args, folder)
+        remove_stale_temporaries(folder)  # (its args.txt and args.yaml are written once the Trainer is built)
     except BaseException:
         lock.release()
         raise
