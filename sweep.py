@@ -255,14 +255,18 @@ def plan(combos, name, train_argv, actions):
     return list(runs.values())
 
 
+def read_run_file(folder, name):
+    """The contents of a run's JSON or YAML file `name`, or None when it is missing or unreadable."""
+    with contextlib.suppress(OSError, ValueError, yaml.YAMLError), open(os.path.join(folder, name)) as f:
+        return yaml.safe_load(f)  # JSON is YAML too
+    return None
+
+
 def finished(run, done):
     """Why `run` counts as finished (see the module docstring), or None."""
-
-    def load(name):
-        with contextlib.suppress(OSError, ValueError, yaml.YAMLError), open(os.path.join(run.folder, name)) as f:
-            return yaml.safe_load(f)  # JSON is YAML too
-
-    record, config, saved = load('checkpoints.json'), load('run_config.json'), load('args.yaml')
+    record, config, saved = (
+        read_run_file(run.folder, name) for name in ('checkpoints.json', 'run_config.json', 'args.yaml')
+    )
     with contextlib.suppress(KeyError, TypeError, AttributeError):
         last = record['last']
         step = record['files'][last]['step'] if os.path.isfile(os.path.join(run.folder, last)) else -1
@@ -271,17 +275,34 @@ def finished(run, done):
         if (
             all(saved[k] == getattr(run.options, k) for k in ('epochs', 'max_iteration'))
             and step >= config['max_num_train_steps']
-            and trained_as_asked(saved, run.options)  # else train.py --resume names what changed, and refuses
+            and not changed_options(saved, run.options)  # else the sweep is refused (check_earlier_runs)
         ):
             return f'step {step}/{config["max_num_train_steps"]}'
     return None
 
 
-def trained_as_asked(saved, options):
-    """Whether a run's saved options (its args.yaml) are `options` in everything a resume may not change
-    (options left to the task, None, match whatever it chose)."""
+def changed_options(saved, options):
+    """The names of the options a resume may not change whose values in `options` differ from a run's
+    saved ones (its args.yaml); options left to the task (None) match whatever it chose."""
     fixed = set(vars(options)) - set(RESUME_CHANGEABLE + NOT_SAVED + DERIVED)
-    return all(getattr(options, name) is None or saved.get(name) == getattr(options, name) for name in fixed)
+    return sorted(name for name in fixed if getattr(options, name) not in (None, saved.get(name)))
+
+
+def check_earlier_runs(runs, name):
+    """A KilnError when a run of this sweep was trained with other options than a resume may change (the
+    sweep run again after a change after --): each of its runs would be refused, with advice the sweep
+    cannot take; a sweep of other options is a new sweep."""
+    for run in runs:
+        saved = read_run_file(run.folder, 'args.yaml')
+        changed = changed_options(saved, run.options) if isinstance(saved, dict) else []
+        if changed:
+            shown = ', '.join(
+                f'--{option} {getattr(run.options, option)} (it has {saved.get(option)})' for option in changed
+            )
+            raise KilnError(
+                f'{shown}: sweep {name} trained {run.prefix} with other options, which a resumed run keeps; '
+                f'give this sweep its own --name (or go back to the options it was run with)'
+            )
 
 
 def forward(signum, frame):
@@ -459,6 +480,7 @@ def main(argv):
         return 0
     for run in runs:
         run.folder = experiment_folder(resolve(run.options))  # loads torch only for a task's default
+    check_earlier_runs(runs, name)
     return run_all(runs, name, base, args.compare)
 
 

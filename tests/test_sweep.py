@@ -129,6 +129,17 @@ def test_rerun_skips_finished_runs(grid):
         assert sweep.finished(run, {}) == expected
 
 
+def test_a_rerun_with_other_fixed_options_is_refused_in_one_line_naming_a_new_name(grid):
+    """After a change after --, every run failed: train.py refused each resume and advised --save_prefix,
+    which the sweep sets itself."""
+    checkpoints, train, _ = grid
+    starts = {prefix: _starts(_folder(checkpoints, prefix)) for prefix in RUNS}
+    result = _sweep(*GRID, '--', *train, '--weight_decay', '0.1', code=2)
+    assert result.stderr.count('\n') == 1 and result.stderr.startswith('error: --weight_decay 0.1 (it has 0.0005)')
+    assert 'give this sweep its own --name' in result.stderr and 'train.py --' not in result.stdout
+    assert {prefix: _starts(_folder(checkpoints, prefix)) for prefix in RUNS} == starts
+
+
 def test_failed_run_is_reported_and_the_others_resume_and_run(grid):
     checkpoints, train, _ = grid
     interrupted = _folder(checkpoints, 'sweep_lr0.001_bs16')
