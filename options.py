@@ -14,6 +14,8 @@ import sys
 
 import yaml
 
+PROJECT = os.path.dirname(os.path.abspath(__file__))  # the defaults' outputs stay in it, run from anywhere
+
 NOT_SAVED = ('config', 'debug', 'resume')  # how a run was started, not what it is
 DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: in args.txt, not args.yaml
 RESUME_LATEST = 'last'  # --resume without a path
@@ -244,7 +246,11 @@ def parse_common_args(parser):
         default='default',
         help='names the experiment folder in training, the result folder in evaluation',
     )
-    parser.add_argument('--checkpoints_dir', default='checkpoints', help='where experiment folders are created')
+    parser.add_argument(
+        '--checkpoints_dir',
+        default=os.path.join(PROJECT, 'checkpoints'),
+        help="where experiment folders are created (default: the project's checkpoints/, whatever the working folder)",
+    )
     parser.add_argument(
         '--load_not_strict',
         action=argparse.BooleanOptionalAction,
@@ -259,7 +265,11 @@ def parse_common_args(parser):
         help='rename tensors in --load_model_path first, e.g. net.=  or  fc.=head. (the longest OLD that fits)',
     )
     parser.add_argument('--val_list', help="list file for validation/evaluation (default: the dataset's own val split)")
-    parser.add_argument('--data_root', default='data/generated', help='where generated datasets are written')
+    parser.add_argument(
+        '--data_root',
+        default=os.path.join(PROJECT, 'data', 'generated'),
+        help="where generated datasets are written (default: the project's data/generated/)",
+    )
     parser.add_argument('--num_classes', type=_positive_int, help='default: what the dataset reports')
     parser.add_argument(
         '--img_size',

@@ -140,4 +140,5 @@ def test_eval_and_predict_use_the_checkpoint_that_the_train_configuration_makes(
     for name in ('eval (after train)', 'predict (after train)'):
         args = _parse(*_script_args(configurations[name]))
         checkpoints = args.load_model_path if isinstance(args.load_model_path, list) else [args.load_model_path]
-        assert [os.path.normpath(path) for path in checkpoints] == [os.path.normpath(best)], name
+        # the configurations run in the project folder ($PROJECT_DIR$, ${workspaceFolder})
+        assert [os.path.normpath(os.path.join(REPO, path)) for path in checkpoints] == [os.path.normpath(best)], name

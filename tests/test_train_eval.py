@@ -11,7 +11,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import experiment_of, run_script, tiny_run_args, train_succeeds
+from conftest import REPO, experiment_of, run_script, tiny_run_args, train_succeeds
 
 
 def _train(tiny_args, *extra):
@@ -455,6 +455,19 @@ def test_classes_beyond_the_named_ones_go_by_their_number(tiny_shapes, tmp_path)
         assert refused.returncode == 2 and needle in refused.stderr and len(refused.stderr.splitlines()) == 1, (
             refused.stderr
         )
+
+
+def test_the_default_output_folders_are_the_projects_whatever_the_working_folder(tmp_path, monkeypatch):
+    """`python ~/kiln/train.py` run from elsewhere generated the shapes (61 MB) and made checkpoints/ in the
+    working folder; eval.py of a checkpoint did the same there. A folder given stays the user's."""
+    from options import parse_args, parse_test_args, parse_train_args
+
+    monkeypatch.chdir(tmp_path)
+    for parser in (parse_train_args, parse_test_args):
+        options = parse_args(parser, [])
+        assert options.data_root == os.path.join(REPO, 'data', 'generated'), parser
+    assert parse_args(parse_train_args, []).checkpoints_dir == os.path.join(REPO, 'checkpoints')
+    assert parse_args(parse_train_args, ['--checkpoints_dir', 'mine']).checkpoints_dir == 'mine'
 
 
 def test_list_files_are_saved_as_absolute_paths(tiny_shapes, tmp_path):
