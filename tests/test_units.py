@@ -584,6 +584,24 @@ def test_segmentation_pictures_name_their_columns():
     assert (grid[CAPTION + 5, 40] != grid[CAPTION + 5, 72]).any()  # predicted and true masks differ in colour
 
 
+def test_prediction_captions_fit_their_tiles():
+    """At --img_size 64 the captions were cut at the tile's edge ('retina / astrc'): now the names go on
+    two lines when one does not fit, tiles are at least 96 pixels wide, and a name too long ends in '…'."""
+    from utils.viz import BAD, CAPTION, GOOD, caption, labeled_grid, text_width
+
+    images = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    names = ['astronaut', 'retina', 'a class name far too long for a tile']
+    grid = labeled_grid(images, [0, 1, 2], [1, 1, 2], names)
+    assert grid.shape == (96 + 2 * CAPTION, 3 * 96, 3)
+    assert (grid[96:, :96] == caption('astronaut /\nretina', BAD, 96)).all()
+    assert (grid[96:, 96:192] == caption('retina /\nretina', GOOD, 96)).all()
+    assert text_width(f'{names[2]} / {names[2]}') > 92  # so every caption of this grid takes two lines
+    short = labeled_grid(images[:2], [0, 1], [0, 1], ['cat', 'dog'])  # one line where every caption fits
+    assert short.shape == (96 + CAPTION, 2 * 96, 3) and (short[96:, :96] == caption('cat / cat', GOOD, 96)).all()
+    drawn = caption(names[2], GOOD, 96)
+    assert drawn.shape == (CAPTION, 96, 3) and (drawn[:, -2:] == 255).all()  # cut short: nothing at the edge
+
+
 def test_checkpoints_to_evaluate_names_each_once_and_skips_non_experiments(tmp_path):
     """'checkpoints/*' matched Kiln's own comparisons/ folder (no best.pth: the comparison stopped), and a
     folder given with its best.pth was evaluated twice, the second time refused after the first ran."""

@@ -77,34 +77,52 @@ def tiles(images, tile):
 
 
 def labeled_grid(images, predicted, true, class_names=None, columns=8, tile=96):
-    """Grid of images, each captioned 'predicted / true' in green when right, red when wrong.
+    """Grid of images, each captioned 'predicted / true' in green when right, red when wrong: on one
+    line where every caption fits the tile, else the two names on two lines (a name too long for one
+    ends in '…'). Tiles are at least `tile` wide, smaller images centred in them.
 
     `images` is a float tensor (N, 3, H, W) in [0, 1]; `predicted` and `true` are label lists.
     """
     name = (lambda i: class_names[i]) if class_names else str
     pixels = tiles(images, tile)
-    count, side = len(pixels), pixels.shape[1]
+    count, size = len(pixels), pixels.shape[1]
+    side, margin = max(size, tile), (max(size, tile) - size) // 2
+    texts = [f'{name(p)} / {name(t)}' for p, t in zip(predicted, true)]
+    if any(text_width(text) > side - 4 for text in texts):
+        texts = [f'{name(p)} /\n{name(t)}' for p, t in zip(predicted, true)]
+    height = CAPTION * (1 + texts[0].count('\n')) if texts else CAPTION
     columns = min(columns, count)
     rows = (count + columns - 1) // columns
-    grid = np.full((rows * (side + CAPTION), columns * side, 3), 255, np.uint8)
+    grid = np.full((rows * (side + height), columns * side, 3), 255, np.uint8)
     for i in range(count):
-        x, y = (i % columns) * side, (i // columns) * (side + CAPTION)
-        grid[y : y + side, x : x + side] = pixels[i]
+        x, y = (i % columns) * side, (i // columns) * (side + height)
+        grid[y + margin : y + margin + size, x + margin : x + margin + size] = pixels[i]
         colour = GOOD if predicted[i] == true[i] else BAD
-        grid[y + side : y + side + CAPTION, x : x + side] = caption(
-            f'{name(predicted[i])} / {name(true[i])}', colour, side
-        )
+        grid[y + side : y + side + height, x : x + side] = caption(texts[i], colour, side)
     return grid
 
 
-CAPTION = 16  # pixels of caption under a tile
+CAPTION = 16  # pixels of caption under a tile, per line
+
+
+def text_width(text):
+    """Pixels that `text` (one line) takes in its caption font."""
+    return font_for(text).getlength(text)
 
 
 @functools.lru_cache(maxsize=4096)  # a run's captions repeat: drawing text is the slow part of a grid
 def caption(text, colour, width):
-    """`text` in `colour` on white, as a (CAPTION, width, 3) uint8 array."""
-    image = Image.new('RGB', (width, CAPTION), 'white')
-    ImageDraw.Draw(image).text((2, 1), text, fill=colour, font=font_for(text))
+    """`text` in `colour` on white, as a (CAPTION x lines, width, 3) uint8 array; a line too long for
+    `width` is cut short, ending in '…'."""
+    lines = text.split('\n')
+    for index, line in enumerate(lines):
+        while text_width(line) > width - 4 and len(line) > 1:
+            line = line[:-2] + '…'
+        lines[index] = line
+    image = Image.new('RGB', (width, CAPTION * len(lines)), 'white')
+    draw = ImageDraw.Draw(image)
+    for index, line in enumerate(lines):
+        draw.text((2, 1 + CAPTION * index), line, fill=colour, font=font_for(line))
     return np.asarray(image)
 
 
