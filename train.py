@@ -11,7 +11,7 @@ import time
 
 STARTED = time.perf_counter()  # for the time-to-first-step figure
 
-from utils.errors import KilnError, quiet_interrupts, run_cli, run_to_exit
+from utils.errors import KilnError, SharedKilnError, quiet_interrupts, run_cli, run_to_exit
 
 quiet_interrupts()  # a Ctrl-C while torch loads: one line, exit 130
 from options import parse_args, parse_train_args
@@ -562,10 +562,14 @@ class Trainer:
             warmup = (
                 f' (the warm-up, --warmup_steps {o.warmup_steps}, outlasts them: the learning rate never reaches --lr)'
             )
+        classes, steps = (
+            ('class' if o.num_classes == 1 else 'classes'),
+            ('step' if self.updates_per_epoch == 1 else 'steps'),
+        )
         return (
-            f'{o.task}: {o.model_type} on {o.data_type}, {o.num_classes} classes, '
+            f'{o.task}: {o.model_type} on {o.data_type}, {o.num_classes} {classes}, '
             f'{len(self.train_data.dataset)} training and {len(self.val_data.dataset)} validation samples{used}; '
-            f'{self.updates_per_epoch} steps per epoch, {self.max_steps} in all{warmup}; into {o.model_dir}'
+            f'{self.updates_per_epoch} {steps} per epoch, {self.max_steps} in all{warmup}; into {o.model_dir}'
         )
 
     def report(self, stop, seconds):
@@ -699,6 +703,8 @@ def main(argv=None, args=None):
     run it; returns the Trainer."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = args or parse_args(parse_train_args, argv)
+    if args.fast_dev_run and args.resume:
+        raise SharedKilnError('--fast_dev_run trains in a throwaway folder of its own: drop --resume')
     init_distributed(args.cpu, args.gpus)
     try:
         if args.fast_dev_run:
@@ -716,14 +722,18 @@ def train_in_group(argv, args):
     options, lock = open_run(argv, resolve(args))
     # a failed start removes a folder it just made, never one that --resume reopened
     fresh = is_main_process() and options.resume_from is None and not options.resume
-    with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
-        trainer = Trainer.build(options, lock)
-        try:
-            stop = trainer.run()
-            barrier()  # each process returns once rank 0's files are written (--fast_dev_run reads them next)
-        finally:
-            trainer.train_data.close()
-            trainer.val_data.close()
+    try:
+        with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
+            trainer = Trainer.build(options, lock)
+            try:
+                stop = trainer.run()
+                barrier()  # each process returns once rank 0's files are written (--fast_dev_run reads them next)
+            finally:
+                trainer.train_data.close()
+                trainer.val_data.close()
+    finally:
+        if lock is not None:  # the folder is free for a --resume in this process too (a script's, a test's)
+            lock.release()
     return trainer, stop
 
 

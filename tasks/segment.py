@@ -50,13 +50,13 @@ class SegmentTask(Task):
         the centred square of --resize crop) are UNSEEN."""
         (masks,) = self.to_host(outputs.argmax(dim=1))
         os.makedirs(os.path.join(folder, 'masks'), exist_ok=True)
+        written = len(os.listdir(os.path.join(folder, 'masks')))  # by the batches before: once a batch, not an image
         rows = []
         for index, (path, mask) in enumerate(zip(paths, masks.numpy().astype(np.uint8))):
             if 'region' in batch:
                 mask = mask_on_image(mask, batch['region'][index].tolist(), batch['image_size'][index].tolist())
-            number = len(os.listdir(os.path.join(folder, 'masks')))
             stem = os.path.splitext(os.path.basename(path))[0]
-            target = os.path.join(folder, 'masks', f'{number:05d}_{stem}.png')
+            target = os.path.join(folder, 'masks', f'{written + index:05d}_{stem}.png')
             Image.fromarray(mask).save(target)
             rows.append([[target]])
         return rows

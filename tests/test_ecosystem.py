@@ -483,6 +483,15 @@ def test_fast_dev_run_trains_saves_evaluates_and_predicts_in_a_throwaway_folder(
     assert os.listdir(tmp_path / 'ck') == ['fast_dev_run']
 
 
+def test_fast_dev_run_refuses_resume_in_one_line(tiny_shapes, tmp_path):
+    """--fast_dev_run --resume ignored --resume without a word."""
+    result = run_script('train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--fast_dev_run', '--resume')
+    assert result.returncode == 2 and result.stderr.strip() == (
+        'error: --fast_dev_run trains in a throwaway folder of its own: drop --resume'
+    ), result.stderr
+    assert not (tmp_path / 'ck').exists()
+
+
 # --overfit_batches 2 --epochs 30 --lr 3e-3 (cosine to 0 over 60 steps) on the tiny shapes, train
 # loss by epoch, measured: 1.84 1.39 1.09 0.90 0.75 0.64 0.54 0.46 0.38 0.33 (epoch 10) 0.29 0.25
 # 0.22 0.20 0.18 0.16 0.15 0.14 0.13 0.13 (epoch 20) 0.12 0.12 0.11 0.11 0.11 0.11 0.11 0.11 0.11

@@ -99,3 +99,14 @@ def test_every_readme_command_is_accepted_by_its_script():
     for script, argv in commands:
         if '--config' not in argv and '--help' not in argv:  # a config file names a folder made by a run
             parse_args(parsers[script], argv)
+
+
+def test_the_options_a_resume_may_change_are_the_ones_the_readme_lists():
+    """The list in "Long runs" had fallen behind options.RESUME_CHANGEABLE (--mlflow_uri, --wandb_project)."""
+    from options import RESUME_CHANGEABLE
+
+    start = README.index('- A resume may change only')
+    listed = README[start : README.index('Anything else', start)]
+    named = set(re.findall(r'`--(\w+?)(?:_\*)?`', listed))
+    missing = [name for name in RESUME_CHANGEABLE if name not in named and not any(name.startswith(n) for n in named)]
+    assert not missing, f'README "Long runs" does not name {missing}'
