@@ -574,7 +574,7 @@ def test_masks_in_any_mode_are_read_as_class_numbers_and_colour_masks_are_refuse
     (tmp_path / 'train.txt').write_text('a.png a_mask.png\n')
     (tmp_path / 'seg_classes.txt').write_text('background\nthing\nother\n')
     options = argparse.Namespace(train_list=str(tmp_path / 'train.txt'), img_size=32, num_classes=None)
-    expected = torch.from_numpy(np.asarray(grey.resize((32, 32), Image.NEAREST)))
+    expected = torch.from_numpy(np.array(grey.resize((32, 32), Image.NEAREST)))
     assert torch.equal(SegListDataset(options, 'train')[0]['mask'], expected), mode
     if mode in ('RGB', 'RGBA'):  # a class in one channel only: refused, naming the file
         coloured = np.zeros((48, 64, len(mode)), np.uint8)
