@@ -107,7 +107,7 @@ class RandomResizedCrop:
     with the same `draw_boxes`."""
 
     def __init__(self, image_size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-        self.scale, self.ratio = tuple(scale), tuple(ratio)
+        self.side, self.scale, self.ratio = image_size, tuple(scale), tuple(ratio)
 
     def draw_boxes(self, widths, heights, generator=None):
         """Boxes (N, 4) as (x0, y0, x1, y1) pixels in images of `widths` x `heights` (tensors (N,));
@@ -135,8 +135,9 @@ class RandomResizedCrop:
         return torch.stack([x0, y0, x0 + w, y0 + h], dim=1).float()
 
     def draw(self, count, generator):
-        square = torch.ones(count)
-        return {'box': self.draw_boxes(square, square, generator)}  # in units of the image side
+        # whole pixels of the in-memory images (--img_size squares), given in units of their side
+        square = torch.full((count,), float(self.side))
+        return {'box': self.draw_boxes(square, square, generator) / self.side}
 
     def apply(self, batch, params):
         box = params['box']

@@ -253,6 +253,24 @@ def test_resized_crop_boxes_follow_scale_and_ratio():
     assert crop.draw_boxes(torch.tensor([10]), torch.tensor([400]), generator).tolist() == [[0, 190, 10, 210]]
 
 
+@pytest.mark.parametrize('seed', [0, 1])
+def test_resized_crops_of_in_memory_images_take_their_share_of_the_picture(seed):
+    """The in-memory draw worked on a 1x1 picture: every box rounded to the whole image, so
+    --augment resized_crop did nothing on shapes and mem_list. Boxes now cover 8% to 100% of the
+    --img_size square, in whole pixels, given in units of its side."""
+    from data.augment import BatchTransform
+
+    transform = BatchTransform(['resized_crop'], 32)
+    boxes = transform.draw(2000, torch.Generator().manual_seed(seed))[(0, 'box')]
+    share = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    assert share.min() < 0.1 and share.max() == 1 and (share < 0.5).float().mean() > 0.3, f'seed {seed}'
+    assert torch.equal((boxes * 32).round(), boxes * 32), f'seed {seed}'  # whole pixels
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    cropped = transform({'image': images.clone()}, {(0, 'box'): boxes[:8]}, torch.arange(8))['image']
+    plain = BatchTransform([], 32)({'image': images.clone()})['image']
+    assert all(not torch.equal(a, b) for a, b, s in zip(cropped, plain, share) if s < 1), f'seed {seed}'
+
+
 def test_resized_crop_on_the_device_moves_masks_and_boxes_with_the_pixels():
     from data.augment import RandomResizedCrop
 
