@@ -72,10 +72,11 @@ class InMemory:
         return self.cache_file(type(self).__name__, f'_{self.size}_{self.resize}.pt')
 
     def cache_key(self):
-        """A digest of how images are decoded, of the files (ListDataset.files_digest) and of the class order
-        (match_classes may renumber the labels)."""
+        """A digest of how images are decoded, of the files (ListDataset.files_digest) and of the samples as
+        read, labels included: a classes file edited since renumbers them (match_classes), though the list
+        and the final class order are the same."""
         decoding = f'{type(self).__name__} {self.size} {self.resize} {self.crop_pct} {self.class_names} '
-        decoding += self.files_digest()
+        decoding += self.files_digest() + hashlib.sha256(repr(self.samples).encode()).hexdigest()
         return hashlib.sha256(decoding.encode()).hexdigest()
 
     decode_crops = None  # decoded once: training crops are made on the device (data/augment.py)

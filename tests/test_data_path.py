@@ -44,6 +44,28 @@ def test_batches_are_the_same_from_memory_or_disk_with_any_workers(tiny_shapes):
             assert torch.equal(a['image'], b['image']) and torch.equal(a['label'], b['label'])
 
 
+def test_the_decoded_cache_follows_a_classes_file_edited_since(tmp_path):
+    """A validation list renumbered to the training classes (match_classes) kept the labels of its old
+    classes.txt from the cache after the file was corrected: the list and the final class order, the
+    cache's key, had not changed."""
+    from PIL import Image
+
+    from data.list_dataset import match_classes
+
+    for index in range(2):
+        Image.new('RGB', (8, 8), (index * 200, 0, 0)).save(tmp_path / f'{index}.png')
+    (tmp_path / 'val.txt').write_text('0.png 0\n1.png 1\n')
+    args = argparse.Namespace(
+        val_list=str(tmp_path / 'val.txt'), img_size=8, num_classes=None, data_type='mem_list',
+        data_root=str(tmp_path / 'root'), resize=None, crop_pct=None,
+    )  # fmt: skip
+    for names, labels in (('dog\ncat\n', [1, 0]), ('cat\ndog\n', [0, 1])):
+        (tmp_path / 'classes.txt').write_text(names)
+        dataset = MemListDataset(args, 'val')
+        match_classes(dataset, ['cat', 'dog'], 'train.txt')
+        assert dataset.tensors()['label'].tolist() == labels, names
+
+
 def test_augmentation_varies_per_sample_and_depends_only_on_seed_epoch_and_position(tiny_shapes):
     dataset = MemListDataset(_args(tiny_shapes), 'train')
     plain = Batches(dataset, CPU, batch_size=96, shuffle=False, seed=0)
