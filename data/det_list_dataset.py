@@ -84,7 +84,9 @@ class DetListDataset(ListDataset):
         scale = torch.tensor([self.size / (x1 - x0), self.size / (y1 - y0)] * 2, dtype=torch.float32)
         boxes = ((torch.from_numpy(boxes) - torch.tensor([x0, y0, x0, y0])) * scale).clamp(0, self.size)
         labels = torch.from_numpy(labels)
-        # a box cropped away is dropped; a small one stays, however small (validation must count it)
-        kept = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+        # a box cropped away is dropped; a small one stays, however small (validation must count it), but a
+        # training crop drops what it leaves under a pixel, as the crops on the device do (data/augment.py)
+        sides = torch.stack([boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]], dim=1)
+        kept = (sides > 0).all(1) if self.crop is None else (sides >= 1).all(1)
         region = torch.tensor([x0, y0, x1, y1], dtype=torch.float32)
         return {'image': image, 'boxes': boxes[kept], 'box_labels': labels[kept], 'region': region}

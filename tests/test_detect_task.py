@@ -157,6 +157,7 @@ def test_normalized_boxes_are_refused_and_small_boxes_kept(tmp_path):
     small true boxes, both without a word."""
     import argparse
 
+    import torch
     from PIL import Image
 
     from data.det_list_dataset import DetListDataset
@@ -171,6 +172,15 @@ def test_normalized_boxes_are_refused_and_small_boxes_kept(tmp_path):
     sample = DetListDataset(argparse.Namespace(**vars(options), train_list=str(tmp_path / 'small.txt')), 'train')[0]
     assert sample['box_labels'].tolist() == [0, 1]  # the 8-pixel box is 0.64 pixels at 32: kept
     assert sample['boxes'][1].tolist() == pytest.approx([24, 24, 24.64, 24.64])
+    # a training crop at decode time drops what it leaves under a pixel, as the crops on the device do
+    training = DetListDataset(argparse.Namespace(**vars(options), train_list=str(tmp_path / 'small.txt')), 'train')
+
+    class WholeImage:  # a resized crop that keeps the whole image: only the rule for small boxes differs
+        def draw_boxes(self, widths, heights, generator=None):
+            return torch.stack([torch.zeros_like(widths), torch.zeros_like(heights), widths, heights], 1).float()
+
+    training.decode_crops(WholeImage())
+    assert training[0]['box_labels'].tolist() == [0]
 
 
 def test_a_box_outside_its_image_is_one_line_and_one_partly_outside_is_clipped(tmp_path):
