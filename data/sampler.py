@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from utils.errors import SharedKilnError
+
 
 class SeededBatch(list):
     """A list of dataset indices with their `positions` in the epoch's order and the `seeds` to load them with."""
@@ -38,13 +40,19 @@ class ResumableBatchSampler(Sampler):
 
     Training (`shuffle=True`) permutes the whole dataset by (seed, epoch), cuts it into global
     batches of `batch_size * world_size` (dropping an incomplete last one, so every rank makes
-    the same number of steps) and gives rank r the r-th slice of each. Evaluation
+    the same number of steps) and gives rank r the r-th slice of each (data smaller than one global
+    batch make one, its samples dealt out round-robin; fewer samples than ranks are refused). Evaluation
     (`shuffle=False`) keeps the file order and deals samples out round-robin without padding,
     so no sample is counted twice across ranks. `limit` keeps only the first batches of each
     epoch (--limit_*_batches); `fixed_order` uses epoch 0's order every epoch (--overfit_batches).
     """
 
     def __init__(self, length, batch_size, shuffle, seed=0, rank=0, world_size=1, limit=None, fixed_order=False):
+        if shuffle and length < world_size:  # a process with nothing to train on would fail or wait for ever
+            raise SharedKilnError(
+                f'the training data have {length} sample{"" if length == 1 else "s"}, fewer than the {world_size} '
+                f'processes that train on them; start fewer processes or give more data'
+            )
         self.length, self.batch_size, self.shuffle = length, batch_size, shuffle
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.limit, self.fixed_order = limit, fixed_order
@@ -90,10 +98,9 @@ class ResumableBatchSampler(Sampler):
             mine = order[self.rank :: self.world_size]
             batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
         else:
-            step = self.batch_size * self.world_size
-            count = len(order) // step if len(order) >= step else 1  # a tiny dataset still gives one batch
-            first = self.rank * self.batch_size
-            batches = [order[i * step + first : i * step + first + self.batch_size] for i in range(count)]
+            step, first = self.batch_size * self.world_size, self.rank * self.batch_size
+            batches = [order[i * step + first : i * step + first + self.batch_size] for i in range(len(order) // step)]
+            batches = batches or [order[self.rank :: self.world_size]]  # a tiny dataset still gives one batch
         return batches[: self._limit(len(batches))]
 
     def __iter__(self):

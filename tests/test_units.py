@@ -301,6 +301,22 @@ def test_sampler_counts_batches_without_drawing_an_order():
     assert [len(b) for b in sampler.batches()] == [10, 10, 10]
 
 
+@pytest.mark.parametrize('length, batch_size', [(5, 4), (3, 4), (2, 16)])
+def test_data_smaller_than_one_global_batch_are_dealt_to_every_process(length, batch_size):
+    """5 samples, batches of 4, 2 processes: rank 1's slice of the one global batch was 1 sample, and
+    with 3 samples it was empty (a traceback in the collate, the other process waiting). Now the samples
+    are dealt out round-robin, each once; fewer samples than processes are refused in one line."""
+    from data.sampler import ResumableBatchSampler
+    from utils.errors import SharedKilnError
+
+    dealt = [ResumableBatchSampler(length, batch_size, True, 0, rank, 2).batches() for rank in (0, 1)]
+    assert all(len(batches) == 1 and batches[0] for batches in dealt)
+    positions = sorted(position for batches in dealt for position, _ in batches[0])
+    assert positions == list(range(length)) and abs(len(dealt[0][0]) - len(dealt[1][0])) <= 1
+    with pytest.raises(SharedKilnError, match='have 1 sample, fewer than the 2 processes'):
+        ResumableBatchSampler(1, batch_size, True, 0, 0, 2)
+
+
 def test_monitor_never_takes_a_nonfinite_value_as_best_and_counts_patience_from_real_gains():
     from utils.monitor import Monitor
 
