@@ -24,7 +24,7 @@ from data.sampler import ResumableBatchSampler, SeededDataset, mix
 from utils.distributed import rank, world_size
 from utils.seeding import seed_worker
 
-AUGMENT_STREAM = 0xA06  # keeps the augmentation's random numbers apart from the data order's
+AUGMENT_STREAM = -1  # a number no sample position is (they count from 0): the epoch's draws apart from the samples'
 
 
 def pad_collate(samples):

@@ -66,6 +66,17 @@ def test_the_decoded_cache_follows_a_classes_file_edited_since(tmp_path):
         assert dataset.tensors()['label'].tolist() == labels, names
 
 
+def test_the_epochs_augmentation_draws_are_seeded_apart_from_every_sample():
+    """The epoch's augmentation generator was seeded as the sample at position 2566 was (mix(seed, epoch,
+    0xA06)): their random numbers were the same."""
+    from data.loader import AUGMENT_STREAM
+    from data.sampler import mix
+
+    for seed, epoch in ((0, 0), (0, 3), (7, 1)):
+        stream = mix(seed, epoch, AUGMENT_STREAM)
+        assert all(stream != mix(seed, epoch, position) for position in range(100_000)), (seed, epoch)
+
+
 def test_augmentation_varies_per_sample_and_depends_only_on_seed_epoch_and_position(tiny_shapes):
     dataset = MemListDataset(_args(tiny_shapes), 'train')
     plain = Batches(dataset, CPU, batch_size=96, shuffle=False, seed=0)
