@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import run_script, tiny_run_args
+from conftest import run_script, tiny_run_args, tiny_seg_args
 from model.model_entry import select_model
 from utils.checkpoint import load_checkpoint, load_match_dict
 from utils.errors import KilnError
@@ -192,7 +192,10 @@ def test_prefix_map_and_file_formats(tmp_path):
     save_file({k: v.contiguous() for k, v in wrapped.items()}, str(tmp_path / 'wrapped.safetensors'))
     for file in ('wrapped.pth', 'wrapped.safetensors'):
         target = _model()
-        assert load_match_dict(target, str(tmp_path / file)).loaded == []  # every name differs
+        with pytest.raises(KilnError, match=f'no tensor of {tmp_path / file} fits this model'):  # every name differs
+            load_match_dict(target, str(tmp_path / file))
+        with pytest.raises(KilnError, match="no tensor name in the checkpoint starts with 'nett.'"):  # a typo
+            load_match_dict(target, str(tmp_path / file), prefix_map={'nett.': ''})
         report = load_match_dict(target, str(tmp_path / file), prefix_map={'net.': ''})
         assert report.missing == [] and report.unexpected == [] and report.shape_mismatched == []
         assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
@@ -272,6 +275,21 @@ def test_a_resume_needs_no_pretrained_file_and_a_file_of_another_net_says_so(tin
     error = other.stderr.strip()
     assert other.returncode == 2 and error.startswith(f'error: --pretrained_path {tmp_path / "moved.pth"} does not fit')
     assert "not tv_resnet34's weights" in error and '--load_not_strict' not in error, error
+
+
+def test_fine_tuning_a_checkpoint_of_another_task_says_which_options_to_give(tiny_shapes, tmp_path):
+    """A segmentation checkpoint given to a run left at --task classify failed on the segmentation list:
+    'expected "image_path label" with a label >= 0, got label masks/...'."""
+    segment = [*tiny_seg_args(tiny_shapes, tmp_path / 'ck'), '--task', 'segment', '--epochs', '1']
+    assert run_script('train.py', *segment).returncode == 0
+    folder = tmp_path / 'ck' / 'seg_net_seg_list_default'
+    seg_lists = tiny_seg_args(tiny_shapes, tmp_path / 'ck')
+    result = run_script('train.py', *seg_lists, '--load_model_path', folder, '--save_prefix', 'tuned')
+    error = result.stderr.strip()
+    assert result.returncode == 2 and error.startswith(f'error: {folder / "best.pth"} was trained for --task segment')
+    assert 'give --task segment --model_type seg_net' in error and '\n' not in error, error
+    tuned = run_script('train.py', *segment, '--load_model_path', folder, '--save_prefix', 'tuned')
+    assert tuned.returncode == 0, tuned.stderr
 
 
 @pytest.mark.parametrize('given', [['--freeze_batch_norms'], ['--unfreeze_at_epoch', '2']])

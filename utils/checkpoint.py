@@ -164,7 +164,7 @@ def state_dict_of(checkpoint, prefix_map=None):
             checkpoint = checkpoint[key]
             break
     rules = sorted((prefix_map or {}).items(), key=lambda rule: -len(rule[0]))  # the longest prefix that matches
-    weights = {}
+    weights, used = {}, set()
     for name, value in checkpoint.items():
         if not torch.is_tensor(value):
             continue
@@ -176,9 +176,16 @@ def state_dict_of(checkpoint, prefix_map=None):
                     name, stripped = name[len(prefix) :], True
         for old, new in rules:
             if name.startswith(old):
-                name = new + name[len(old) :]
+                name, _ = new + name[len(old) :], used.add(old)
                 break
         weights[name] = value
+    unused = [old for old, _ in rules if old not in used]
+    if unused:  # a typo, or a file other than the one meant: its names would load into nothing
+        names = sorted(weights)
+        raise KilnError(
+            f'--load_prefix_map {unused[0]}=...: no tensor name in the checkpoint starts with {unused[0]!r} '
+            f'(they start like {", ".join(names[:3])}{", ..." if len(names) > 3 else ""})'
+        )
     return weights
 
 
@@ -245,17 +252,24 @@ def match_weights(model, weights):
     return report, matched
 
 
-def load_match_dict(model, checkpoint, prefix_map=None):
+def load_match_dict(model, checkpoint, prefix_map=None, source=None):
     """Load into `model` only the tensors whose names and shapes match; return a LoadReport.
 
     `checkpoint` is a path (.pth or .safetensors) or an already loaded dict: a Kiln checkpoint, a
     plain state dict or a torchvision weights file. Use it to start from weights of a model that
     differs in places (another head, an extra block); everything else keeps its init.
-    `prefix_map` renames names first (see state_dict_of).
+    `prefix_map` renames names first (see state_dict_of). A KilnError when no tensor fits (`source`
+    names the checkpoint in it).
     """
+    source = checkpoint if isinstance(checkpoint, str) else source or 'the checkpoint'
     if isinstance(checkpoint, str):
         checkpoint = load_checkpoint(checkpoint)
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
+    if not matched:  # the model would train from its init as if nothing were wrong
+        raise KilnError(
+            f'no tensor of {source} fits this model ({report.first_problems()}): it holds another net\'s '
+            f'weights; check --model_type, or rename its tensors with --load_prefix_map'
+        )
     unwrap_model(model).load_state_dict(matched, strict=False)
     return report
 
@@ -288,7 +302,7 @@ def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None, a
     if path is not None:
         checkpoint = load_checkpoint(path)
     if not strict:
-        report = load_match_dict(model, checkpoint, prefix_map)
+        report = load_match_dict(model, checkpoint, prefix_map, source)
         print(f'load_match_dict from {source}: {report}')
         return report
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
