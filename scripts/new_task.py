@@ -169,7 +169,9 @@ def copy_template(dest):
 
 
 def rename(dest, name):
-    """Put `name` where "Kiln" stood in the text files, and replace the README's template pitch and figures."""
+    """Put `name` where "Kiln" stood in the text files (as written: a backslash too), and replace the README's
+    template pitch and figures and the distribution's name in pyproject.toml (letters, digits, . _ -)."""
+    intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('-') or 'kiln'
     for folder, _, files in os.walk(dest):
         for file in files:
             path = os.path.join(folder, file)
@@ -178,9 +180,11 @@ def rename(dest, name):
             with open(path, encoding='utf-8') as f:
                 text = f.read()
             if file == 'README.md' and folder == dest:
-                text = MEASURED.sub(PROJECT_MEASURED, INTRO.sub(PROJECT_INTRO.format(name=name), text))
+                text = MEASURED.sub(PROJECT_MEASURED, INTRO.sub(lambda match: intro, text))
+            if file == 'pyproject.toml' and folder == dest:
+                text = text.replace("name = 'kiln'", f"name = '{package}'", 1)
             with open(path, 'w', encoding='utf-8') as f:
-                f.write(re.sub(r'\bKiln\b', name, text))
+                f.write(re.sub(r'\bKiln\b', lambda match: name, text))
 
 
 def camel(name):

@@ -92,6 +92,18 @@ def test_generator_refuses_a_non_empty_destination(tmp_path):
     assert os.listdir(tmp_path) == ['mine.txt'] and (tmp_path / 'mine.txt').read_text() == 'keep me'
 
 
+@pytest.mark.parametrize('name', [r'Proj\1', r'C:\new Lab'])
+def test_a_project_name_is_written_as_given(tmp_path, name):
+    """--name went into re.sub as a replacement: 'Proj\\1' failed with a traceback half-way through the
+    copy, 'C:\\new' wrote a newline into every file."""
+    result = run_script('scripts/new_task.py', str(tmp_path / 'project'), '--name', name)
+    assert result.returncode == 0, result.stderr
+    readme = (tmp_path / 'project' / 'README.md').read_text()
+    assert readme.startswith(f'# {name}\n'), readme[:80]
+    package = 'proj-1' if name.startswith('Proj') else 'c-new-lab'
+    assert f"name = '{package}'" in (tmp_path / 'project' / 'pyproject.toml').read_text()
+
+
 def test_a_new_task_is_what_the_project_s_scripts_train(tmp_path):
     """train.sh kept TASK=classify: the project's `bash scripts/train.sh` trained the template's task."""
     created = run_script('scripts/new_task.py', str(tmp_path / 'spots'), '--task', 'leaf_spots')
