@@ -8,6 +8,8 @@ as image viewers and labelling tools show it; x2, y2 exclusive), classes indexin
 and encodings as for every list file (data/list_file.py).
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -36,13 +38,14 @@ class DetListDataset(ListDataset):
                 box, label = [float(v) for v in (x1, y1, x2, y2)], int(label)
             except ValueError:
                 box, label = None, -1
-            if box is None or label < 0 or not (box[2] > box[0] and box[3] > box[1]):
+            finite = box is not None and all(math.isfinite(value) for value in box)  # inf would clip to an edge
+            if not finite or label < 0 or not (box[2] > box[0] and box[3] > box[1]):
                 spaces = (
                     ' (a path with spaces must be quoted: "my images/a.png" 1,2,30,40,0)' if ',' not in field else ''
                 )
                 raise KilnError(
-                    f'{self.list_path}:{number}: expected boxes as "x1,y1,x2,y2,class" with x2 > x1, '
-                    f'y2 > y1 and a class >= 0, got {field!r}{spaces}'
+                    f'{self.list_path}:{number}: expected boxes as "x1,y1,x2,y2,class" of finite numbers with '
+                    f'x2 > x1, y2 > y1 and a class >= 0, got {field!r}{spaces}'
                 )
             boxes.append(box)
             labels.append(label)

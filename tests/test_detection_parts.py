@@ -158,7 +158,7 @@ def test_boxes_dataset_generates_its_default_copy_and_checks_lines(tmp_path, mon
     assert mine.num_classes == 5 and mine.class_names is None  # no classes.txt there: the largest class + 1
     assert mine[0]['box_labels'].tolist() == [-1] and mine[1]['box_labels'].tolist() == [4]  # padded rows
     assert mine.tensors()['box_labels'].tolist() == [[-1], [4]]
-    for bad in ('1,2,30,40', '1,2,30,x,1', '30,2,1,40,1', '1,2,30,40,-1'):
+    for bad in ('1,2,30,40', '1,2,30,x,1', '30,2,1,40,1', '1,2,30,40,-1', '1,2,inf,40,1', '1,2,30,nan,1'):
         listing.write_text(f'{image}\n{image} {bad}\n')
         with pytest.raises(KilnError, match='mine.txt:2: expected boxes'):
             DetListDataset(_args(train_list=str(listing)), 'train')

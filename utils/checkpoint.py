@@ -267,7 +267,7 @@ def load_match_dict(model, checkpoint, prefix_map=None, source=None):
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
     if not matched:  # the model would train from its init as if nothing were wrong
         raise KilnError(
-            f'no tensor of {source} fits this model ({report.first_problems()}): it holds another net\'s '
+            f"no tensor of {source} fits this model ({report.first_problems()}): it holds another net's "
             f'weights; check --model_type, or rename its tensors with --load_prefix_map'
         )
     unwrap_model(model).load_state_dict(matched, strict=False)

@@ -149,5 +149,7 @@ class Stopper:
         """Stop when the Monitor's patience has run out."""
         if monitor.exhausted() and self.stop is None:
             self.stop = Stop(
-                StopReason.EARLY_STOP, f'early stop: {monitor.name} did not improve for {monitor.patience} validations'
+                StopReason.EARLY_STOP,
+                f'early stop: {monitor.name} did not improve for {monitor.patience} '
+                f'validation{"" if monitor.patience == 1 else "s"}',
             )
