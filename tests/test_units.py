@@ -616,6 +616,11 @@ def test_prediction_captions_fit_their_tiles():
     assert short.shape == (96 + CAPTION, 2 * 96, 3) and (short[96:, :96] == caption('cat / cat', GOOD, 96)).all()
     drawn = caption(names[2], GOOD, 96)
     assert drawn.shape == (CAPTION, 96, 3) and (drawn[:, -2:] == 255).all()  # cut short: nothing at the edge
+    # the confusion matrix's class names too (its headers ran into each other: 'backgrored thi blue th')
+    from utils.viz import fitted
+
+    assert fitted('background', 40).endswith('…') and text_width(fitted('background', 40)) <= 40
+    assert fitted('cat', 40) == 'cat'
 
 
 def test_checkpoints_to_evaluate_names_each_once_and_skips_non_experiments(tmp_path):

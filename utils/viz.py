@@ -110,15 +110,18 @@ def text_width(text):
     return font_for(text).getlength(text)
 
 
+def fitted(text, width):
+    """`text`, cut short to end in '…' where it takes more than `width` pixels."""
+    while text_width(text) > width and len(text) > 1:
+        text = text[:-2] + '…'
+    return text
+
+
 @functools.lru_cache(maxsize=4096)  # a run's captions repeat: drawing text is the slow part of a grid
 def caption(text, colour, width):
     """`text` in `colour` on white, as a (CAPTION x lines, width, 3) uint8 array; a line too long for
     `width` is cut short, ending in '…'."""
-    lines = text.split('\n')
-    for index, line in enumerate(lines):
-        while text_width(line) > width - 4 and len(line) > 1:
-            line = line[:-2] + '…'
-        lines[index] = line
+    lines = [fitted(line, width - 4) for line in text.split('\n')]
     image = Image.new('RGB', (width, CAPTION * len(lines)), 'white')
     draw = ImageDraw.Draw(image)
     for index, line in enumerate(lines):
@@ -158,8 +161,8 @@ def confusion_matrix_image(matrix, class_names=None, cell=44):
     draw.text((2, 2), 'true', fill='black', font=font)
     row_totals = matrix.sum(axis=1, keepdims=True).clip(min=1)
     for i in range(count):
-        draw.text((margin + i * cell + 2, margin - 16), names[i][:7], fill='black', font=font)
-        draw.text((2, margin + i * cell + cell // 2 - 6), names[i][:10], fill='black', font=font)
+        draw.text((margin + i * cell + 2, margin - 16), fitted(names[i], cell - 4), fill='black', font=font)
+        draw.text((2, margin + i * cell + cell // 2 - 6), fitted(names[i], margin - 4), fill='black', font=font)
         for j in range(count):
             share = matrix[i, j] / row_totals[i, 0]
             shade = int(255 - 200 * share)
