@@ -302,3 +302,17 @@ def test_freezing_options_without_freeze_to_are_refused(given):
     with pytest.raises(KilnError, match=f'^{" ".join(given)} acts on the layers --freeze_to freezes'):
         FineTuning(_model(), **options)
     FineTuning(_model(), freeze_to=0, **options)  # with it, fine
+
+
+def test_freezing_every_parameter_is_one_line(tiny_shapes, tmp_path):
+    """--freeze_to -1 --freeze_batch_norms froze everything: a traceback from the first backward
+    ('element 0 of tensors does not require grad'). Without --freeze_batch_norms the norms still train."""
+    from utils.finetune import FineTuning
+
+    args = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--freeze_to', '-1', '--freeze_batch_norms']
+    result = run_script('train.py', *args)
+    error = result.stderr.strip()
+    assert result.returncode == 2, error
+    assert error.startswith('error: --freeze_to -1 --freeze_batch_norms leaves nothing to train'), error
+    assert not (tmp_path / 'ck').exists() or not os.listdir(tmp_path / 'ck')
+    FineTuning(_model(), freeze_to=-1)  # BatchNorm layers left to train: fine

@@ -106,6 +106,12 @@ class FineTuning:
             except IndexError as error:
                 raise KilnError(f'--freeze_to {freeze_to}: {error}') from None
             self.frozen = before - {id(p) for p in self.freezer.get_trainable_parameters()}
+            if before and not self.freezer.get_trainable_parameters():  # the first step's backward would fail
+                groups = len(self.freezer.get_layer_groups())
+                raise KilnError(
+                    f'--freeze_to {freeze_to}{" --freeze_batch_norms" if freeze_batch_norms else ""} leaves nothing '
+                    f'to train (all {groups} layer groups frozen); freeze fewer, e.g. --freeze_to -2 trains the head'
+                )
 
     def param_groups(self, lr, head_lr=None, backbone_lr=None, unfrozen_lr_scale=1.0):
         """Optimizer param groups: the last layer group (the head) at `head_lr`, the other trainable
