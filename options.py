@@ -610,7 +610,9 @@ def parse_predict_args(parser):
         help='the checkpoint to predict with (or an experiment folder: its best.pth)',
     )
     parser.add_argument(
-        '--input', required=True, help='a folder of images, one image, or a list file (first column: image)'
+        '--input',
+        required=True,
+        help="a folder of images, one image, a quoted glob ('photos/*.jpg'), or a list file (first column: image)",
     )
     return _add_output_dir(parser)
 

@@ -16,7 +16,9 @@ if __name__ == '__main__':
     ARGS = run_cli(lambda argv: parse_args(parse_predict_args, argv))  # --help and mistakes answer before torch loads
 
 import csv
+import glob
 import os
+import re
 import sys
 
 import torch
@@ -35,19 +37,35 @@ from utils.run_folder import checkpoint_path, create_run_folder, discard_folder_
 
 
 def images_to_predict(source):
-    """Image paths from a folder (its image files, sorted, subfolders and links included), one image file, or a
-    list file (the first field of each entry; labels, masks or boxes after it are ignored)."""
+    """Image paths from a folder (its image files, sorted, subfolders and links included), one image file, a
+    quoted glob of image files (as eval.py takes checkpoints), or a list file (the first field of each entry;
+    labels, masks or boxes after it are ignored)."""
     if os.path.isdir(source):
         paths = find_images(source)
     elif os.path.isfile(source) and source.lower().endswith(IMAGE_EXTENSIONS):
         paths = [source]
     elif os.path.isfile(source):
         paths = read_image_paths(source)
+    elif glob.has_magic(source):
+        paths = sorted(
+            path for path in glob.glob(os.path.expanduser(source)) if path.lower().endswith(IMAGE_EXTENSIONS)
+        )
     else:
-        raise KilnError(f'--input {source} does not exist: give a folder of images, an image or a list file')
+        raise KilnError(
+            f'--input {source} does not exist: give a folder of images, an image, a quoted glob or a list file'
+        )
     if not paths:
         raise KilnError(f'--input {source} holds no images ({", ".join(IMAGE_EXTENSIONS)})')
     return paths
+
+
+def source_name(source):
+    """The --input's name for the result folder: the file or folder name (a glob's deepest folder without
+    wildcards), without extension, in letters, digits, '.', '_' and '-' only (a shell needs no quotes)."""
+    while glob.has_magic(source):
+        source = os.path.dirname(source)
+    name = os.path.splitext(os.path.basename(os.path.normpath(os.path.abspath(source or '.'))))[0]
+    return re.sub(r'[^\w.-]+', '_', name).strip('_') or 'input'
 
 
 def read_batches(paths, options, unreadable):
@@ -105,7 +123,7 @@ def main(argv=None, args=None):
     if not options.num_classes:
         raise KilnError(f'{path} does not say how many classes it predicts; give --num_classes')
     paths = images_to_predict(options.input)  # before the folder exists: a refused input leaves nothing
-    input_name = os.path.splitext(os.path.basename(os.path.normpath(options.input)))[0]
+    input_name = source_name(options.input)
     folder = result_folder(path, 'predict', input_name, options.save_prefix, options.output_dir)
     create_run_folder(folder, options, 'choose a new --save_prefix to keep the old predictions', '--output_dir')
     with discard_folder_if_setup_fails(folder):

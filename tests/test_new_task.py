@@ -240,6 +240,21 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
     assert 'others' not in alone.stderr
 
 
+def test_predict_takes_a_quoted_glob_and_names_its_folder_plainly(tiny_shapes, classified, tmp_path):
+    """A quoted glob, as eval.py takes them, was 'does not exist'; the result folder kept the input's
+    commas and quotes, so pasting its path needed quoting."""
+    images = tmp_path / "my photos, it's"
+    images.mkdir()
+    for name in ('00000.png', '00001.png', '00002.png'):
+        os.link(os.path.join(tiny_shapes, 'images', 'val', name), images / name)
+    checkpoint = os.path.join(classified[0], 'best.pth')
+    result = run_script('predict.py', '--load_model_path', checkpoint, '--input', images / '0000[01].png')
+    assert result.returncode == 0, result.stderr
+    folder = os.path.join(classified[0], 'predict', 'best_my_photos_it_s_default')
+    with open(os.path.join(folder, 'predictions.csv')) as f:
+        assert [os.path.basename(row['image']) for row in csv.DictReader(f)] == ['00000.png', '00001.png']
+
+
 def test_predict_segmentation_writes_masks(tiny_shapes, segmented):
     _ok(
         run_script(
