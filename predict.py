@@ -18,7 +18,6 @@ if __name__ == '__main__':
 import csv
 import glob
 import os
-import re
 import sys
 
 import torch
@@ -33,7 +32,13 @@ from utils.device import select_device
 from utils.errors import KilnError
 from utils.model_setup import setup_model
 from utils.progress import progress
-from utils.run_folder import checkpoint_path, create_run_folder, discard_folder_if_setup_fails, result_folder
+from utils.run_folder import (
+    checkpoint_path,
+    create_run_folder,
+    discard_folder_if_setup_fails,
+    plain_name,
+    result_folder,
+)
 
 
 def images_to_predict(source):
@@ -64,8 +69,7 @@ def source_name(source):
     wildcards), without extension, in letters, digits, '.', '_' and '-' only (a shell needs no quotes)."""
     while glob.has_magic(source):
         source = os.path.dirname(source)
-    name = os.path.splitext(os.path.basename(os.path.normpath(os.path.abspath(source or '.'))))[0]
-    return re.sub(r'[^\w.-]+', '_', name).strip('_') or 'input'
+    return plain_name(source or '.')
 
 
 def read_batches(paths, options, unreadable):

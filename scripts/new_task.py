@@ -171,7 +171,7 @@ def copy_template(dest):
 def rename(dest, name):
     """Put `name` where "Kiln" stood in the text files (as written: a backslash too), and replace the README's
     template pitch and figures and the distribution's name in pyproject.toml (letters, digits, . _ -)."""
-    intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('-') or 'kiln'
+    intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('._-') or 'kiln'
     for folder, _, files in os.walk(dest):
         for file in files:
             path = os.path.join(folder, file)

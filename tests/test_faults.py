@@ -191,6 +191,21 @@ def test_a_resume_on_training_data_that_changed_since_is_refused_with_the_counts
     assert _snapshot(folder) == before
 
 
+def test_resume_alone_names_a_run_left_in_the_working_folder_s_checkpoints(tiny_shapes, tmp_path):
+    """The default --checkpoints_dir became the project's: `--resume` alone, in a folder whose checkpoints/
+    holds the run (started when the default was the working folder's), started it anew in the project."""
+    prefix = f'left_{os.getpid()}_{time.time_ns()}'
+    args = [*tiny_run_args(tiny_shapes, 'checkpoints'), '--save_prefix', prefix, '--max_iteration', '2']
+    train = os.path.join(REPO, 'train.py')
+    _ok(run_script(train, *args, cwd=tmp_path))
+    without_folder = [a for a in args if a not in ('--checkpoints_dir', 'checkpoints')]
+    result = run_script(train, *without_folder, '--max_iteration', '4', '--resume', cwd=tmp_path)
+    left = tmp_path / 'checkpoints' / f'small_cnn_list_{prefix}'
+    _one_error_line(result, f'--resume: {left} holds this run', '--checkpoints_dir checkpoints')
+    assert not os.path.exists(os.path.join(REPO, 'checkpoints', f'small_cnn_list_{prefix}'))
+    assert 'resuming' in _ok(run_script(train, *args, '--max_iteration', '4', '--resume', cwd=tmp_path)).stdout
+
+
 def test_two_runs_of_one_folder_are_refused(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '500', '--save_interval', '2', '--resume']
     first = _start(args)

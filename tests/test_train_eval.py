@@ -149,6 +149,13 @@ def test_result_json_is_strict_json_when_a_class_has_no_samples(trained, tiny_sh
     def refuse(constant):
         raise ValueError(f'{constant} is not JSON')
 
+    named = tmp_path / "no zero, 'v2'.txt"  # a result folder named after it needs no quotes in a shell
+    shutil.copy(tmp_path / 'no_zero.txt', named)
+    again = run_script(
+        'eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--val_list', named, '--no-save_viz',
+        '--no-progress_bar',
+    )  # fmt: skip
+    assert again.returncode == 0 and os.path.isdir(os.path.join(folder, 'eval', 'last_no_zero_v2_default')), again
     with open(os.path.join(folder, 'eval', 'last_no_zero_default', 'result.json')) as f:
         metrics = json.loads(f.read(), parse_constant=refuse)['metrics']
     first = open(os.path.join(tiny_shapes, 'classes.txt')).read().split()[0]

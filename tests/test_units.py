@@ -161,6 +161,8 @@ def test_topk_hits_break_ties_as_argmax_does(seed):
     constant = torch.zeros(10, 10)
     assert topk_hits(constant, torch.arange(10), 3).tolist() == [True] * 3 + [False] * 7
     assert not topk_hits(torch.full((4, 10), float('nan')), torch.arange(4), 3).any()
+    with_nan = torch.tensor([[float('nan'), 2.0, 1.0], [0.0, 2.0, 1.0]])  # another class NaN: argmax takes it
+    assert topk_hits(with_nan, torch.tensor([1, 1]), 1).tolist() == (with_nan.argmax(1) == 1).tolist() == [False, True]
 
 
 def test_metrics():

@@ -168,6 +168,7 @@ def state_dict_of(checkpoint, prefix_map=None):
     for name, value in checkpoint.items():
         if not torch.is_tensor(value):
             continue
+        used.update(old for old, _ in rules if name.startswith(old))  # a rule for a wrapper prefix, module.=, too
         stripped = True
         while stripped:
             stripped = False

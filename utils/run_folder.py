@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -184,6 +185,8 @@ def open_experiment(argv, args):
                 f'--checkpoints_dir {args.checkpoints_dir}: --resume {args.resume} continues the run in its own '
                 f'folder {folder}; drop --checkpoints_dir (to move a run, move its folder and resume it there)'
             )
+    if args.resume and not named and not os.path.isdir(folder):
+        _refuse_a_run_left_in_the_working_folder(argv, folder)
     if not args.resume or not os.path.isdir(folder):
         create_run_folder(
             folder, args, 'choose a new --save_prefix, add --resume to continue that run, or move that folder away'
@@ -218,6 +221,20 @@ def open_experiment(argv, args):
         lock.release()
         raise
     return args.replace(model_dir=folder, resume_from=resume_from), lock
+
+
+def _refuse_a_run_left_in_the_working_folder(argv, folder):
+    """A KilnError when `--resume` alone would start `folder` anew while the working folder's checkpoints/
+    holds a run of that name: the default --checkpoints_dir was the working folder's before it became the
+    project's, and a run started then is meant."""
+    if 'checkpoints_dir' in given_options(parse_train_args, argv):
+        return
+    left = os.path.abspath(os.path.join('checkpoints', os.path.basename(folder)))
+    if left != os.path.abspath(folder) and os.path.isdir(left):
+        raise KilnError(
+            f"--resume: {left} holds this run, not {folder} (the default --checkpoints_dir is the project's "
+            f'checkpoints/ now); add --checkpoints_dir checkpoints to continue it, or move it there'
+        )
 
 
 def _set_aside_newer(folder, step):
@@ -414,8 +431,16 @@ def checkpoints_to_evaluate(paths):
 
 
 def evaluated_list_name(val_list):
-    """What result folders call the evaluated list: the --val_list file name, or `val` for the default split."""
-    return os.path.splitext(os.path.basename(val_list))[0] if val_list else 'val'
+    """What result folders call the evaluated list: the --val_list file name (plain_name), or `val` for the
+    default split."""
+    return plain_name(val_list) if val_list else 'val'
+
+
+def plain_name(path):
+    """The file or folder name of `path` without extension, in letters, digits, '.', '_' and '-' only (a
+    folder named after it pastes into a shell without quotes)."""
+    name = os.path.splitext(os.path.basename(os.path.normpath(os.path.abspath(path))))[0]
+    return re.sub(r'[^\w.-]+', '_', name).strip('_') or 'input'
 
 
 def result_folder(checkpoint, kind, source_name, save_prefix, output_dir=None):
