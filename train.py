@@ -196,10 +196,13 @@ class Trainer:
         torch.autograd.set_detect_anomaly(options.detect_anomaly)
         device = select_device(options.cpu, options.gpus)
         task_type = task_class(options.task)
-        weights = None  # --load_model_path: read first, so that a checkpoint of another task is said before the data
-        if options.load_model_path and not options.resume_from:
-            weights = load_checkpoint(checkpoint_path(options.load_model_path))
-            check_trained_task(options, weights)
+        # --load_model_path: read first, so that a checkpoint of another task is said before the data
+        source = (
+            checkpoint_path(options.load_model_path) if options.load_model_path and not options.resume_from else None
+        )
+        weights = load_checkpoint(source) if source else None
+        if weights is not None:
+            check_trained_task(options, weights, source)
         train_set = select_dataset(options, 'train')
         options = options.replace(
             num_classes=options.num_classes or train_set.num_classes,
@@ -227,7 +230,7 @@ class Trainer:
             weights,
             strict=not options.load_not_strict,
             prefix_map=prefix_map(options),
-            source=options.load_model_path and checkpoint_path(options.load_model_path),
+            source=source,
             wrap=False,
         )
         # freeze before wrapping for DDP, which syncs only what is trainable when it wraps
@@ -630,15 +633,15 @@ class Trainer:
         return stop
 
 
-def check_trained_task(options, checkpoint):
-    """A KilnError when --load_model_path's `checkpoint` was trained for another task than this run's
-    (unless --load_not_strict takes what fits from it: a backbone for another task)."""
+def check_trained_task(options, checkpoint, source):
+    """A KilnError when --load_model_path's `checkpoint` (the file `source`) was trained for another task
+    than this run's (unless --load_not_strict takes what fits from it: a backbone for another task)."""
     trained = checkpoint.get('args') if isinstance(checkpoint.get('args'), dict) else {}
     if options.load_not_strict or trained.get('task') in (None, options.task):
         return
     model = trained.get('model_type')
     raise KilnError(
-        f'{checkpoint_path(options.load_model_path)} was trained for --task {trained["task"]} (--model_type {model}), '
+        f'{source} was trained for --task {trained["task"]} (--model_type {model}), '
         f'this run is --task {options.task}; to fine-tune it give --task {trained["task"]} --model_type {model}, '
         f'or --load_not_strict to take the tensors that fit'
     )
