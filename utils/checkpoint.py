@@ -177,7 +177,8 @@ def state_dict_of(checkpoint, prefix_map=None):
                     name, stripped = name[len(prefix) :], True
         for old, new in rules:
             if name.startswith(old):
-                name, _ = new + name[len(old) :], used.add(old)
+                name = new + name[len(old) :]
+                used.add(old)
                 break
         weights[name] = value
     unused = [old for old, _ in rules if old not in used]
