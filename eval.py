@@ -113,11 +113,11 @@ class Evaluator:
             class_names=self.task.class_names,
             keep_rows=True,
             picture_batches=range(0, len(self.data), o.viz_freq) if o.save_viz else (),
+            pictures=lambda number, source: self.logger.save_pictures(number, source, self.task.pictures, self.folder),
             progress_bar=o.progress_bar if is_main_process() else False,
             description='eval',
         )
         if is_main_process():
-            self.logger.save_pictures(evaluation.pictures, self.task.pictures, self.folder)
             self.write_results(evaluation)
             self.logger.close()  # the pictures are written
             main_metrics = {k: v for k, v in evaluation.metrics.items() if '/' not in k}

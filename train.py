@@ -450,6 +450,7 @@ class Trainer:
             self.task,
             self.setup.autocast,
             picture_batches={0} if pictures else (),
+            pictures=lambda number, source: self.logger.log_pictures(number, source, self.task.pictures, step),
             progress_bar=o.progress_bar if is_main_process() else False,
         )
         if pictures:
@@ -464,7 +465,6 @@ class Trainer:
         improved = self.monitor.update(value)
         self.stopper.check_early_stop(self.monitor)
         self.logger.log_metrics(metrics, step, self.position.epoch)
-        self.logger.log_pictures(evaluation.pictures, self.task.pictures, step)
         if is_main_process():
             shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if k != 'train/lr')
             print(f'{self.position_text()} {shown}{" (best)" if improved else ""}', flush=True)

@@ -62,7 +62,7 @@ def test_train_eval_and_logging_run_through_trainer_evaluator_and_logger(tiny_sh
 
     monkeypatch.setattr(BackgroundWriter, 'submit', noted)
 
-    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--image_interval', '0']  # pictures at both validations
     train.main(args)  # what `python train.py ARGS` runs (the modules patched above are its own)
     evaluation.main(['--load_model_path', experiment_of(args), '--cpu', '--no-progress_bar'])
     steps = 2 * 6  # 2 epochs of 96 images in batches of 16

@@ -1,6 +1,7 @@
 """Unit tests of the pieces: options, data, models, metrics, recorder, loading and checkpoint files."""
 
 import argparse
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -762,3 +763,49 @@ def test_the_users_own_malloc_settings_are_left_alone(monkeypatch, name, value):
 
     monkeypatch.setenv(name, value)
     assert keep_freed_memory() is False
+
+
+def test_evaluation_hands_each_pictured_batch_over_as_soon_as_it_is_copied():
+    """The chosen batches' first samples go to `pictures` while the evaluation goes on (so they are drawn
+    meanwhile, not all kept until the end), as host copies the later batches cannot change."""
+    from tasks.classify import ClassifyTask
+    from utils.evaluation import evaluate
+
+    options = argparse.Namespace(num_classes=3, loss=None, topk=2)
+    task = ClassifyTask(options)
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        {
+            'image': torch.rand(20, 3, 4, 4, generator=generator),
+            'label': torch.randint(0, 3, (20,), generator=generator),
+        }
+        for _ in range(5)
+    ]
+
+    class Split:
+        def __len__(self):
+            return len(batches)
+
+        def epoch(self, epoch):
+            yield from batches
+
+    evaluated, handed = [], []
+
+    class Model(nn.Module):
+        def forward(self, images):
+            evaluated.append(len(images))
+            return images.mean((2, 3)) * torch.arange(1.0, 4.0)
+
+    def pictures(number, source):
+        batch, outputs = source.get()
+        handed.append((number, len(evaluated), batch, outputs))
+
+    result = evaluate(Model(), Split(), task, contextlib.nullcontext, picture_batches={0, 3}, pictures=pictures)
+    assert [(number, seen) for number, seen, _, _ in handed] == [(0, 1), (3, 4)]  # right after batches 0 and 3
+    for number, _, batch, outputs in handed:
+        torch.testing.assert_close(batch['image'], batches[number]['image'][: task.pictured])
+        torch.testing.assert_close(batch['label'], batches[number]['label'][: task.pictured])
+        torch.testing.assert_close(
+            outputs, batches[number]['image'][: task.pictured].mean((2, 3)) * torch.arange(1.0, 4.0)
+        )
+    assert result.metric_object.confusion.sum() == 100

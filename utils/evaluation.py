@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from metrics import BatchedUpdates, reduced
-from utils.checkpointer import host_copy
+from utils.checkpointer import Snapshot
 from utils.distributed import all_gather_objects, is_main_process
 from utils.progress import progress
 
@@ -18,14 +18,11 @@ from utils.progress import progress
 @dataclasses.dataclass
 class Evaluation:
     """What `evaluate` found: `metrics` ({'loss': ..., ...}), the task's metric object after `compute`
-    (e.g. its confusion matrix), `rows`: per sample in split order, its list of rows (`task.eval_rows`),
-    and `pictures` {batch number: (batch, outputs)}: the first `task.pictured` samples of the chosen
-    batches, copied to the host for `task.pictures` to draw (rank 0; see utils/logger.py)."""
+    (e.g. its confusion matrix) and `rows`: per sample in split order, its list of rows (`task.eval_rows`)."""
 
     metrics: dict
     metric_object: object
     rows: list
-    pictures: dict
 
 
 def first(values, count):
@@ -43,18 +40,21 @@ def evaluate(
     class_names=None,
     keep_rows=False,
     picture_batches=(),
+    pictures=None,
     progress_bar=False,
     description='val',
 ):
     """Run `model` over every batch of `batches` (a data.loader.Batches) in eval mode.
 
-    `class_names` adds per-class metrics; `keep_rows` collects `task.eval_rows`; `picture_batches`
-    are the batch numbers whose first samples are kept for pictures (on rank 0).
+    `class_names` adds per-class metrics; `keep_rows` collects `task.eval_rows`. `picture_batches` are
+    the batch numbers whose first `task.pictured` samples go to `pictures` (on rank 0), called as
+    `pictures(number, source)` as soon as they are copied, so that they are drawn (see utils/logger.py)
+    while the evaluation goes on; `source.get()` gives (batch, outputs) on the host once copied.
     """
     model.eval()
     metrics = BatchedUpdates(task.metrics())  # a few kernels per 32 batches, not per batch
     losses, counts = [], []  # per batch: its mean loss and samples, added up at the end in one go
-    rows, pictures = [], {}
+    rows = []
     for i, batch in enumerate(progress(batches.epoch(0), progress_bar, description, total=len(batches))):
         with autocast():
             outputs = task.forward(model, batch)
@@ -65,9 +65,8 @@ def evaluate(
         metrics.update(outputs, batch)
         if keep_rows:
             rows += task.eval_rows(batch, outputs)
-        if i in picture_batches and is_main_process():
-            # copied without waiting: the metrics' host read at the end waits for these copies too
-            pictures[i] = host_copy((first(batch, task.pictured), first(outputs, task.pictured)))
+        if i in picture_batches and pictures is not None and is_main_process():
+            pictures(i, Snapshot((first(batch, task.pictured), first(outputs, task.pictured))))
     loss_sum = torch.zeros((), dtype=torch.float64)
     if losses:
         loss_sum = torch.stack(losses).double() @ torch.tensor(counts, dtype=torch.float64, device=losses[0].device)
@@ -76,4 +75,4 @@ def evaluate(
     if keep_rows:  # every process has every world_size-th sample: put them back in order
         per_rank = all_gather_objects(rows)
         rows = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
-    return Evaluation(results, metrics.metrics, rows, pictures)
+    return Evaluation(results, metrics.metrics, rows)

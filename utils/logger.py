@@ -60,26 +60,24 @@ class Logger:
         """Curves: {'train/loss': 0.5, 'val/acc': 0.9, ...} at optimizer step `step`."""
         self._to_trackers('log_metrics', dict(metrics), step, epoch)
 
-    def log_pictures(self, sources, draw, step):
-        """Pictures of evaluated batches: `sources` {batch number: (batch, outputs) on the host} are
-        drawn by `draw` (the task's `pictures`) on the writer thread, logged as 'val/<name>'."""
-        if self.trackers and sources:
-            self.writer.submit(self._log_pictures, sources, draw, step)
+    def log_pictures(self, number, source, draw, step):
+        """Pictures of evaluated batch `number`: `source` (a utils.checkpointer.Snapshot of (batch, outputs))
+        is drawn by `draw` (the task's `pictures`) on the writer thread and logged as 'val/<name>'."""
+        if self.trackers:
+            self.writer.submit(self._log_pictures, source, draw, step)
 
-    def _log_pictures(self, sources, draw, step):
-        for batch, outputs in sources.values():
-            self.trackers.log_images({f'val/{name}': picture for name, picture in draw(batch, outputs).items()}, step)
+    def _log_pictures(self, source, draw, step):
+        self.trackers.log_images({f'val/{name}': picture for name, picture in draw(*source.get()).items()}, step)
 
-    def save_pictures(self, sources, draw, folder):
-        """Pictures of evaluated batches, drawn and saved as `<folder>/<name>_batch<N>.png` on the writer thread."""
-        if sources:
-            self.writer.submit(self._save_pictures, sources, draw, folder)
+    def save_pictures(self, number, source, draw, folder):
+        """Pictures of evaluated batch `number` (see `log_pictures`), drawn and saved as
+        `<folder>/<name>_batch<N>.png` on the writer thread."""
+        self.writer.submit(self._save_pictures, number, source, draw, folder)
 
     @staticmethod
-    def _save_pictures(sources, draw, folder):
-        for number, (batch, outputs) in sources.items():
-            for name, picture in draw(batch, outputs).items():
-                save_png(picture, os.path.join(folder, f'{name}_batch{number:04d}.png'))
+    def _save_pictures(number, source, draw, folder):
+        for name, picture in draw(*source.get()).items():
+            save_png(picture, os.path.join(folder, f'{name}_batch{number:04d}.png'))
 
     def log_text(self, tag, text, step):
         """A text (Markdown), e.g. the run's options."""
