@@ -105,6 +105,7 @@ def labeled_grid(images, predicted, true, class_names=None, columns=8, tile=96):
 CAPTION = 16  # pixels of caption under a tile, per line
 
 
+@functools.lru_cache(maxsize=4096)  # a run's captions repeat
 def text_width(text):
     """Pixels that `text` (one line) takes in its caption font."""
     return font_for(text).getlength(text)
