@@ -240,6 +240,12 @@ class Trainer:
         fused = options.amp == 'fp16' and device.type == 'cuda' or None  # None, not False: False also turns off foreach
         optimizer = OPTIMIZERS[options.optimizer](groups, options, fused)
         updates_per_epoch, max_steps = schedule_length(options, train_data)
+        epochs = math.ceil(max_steps / updates_per_epoch)
+        if options.unfreeze_at_epoch is not None and options.unfreeze_at_epoch > epochs:
+            raise KilnError(
+                f'--unfreeze_at_epoch {options.unfreeze_at_epoch} comes after the last epoch of this run ({epochs}): '
+                f'the layers frozen by --freeze_to would never train; give an epoch up to {epochs}, or more epochs'
+            )
         scheduler = SCHEDULERS[options.scheduler](optimizer, options, max_steps, updates_per_epoch)
         scaler = torch.amp.GradScaler(device.type, enabled=options.amp == 'fp16')
         ema = ModelEma(setup.model, options.ema_decay) if options.ema_decay else None

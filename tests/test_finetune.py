@@ -319,3 +319,17 @@ def test_freezing_every_parameter_is_one_line(tiny_shapes, tmp_path):
     assert error.startswith('error: --freeze_to -1 --freeze_batch_norms leaves nothing to train'), error
     assert not (tmp_path / 'ck').exists() or not os.listdir(tmp_path / 'ck')
     FineTuning(_model(), freeze_to=-1)  # BatchNorm layers left to train: fine
+
+
+@pytest.mark.parametrize('schedule', [['--epochs', '2'], ['--max_iteration', '7']])  # 6 steps per epoch
+def test_unfreezing_after_the_last_epoch_is_one_line(tiny_shapes, tmp_path, schedule):
+    """--unfreeze_at_epoch past the run's last epoch was accepted: the frozen layers never trained."""
+    args = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), *schedule, '--freeze_to', '-2', '--unfreeze_at_epoch', '3']
+    result = run_script('train.py', *args)
+    error = result.stderr.strip()
+    last = 2  # --max_iteration 7 ends one step into epoch 2
+    assert result.returncode == 2, error
+    assert error.startswith(f'error: --unfreeze_at_epoch 3 comes after the last epoch of this run ({last})'), error
+    assert '\n' not in error and (not (tmp_path / 'ck').exists() or not os.listdir(tmp_path / 'ck'))
+    args[args.index('--unfreeze_at_epoch') + 1] = '2'  # the start of the last epoch: fine
+    assert run_script('train.py', *args).returncode == 0
