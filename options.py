@@ -106,9 +106,9 @@ class KilnArgumentParser(argparse.ArgumentParser):
             flags = [flag for action in self._actions for flag in action.option_strings]
             unknown = next((token for token in message.split()[2:] if token.startswith('--')), '')
             message += did_you_mean(unknown.split('=')[0], flags)
-        from utils.errors import exit_with_shared_error
+        from utils.errors import exit_with_error
 
-        exit_with_shared_error(f'error: {message} (see --help)')  # every torchrun rank parses the same line
+        exit_with_error(f'error: {message} (see --help)')  # every torchrun rank parses the same line
 
 
 class Switch(argparse.BooleanOptionalAction):
@@ -702,7 +702,7 @@ def _kiln_option_names():
 def _check_names(args):
     """A KilnError (one line; a traceback with --debug) when --task, --model_type or --data_type names
     nothing registered (shared: every torchrun rank finds it, rank 0 says it)."""
-    from utils.errors import SharedKilnError
+    from utils.errors import KilnError
 
     for option in REGISTRIES:
         value = getattr(args, option, None)
@@ -711,7 +711,7 @@ def _check_names(args):
         if value is not None:
             names = registry_names(option)
             if value not in names:
-                raise SharedKilnError(
+                raise KilnError(
                     f'unknown --{option} {value!r}{did_you_mean(value, names)}; choose one of: '
                     f'{", ".join(sorted(names))} (or register it in {REGISTRIES[option][2]})'
                 )

@@ -7,17 +7,26 @@ Images that cannot be read are listed in unreadable.txt and make the exit code n
 skipped silently.
 """
 
-from utils.errors import quiet_interrupts, run_cli, run_to_exit
+import os
+
+from utils.errors import KilnError, quiet_interrupts, run_cli, run_to_exit
 
 quiet_interrupts()
 from options import parse_args, parse_predict_args
 
+
+def parse_in_one_process(argv):
+    """predict.py's options, refused under torchrun: every process would predict every image again."""
+    if int(os.environ.get('WORLD_SIZE', '1')) > 1:
+        raise KilnError('predict.py runs in one process: start it with python predict.py, not under torchrun')
+    return parse_args(parse_predict_args, argv)
+
+
 if __name__ == '__main__':
-    ARGS = run_cli(lambda argv: parse_args(parse_predict_args, argv))  # --help and mistakes answer before torch loads
+    ARGS = run_cli(parse_in_one_process)  # --help and mistakes answer before torch loads
 
 import csv
 import glob
-import os
 import sys
 
 import torch
@@ -29,7 +38,6 @@ from eval import load_for_inference
 from options import given_options, prefix_map
 from utils.allocator import keep_freed_memory
 from utils.device import select_device
-from utils.errors import KilnError
 from utils.model_setup import setup_model
 from utils.progress import progress
 from utils.run_folder import (

@@ -11,7 +11,7 @@ import time
 
 STARTED = time.perf_counter()  # for the time-to-first-step figure
 
-from utils.errors import KilnError, SharedKilnError, quiet_interrupts, run_cli, run_to_exit
+from utils.errors import KilnError, quiet_interrupts, run_cli, run_to_exit
 
 quiet_interrupts()  # a Ctrl-C while torch loads: one line, exit 130
 from options import parse_args, parse_train_args
@@ -731,7 +731,7 @@ def main(argv=None, args=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = args or parse_args(parse_train_args, argv)
     if args.fast_dev_run and args.resume:
-        raise SharedKilnError('--fast_dev_run trains in a throwaway folder of its own: drop --resume')
+        raise KilnError('--fast_dev_run trains in a throwaway folder of its own: drop --resume')
     init_distributed(args.cpu, args.gpus)
     try:
         if args.fast_dev_run:

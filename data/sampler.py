@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from utils.errors import SharedKilnError
+from utils.errors import KilnError
 
 
 class SeededBatch(list):
@@ -49,7 +49,7 @@ class ResumableBatchSampler(Sampler):
 
     def __init__(self, length, batch_size, shuffle, seed=0, rank=0, world_size=1, limit=None, fixed_order=False):
         if shuffle and length < world_size:  # a process with nothing to train on would fail or wait for ever
-            raise SharedKilnError(
+            raise KilnError(
                 f'the training data have {length} sample{"" if length == 1 else "s"}, fewer than the {world_size} '
                 f'processes that train on them; start fewer processes or give more data'
             )

@@ -358,6 +358,74 @@ def test_ctrl_c_during_start_up_is_one_line(tiny_shapes, tmp_path, after):
     assert process.returncode == 130 and stderr.strip() == 'interrupted', stderr
 
 
+SIGTERM_WHILE_BUILDING = """
+import os, signal, sys, time
+sys.argv[0] = 'train.py'
+import train
+from utils.errors import run_to_exit
+
+def build(*args, **kwargs):  # the folder is made; a `kill` arrives while the data loads
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+train.Trainer.build = build
+run_to_exit(train.main)
+"""
+
+
+def test_sigterm_during_start_up_ends_with_143_and_leaves_no_folder(tiny_shapes, tmp_path):
+    """SIGTERM's default action ended the process before the new folder was removed: the same command
+    was then refused ('already exists')."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    result = subprocess.run(
+        [sys.executable, '-c', SIGTERM_WHILE_BUILDING, *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 128 + signal.SIGTERM and result.stderr == '', result.stderr
+    assert os.listdir(tmp_path / 'ck') == []
+
+
+LAUNCHER_WITH_THREADS = """
+import os, signal, subprocess, sys, threading, time
+for _ in range(8):  # a launcher's threads: Linux sends the parent-death signal again as each one ends
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+worker = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]])
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+
+COUNTING_WORKER = """
+import os, signal, sys, time
+sys.path.insert(0, os.getcwd())
+from utils.distributed import _stop_with_launcher
+heard = []
+signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum))
+launcher = os.getppid()
+_stop_with_launcher()
+os.kill(os.getpid(), signal.SIGUSR2)  # while the launcher lives: not its death, nothing to take
+open(sys.argv[1] + '.ready', 'w').close()
+deadline = time.time() + 60
+while os.getppid() == launcher and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(1)  # every signal of the launcher's end has come by now
+with open(sys.argv[1], 'w') as f:
+    f.write(str(len(heard)))
+"""
+
+
+def test_a_killed_launcher_is_one_sigterm_to_its_workers(tmp_path):
+    """Linux sent a worker the parent-death signal (SIGTERM) once per thread of the dying launcher; the
+    second meant 'stop at once', and the worker stopped without saving."""
+    heard = tmp_path / 'heard'
+    launcher = subprocess.Popen(
+        [sys.executable, '-c', LAUNCHER_WITH_THREADS, COUNTING_WORKER, str(heard)], cwd=REPO, stdout=subprocess.PIPE
+    )
+    _wait_for(lambda: os.path.exists(f'{heard}.ready'), launcher, seconds=60)
+    launcher.kill()
+    launcher.wait()
+    _wait_for(lambda: os.path.exists(heard), seconds=60)
+    assert heard.read_text() == '1'
+
+
 def test_checks_before_training(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     _one_error_line(run_script('train.py', *args, '--monitor', 'val/nope'), '--monitor val/nope', 'val/acc')
@@ -443,7 +511,7 @@ def test_sigterm_to_torchrun_is_agreed_within_a_step_and_ends_with_143(tiny_shap
     stdout, stderr = launcher.communicate(timeout=timeout(120))
     assert launcher.returncode == 128 + signal.SIGTERM, stderr
     assert 'stopped by SIGTERM' in stdout and 'Traceback' not in stderr
-    assert stderr.strip().splitlines()[-1] == 'torchrun: stopped by SIGTERM; the workers saved what they had'
+    assert stderr.strip().splitlines()[-1] == 'torchrun: stopped by SIGTERM'
     step = _load(os.path.join(folder, 'last.pth'))['position']['step']
     assert step % 30 and step % 100000  # saved for the signal, not at an interval
 

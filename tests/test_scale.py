@@ -202,6 +202,40 @@ def test_a_mistake_in_the_options_is_said_once_under_torchrun(mistake, needle):
     assert result.returncode != 0 and result.stderr.count('error: ') == 1 and needle in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize('script', ['train.py', 'eval.py'])
+def test_a_missing_file_is_said_once_under_torchrun(script, tiny_shapes, tmp_path):
+    """Every rank met the missing list alike and printed it, at times two lines run into one."""
+    missing = str(tmp_path / 'missing.txt')
+    args = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--train_list', missing, '--val_list', missing]
+    if script == 'eval.py':
+        args = ['--load_model_path', str(tmp_path / 'missing.pth'), '--cpu']
+    result = subprocess.run([*TORCHRUN, script, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout())
+    assert result.returncode == 2 and result.stderr.count('error: ') == 1, result.stderr
+    assert 'does not exist' in result.stderr
+    assert not os.path.exists(tmp_path / 'ck') or os.listdir(tmp_path / 'ck') == []  # the new run's folder removed
+
+
+def test_predict_under_torchrun_is_refused_in_one_line():
+    """Every process predicted every image into the same folder; the second to make it failed."""
+    result = subprocess.run(
+        [*TORCHRUN, 'predict.py', '--load_model_path', 'any.pth', '--input', 'any'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+    )
+    assert result.returncode == 2 and result.stderr.count('error: ') == 1, result.stderr
+    assert 'error: predict.py runs in one process: start it with python predict.py' in result.stderr
+
+
+def test_options_after_the_script_are_the_script_s_under_utils_torchrun():
+    """torchrun takes any abbreviation of its own options: --monitor was an ambiguous --monitor-interval."""
+    result = subprocess.run(
+        [*TORCHRUN, 'train.py', '--monitor', 'val/loss', '--help'], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0 and '--monitor MONITOR' in result.stdout, result.stderr
+
+
 def test_a_rank_other_than_0_leaves_a_shared_mistake_to_rank_0():
     """Seen in CI: rank 1 exited at once on a mistyped option, torchrun stopped rank 0 before it had
     printed the line, and the user saw no error at all. Rank 1 now waits (torchrun stops it when rank
@@ -222,7 +256,7 @@ def test_a_rank_other_than_0_leaves_a_shared_mistake_to_rank_0():
 
     code = (
         f'import sys; sys.path.insert(0, {REPO!r}); from utils import errors; errors.SHARED_ERROR_WAIT = 0; '
-        f'errors.exit_with_shared_error("error: the same mistake")'
+        f'errors.exit_with_error("error: the same mistake")'
     )
     alone = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=timeout())
     assert alone.returncode == 2 and alone.stderr == 'rank 1: error: the same mistake\n', alone.stderr

@@ -310,13 +310,13 @@ def test_data_smaller_than_one_global_batch_are_dealt_to_every_process(length, b
     with 3 samples it was empty (a traceback in the collate, the other process waiting). Now the samples
     are dealt out round-robin, each once; fewer samples than processes are refused in one line."""
     from data.sampler import ResumableBatchSampler
-    from utils.errors import SharedKilnError
+    from utils.errors import KilnError
 
     dealt = [ResumableBatchSampler(length, batch_size, True, 0, rank, 2).batches() for rank in (0, 1)]
     assert all(len(batches) == 1 and batches[0] for batches in dealt)
     positions = sorted(position for batches in dealt for position, _ in batches[0])
     assert positions == list(range(length)) and abs(len(dealt[0][0]) - len(dealt[1][0])) <= 1
-    with pytest.raises(SharedKilnError, match='have 1 sample, fewer than the 2 processes'):
+    with pytest.raises(KilnError, match='have 1 sample, fewer than the 2 processes'):
         ResumableBatchSampler(1, batch_size, True, 0, 0, 2)
 
 

@@ -12,7 +12,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from utils.errors import KilnError, SharedKilnError
+from utils.errors import KilnError
 
 
 def local_rank():
@@ -27,14 +27,14 @@ def init_distributed(cpu=False, gpus=None):
     if int(os.environ.get('WORLD_SIZE', 1)) == 1:
         return False
     if gpus:
-        raise SharedKilnError(
+        raise KilnError(
             '--gpus selects GPUs in one process; under torchrun each process takes the GPU of its '
             'LOCAL_RANK: drop --gpus (use CUDA_VISIBLE_DEVICES to choose GPUs)'
         )
     use_cuda = torch.cuda.is_available() and not cpu
     processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
     if use_cuda and processes > torch.cuda.device_count():
-        raise SharedKilnError(
+        raise KilnError(
             f'torchrun started {processes} processes on this machine but it has '
             f'{torch.cuda.device_count()} GPU(s); pass --cpu to train on the CPU, or use '
             f'--nproc-per-node {torch.cuda.device_count()} (at most the GPU count)'
@@ -48,11 +48,22 @@ def init_distributed(cpu=False, gpus=None):
 
 
 def _stop_with_launcher():
-    """Ask Linux to send this process SIGTERM when its parent (torchrun) dies, so a worker whose
-    launcher was SIGKILLed saves and stops instead of training on alone."""
+    """Have Linux signal this process when its parent (torchrun) dies, and take that as one SIGTERM, so
+    a worker whose launcher was SIGKILLed saves and stops instead of training on alone. Linux sends the
+    parent-death signal again as each thread of the dying launcher ends, and a second SIGTERM means
+    "stop at once": so the signal is one of its own (SIGUSR2), taken once, and only when the parent is
+    really gone."""
+    launcher, heard = os.getppid(), []
+
+    def launcher_gone(signum, frame):
+        if os.getppid() != launcher and not heard:
+            heard.append(signum)
+            signal.raise_signal(signal.SIGTERM)
+
     try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux
+        signal.signal(signal.SIGUSR2, launcher_gone)
+        ctypes.CDLL(None).prctl(1, signal.SIGUSR2)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError, ValueError):  # not Linux, or not the main thread
         pass
 
 
@@ -146,7 +157,7 @@ def run_on_main_process(function, *args):
     if is_distributed():
         dist.broadcast_object_list(outcome, src=0)
     if outcome[1] is not None:
-        raise SharedKilnError(outcome[1])
+        raise KilnError(outcome[1])
     return outcome[0]
 
 

@@ -15,21 +15,17 @@ class KilnError(Exception):
     """
 
 
-class SharedKilnError(KilnError):
-    """A KilnError that every torchrun rank meets alike (rank 0's, re-raised by each; a mistake in the
-    options): only rank 0 prints it (see exit_with_shared_error)."""
+SHARED_ERROR_WAIT = 30.0  # seconds a rank other than 0 gives rank 0 to say the same error first
 
 
-SHARED_ERROR_WAIT = 30.0  # seconds a rank other than 0 gives rank 0 to say a shared error
+def exit_with_error(line, code=2):
+    """Print `line` (`error: ...`) to stderr and exit with `code`, once per torchrun job.
 
-
-def exit_with_shared_error(line, code=2):
-    """Exit with `code` on a mistake every torchrun rank meets alike; rank 0 prints `line` to stderr.
-
-    The other ranks wait first: torchrun stops every worker as soon as one exits, so a rank that exited
-    at once could stop rank 0 before its line is out, leaving no error at all. torchrun stops them when
-    rank 0 exits; one still running after SHARED_ERROR_WAIT seconds (rank 0 did not fail alike) prints
-    the line itself."""
+    Under torchrun every rank usually meets a mistake alike (an option, a missing file or checkpoint):
+    rank 0 says it and the others wait, silent: torchrun stops every worker as soon as one exits, so a
+    rank that exited at once could stop rank 0 before its line is out, leaving no error at all. torchrun
+    stops them when rank 0 exits; one still running after SHARED_ERROR_WAIT seconds (rank 0 did not
+    fail alike: the error is this rank's own) prints the line itself, naming its rank."""
     rank = os.environ.get('RANK', '0')
     if rank != '0':
         time.sleep(SHARED_ERROR_WAIT)
@@ -64,7 +60,8 @@ def _is_peer_lost(error):
 
 
 def _interrupted():
-    print('interrupted', file=sys.stderr, flush=True)
+    if os.environ.get('RANK', '0') == '0':  # under torchrun, Ctrl-C reaches every rank: one says so
+        print('interrupted', file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130)
 
@@ -74,7 +71,9 @@ RUNNING = []  # the entry points run_cli is running now (none while modules load
 
 
 def quiet_interrupts():
-    """Make a Ctrl-C before `run_cli` takes over (while torch loads, say) print one line and exit 130.
+    """Make a Ctrl-C before `run_cli` takes over (while torch loads, say) print one line and exit 130, and
+    a SIGTERM before training takes it over (utils/stopping.py) end the process with 143 as its default
+    does, but through the `finally` blocks (a run folder just made is removed again).
 
     By the time the hook runs the stack has unwound, so every `finally` (e.g. removing a half-generated
     dataset) has already run. A Ctrl-C can also surface as another error: one that lands while a C
@@ -91,8 +90,16 @@ def quiet_interrupts():
             _interrupted()  # that a C++ extension called (torch's start-up) can abort the process instead
         raise KeyboardInterrupt
 
+    def on_terminate(signum, frame):
+        if not RUNNING:  # as above
+            sys.stdout.flush()
+            os._exit(128 + signum)
+        raise SystemExit(128 + signum)
+
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
         signal.signal(signal.SIGINT, on_interrupt)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, on_terminate)
 
     def hook(kind, value, traceback):
         if issubclass(kind, KeyboardInterrupt) or INTERRUPTED:
@@ -124,37 +131,28 @@ def _run_reporting_errors(main, argv):
     except KeyboardInterrupt:
         _interrupted()
     except KilnError as error:
-        if isinstance(error, SharedKilnError):  # under torchrun every rank fails alike: one line is enough
-            exit_with_shared_error(f'error: {_one_line(error)}')
-        print(f'error: {_one_line(error)}', file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(f'error: {_one_line(error)}')
     except OSError as error:
         where = f' {error.filename}' if error.filename else ''
-        print(
+        exit_with_error(
             f'error: cannot use{where}: {error.strerror or error}; free disk space or fix the permissions '
-            f'(--debug shows where)',
-            file=sys.stderr,
+            f'(--debug shows where)'
         )
-        sys.exit(2)
     except (MemoryError, RuntimeError) as error:
         if _is_peer_lost(error):  # the process that failed says why; this one only went down with it
-            print(
+            exit_with_error(
                 f'error: another process of this torchrun job is gone ({_one_line(error)[:160]}); the newest '
                 f'checkpoint is whole: continue with --resume (--debug shows where)',
-                file=sys.stderr,
+                code=1,
             )
-            sys.exit(1)
         if 'does not have a deterministic implementation' in str(error):  # torch's refusal under --deterministic
-            print(
+            exit_with_error(
                 f'error: --deterministic: {str(error).split(",")[0]}; run without --deterministic, or replace '
-                f'that operation in your model (--debug shows where)',
-                file=sys.stderr,
+                f'that operation in your model (--debug shows where)'
             )
-            sys.exit(2)
         if not _is_out_of_memory(error):
             raise
-        print('error: out of memory; lower --batch_size or --img_size (--debug shows where)', file=sys.stderr)
-        sys.exit(2)
+        exit_with_error('error: out of memory; lower --batch_size or --img_size (--debug shows where)')
 
 
 def run_to_exit(main, argv=None):

@@ -1,9 +1,11 @@
 """PyTorch's torchrun, ending in one line: `python -m utils.torchrun [torchrun options] train.py [options]`.
 
-It is torchrun itself (torch.distributed.run), with two endings changed:
+It is torchrun itself (torch.distributed.run), with its options spelled out (torchrun takes any
+abbreviation of its own, so a script's `--monitor` was an ambiguous `--monitor-interval`) and two
+endings changed:
 - stopped by SIGTERM/SIGINT (Ctrl-C, `kill`, SLURM before its time limit), it passes the signal on
-  as torchrun does, lets the workers save (they stop within a step), then exits 128 + the signal
-  number with one line, not with torchrun's exit code 1 and its SignalException traceback;
+  as torchrun does, lets the workers save (a training run stops within a step), then exits 128 + the
+  signal number with one line, not with torchrun's exit code 1 and its SignalException traceback;
 - when a worker fails, the worker's own `error: ...` line is the cause the user sees; this adds one
   line naming the failed rank (the likeliest cause: see `_blame`) and its exit code instead of
   torchrun's error dump, and exits with that code.
@@ -12,27 +14,28 @@ It is torchrun itself (torch.distributed.run), with two endings changed:
 import signal
 import sys
 
+from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main as torchrun_main
 
 
 def _blame(exitcode):
     """How likely a worker's exit is the cause of a failed job (0: most): killed by a signal (SIGKILL from
-    the OOM killer, a crash), then an error exit; SIGTERM last, since torchrun sends it to the workers it
-    stops after a failure (a worker stopped by SIGTERM while training saves and exits 143 instead)."""
-    if exitcode < 0:
-        return 2 if -exitcode == signal.SIGTERM else 0
-    return 1
+    the OOM killer, a crash), then an error exit; SIGTERM last (killed by it, or exiting 143 as Kiln's
+    workers do), since torchrun sends it to the workers it stops after a failure."""
+    if exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM):
+        return 2
+    return 0 if exitcode < 0 else 1
 
 
 def main(argv=None):
     """Run torchrun with `argv` (default: the command line); exit as the module docstring says."""
+    parser = torchrun.get_args_parser()
+    parser.allow_abbrev = False  # what follows the script is the script's: --monitor is not --monitor-interval
     try:
-        torchrun_main(argv)
+        torchrun.run(parser.parse_args(argv))
     except SignalException as error:
-        name = signal.Signals(error.sigval).name
-        print(f'torchrun: stopped by {name}; the workers saved what they had', file=sys.stderr, flush=True)
+        print(f'torchrun: stopped by {signal.Signals(error.sigval).name}', file=sys.stderr, flush=True)
         sys.exit(128 + error.sigval)
     except ChildFailedError as error:
         # the cause, not the workers that then failed on the broken connection or were stopped by torchrun
