@@ -105,7 +105,8 @@ def test_only_rank_zero_writes(one_and_two_processes):
 
     assert files(two) == files(one)
     with open(os.path.join(_folder(two, 'linear'), 'reproduce.json')) as f:
-        assert len(json.load(f)) == 1
+        (entry,) = json.load(f)
+    assert entry['world_size'] == entry['processes_per_machine'] == 2  # its command is one process's
 
 
 def test_fast_dev_run_under_two_processes_trains_evaluates_and_predicts_once(tiny_shapes, tmp_path):

@@ -366,7 +366,9 @@ def reproducibility_record(args):
     milliseconds to look up and start no process."""
     return {
         'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-        'command': [sys.executable] + sys.argv,
+        'command': [sys.executable] + sys.argv,  # under torchrun, each process's: see world_size
+        'world_size': int(os.environ.get('WORLD_SIZE', 1)),  # torchrun's processes, in all and per machine
+        'processes_per_machine': int(os.environ.get('LOCAL_WORLD_SIZE', 1)),
         'cwd': os.getcwd(),
         'args': {k: v for k, v in sorted(vars(args).items())},
         'git_commit': _git('rev-parse', 'HEAD'),
