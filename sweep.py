@@ -291,8 +291,14 @@ def changed_options(saved, options):
 def check_earlier_runs(runs, name):
     """A KilnError when a run of this sweep was trained with other options than a resume may change (the
     sweep run again after a change after --): each of its runs would be refused, with advice the sweep
-    cannot take; a sweep of other options is a new sweep."""
+    cannot take; a sweep of other options is a new sweep. A run that saved no checkpoint yet starts
+    anew with the options given now."""
+    from utils.checkpoint_keeper import step_of  # loads torch: not for --help
+
     for run in runs:
+        names = os.listdir(run.folder) if os.path.isdir(run.folder) else []
+        if not any(step_of(name) is not None for name in names):
+            continue
         saved = read_run_file(run.folder, 'args.yaml')
         changed = changed_options(saved, run.options) if isinstance(saved, dict) else []
         if changed:

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import shlex
+import shutil
 import subprocess
 
 import pytest
@@ -279,3 +280,21 @@ def test_folder_names_follow_the_task_defaults(tmp_path):
         ['--checkpoints_dir', str(tmp_path), '--save_prefix', 'x', '--task', 'segment', '--val_list', 'v.txt'],
     )
     assert experiment_folder(resolve(options)) == os.path.join(tmp_path, 'seg_net_seg_list_x')
+
+
+def test_a_sweep_whose_runs_failed_to_start_runs_again_after_the_fix(tiny_shapes, tmp_path):
+    """Every run of a sweep failed while it was built (--resume had made its folder and left it); the
+    fixed sweep was then refused: it 'trained' those runs with other options."""
+    train = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), *FAST, '--max_iteration', '2']
+    grid = ['--name', 'fixed', '--grid', 'lr=1e-3']
+    failed = _sweep(*grid, '--', *train, '--freeze_to', '10', code=1)
+    assert 'failed: fixed_lr0.001: exit code 2: error: --freeze_to 10' in failed.stdout
+    assert os.listdir(tmp_path / 'ck') == []  # nothing trained, nothing left
+    _sweep(*grid, '--', *train)  # without the mistake
+    assert _last_step(_folder(tmp_path / 'ck', 'fixed_lr0.001')) == 2
+    # a run's folder left with its options but no checkpoint (a kill while it was built) starts anew too
+    left = _folder(tmp_path / 'ck', 'left_lr0.001')
+    os.makedirs(left)
+    shutil.copy(os.path.join(_folder(tmp_path / 'ck', 'fixed_lr0.001'), 'args.yaml'), left)
+    _sweep('--name', 'left', '--grid', 'lr=1e-3', '--', *train, '--weight_decay', '0.1')
+    assert _json(os.path.join(left, 'reproduce.json'))[0]['args']['weight_decay'] == 0.1

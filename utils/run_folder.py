@@ -191,7 +191,8 @@ def open_experiment(argv, args):
         create_run_folder(
             folder, args, 'choose a new --save_prefix, add --resume to continue that run, or move that folder away'
         )
-        return args.replace(model_dir=folder, resume_from=None), FolderLock(folder)
+        # a new run, with --resume or not: a failed start removes its folder (train.py's train_in_group)
+        return args.replace(model_dir=folder, resume_from=None, resume=None), FolderLock(folder)
     # read-only checks first: a refused resume touches no file (not even the lock's)
     FolderLock.refuse_if_held(folder)  # a running process may prune the checkpoint about to be read
     resume_from = named or _newest_checkpoint(folder)
