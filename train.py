@@ -219,7 +219,7 @@ class Trainer:
             )
         # --overfit_batches validates on the very batches it trains on
         val_set = train_set if options.overfit_batches else select_dataset(options, 'val')
-        match_classes(val_set, train_set.class_names, options.train_list)
+        match_classes(val_set, task.class_names, options.train_list)  # numbers where the training data has no names
         train_data = batches(options, task, train_set, device, True)
         val_data = batches(options, task, val_set, device, False)
 

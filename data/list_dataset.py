@@ -65,9 +65,16 @@ def match_classes(dataset, class_names, source):
     named = list(reference)
     while named and named[-1] == str(len(named) - 1):  # numbered, not named (tasks/task.py)
         named.pop()
+    folders = getattr(dataset, 'from_folder', False)
+    if not named and folders:  # the folders' order would number them: a silent mix-up
+        raise KilnError(
+            f'{dataset.list_path} has class folders {", ".join(found)}, but {source} knows its classes by label '
+            f'number alone (0 to {len(reference) - 1}); name the folders by those numbers, or give the training '
+            f'list a classes.txt naming its labels in order'
+        )
     if not named:
-        return  # trained on label numbers alone: no names to match
-    if getattr(dataset, 'from_folder', False):
+        return  # trained on label numbers alone: labels are those numbers here too
+    if folders:
         extra = next(name for name in found if name not in reference)
         raise KilnError(
             f'{dataset.list_path} has a folder {extra!r} that is no class of {source}; give it class folders '

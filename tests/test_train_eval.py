@@ -503,3 +503,41 @@ def test_list_files_are_saved_as_absolute_paths(tiny_shapes, tmp_path):
         assert yaml.safe_load(f)['val_list'] == str(lists / 'val.txt')
     evaluated = run_script('eval.py', '--load_model_path', folder, '--no-progress_bar')  # from the project folder
     assert evaluated.returncode == 0, evaluated.stderr
+
+
+def test_validation_folders_of_a_training_list_without_names_take_its_numbers(tiny_shapes, tmp_path):
+    """A training list with labels 0 to 10 and no classes.txt, validated on folders 0 to 10: validation
+    numbered the folders in their sorted order (0, 1, 10, 2, ...), best.pth was picked on wrong labels.
+    Folders named otherwise cannot be matched to bare numbers: one line."""
+    import train
+    from utils.errors import KilnError
+
+    with open(os.path.join(tiny_shapes, 'train.txt')) as f:
+        images = [os.path.join(tiny_shapes, line.split()[0]) for line in f if line.strip()]
+    numbered = tmp_path / 'numbered'
+    numbered.mkdir()
+    lines = []
+    for label in range(11):
+        (tmp_path / 'val' / str(label)).mkdir(parents=True)
+        for image in images[label * 4 : label * 4 + 4]:
+            lines.append(f'{image} {label}\n')
+            shutil.copy(image, tmp_path / 'val' / str(label))
+    (numbered / 'train.txt').write_text(''.join(lines))
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1', '--img_size', '32']
+    args[args.index('--train_list') + 1], args[args.index('--val_list') + 1] = numbered / 'train.txt', tmp_path / 'val'
+    args = [str(arg) for arg in args]
+    trainer = train.start(args)
+    labels = {int(os.path.basename(os.path.dirname(path))) for path, _, _ in trainer.val_data.dataset.samples}
+    assert labels == set(range(11))
+    assert all(
+        int(os.path.basename(os.path.dirname(path))) == label for path, label, _ in trainer.val_data.dataset.samples
+    )
+    trainer.lock.release()
+
+    for label in range(11):
+        os.rename(tmp_path / 'val' / str(label), tmp_path / 'val' / f'class_{label}')
+    args[args.index('--checkpoints_dir') + 1] = str(tmp_path / 'ck2')
+    with pytest.raises(
+        KilnError, match=r'has class folders class_0, class_1, class_10, .* by label number alone \(0 to 10\)'
+    ):
+        train.start(args)
