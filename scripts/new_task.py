@@ -21,10 +21,11 @@ TEMPLATE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEFT_OUT = ('.git', 'checkpoints', 'data/generated', '__pycache__', '.pytest_cache', '.ruff_cache', '.idea', '.venv')
 TEXT_FILES = ('.py', '.md', '.sh', '.xml', '.txt', '.yaml', '.yml', '.cfg', '.toml', '.json', '.gitignore', 'run')
 # where each stub goes and is registered: a name taken by either would overwrite a part of Kiln
+# (a module file and a package folder of one name shadow each other)
 TAKEN = {
-    'task': ('tasks/task_entry.py', 'tasks/{}.py'),
-    'dataset': ('data/data_entry.py', 'data/{}.py'),
-    'model': ('model/model_entry.py', 'model/{}'),
+    'task': ('tasks/task_entry.py', ('tasks/{}.py', 'tasks/{}')),
+    'dataset': ('data/data_entry.py', ('data/{}.py', 'data/{}')),
+    'model': ('model/model_entry.py', ('model/{}', 'model/{}.py')),
 }
 INTRO = re.compile(r'<!-- intro -->.*?<!-- /intro -->', re.S)  # the README's template pitch, replaced in a project
 MEASURED = re.compile(r'<!-- measured -->.*?<!-- /measured -->', re.S)  # the template's figures: not the project's
@@ -220,16 +221,21 @@ def main(argv=None):
         value = getattr(args, option)
         if value is not None and not re.fullmatch(r'[a-z][a-z0-9_]*', value):
             fail(f'--{option} {value!r}: use a lower-case Python name such as my_{option}')
-    for option, (entry, place) in TAKEN.items():
+    for option, (entry, places) in TAKEN.items():
         value = getattr(args, option)
         if value is None:
             continue
         with open(os.path.join(TEMPLATE, entry)) as f:
             registered = f"'{value}':" in f.read()
-        if registered or os.path.exists(os.path.join(TEMPLATE, place.format(value))):
+        taken = (
+            [entry]
+            if registered
+            else [p.format(value) for p in places if os.path.exists(os.path.join(TEMPLATE, p.format(value)))]
+        )
+        if taken:
             fail(
                 f'--{option} {value}: the template has a {option} or file of that name already '
-                f'({entry if registered else place.format(value)}); choose another name (nothing was written)'
+                f'({taken[0]}); choose another name (nothing was written)'
             )
     if os.path.exists(args.dest) and (not os.path.isdir(args.dest) or os.listdir(args.dest)):
         fail(f'{args.dest} exists and is not an empty folder; choose a new DEST (nothing was written)')

@@ -119,6 +119,8 @@ def test_a_new_task_is_what_the_project_s_scripts_train(tmp_path):
         ('--dataset', 'shapes', 'data/data_entry.py'),
         ('--dataset', 'loader', 'data/loader.py'),  # not a dataset, but the stub would replace it
         ('--model', 'small_cnn', 'model/model_entry.py'),
+        ('--model', 'submodules', 'model/submodules.py'),  # the package model/submodules/ hid it: no model imported
+        ('--model', 'model_entry', 'model/model_entry.py'),
     ],
 )
 def test_generator_refuses_a_name_the_template_has(tmp_path, option, name, where):
