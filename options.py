@@ -642,7 +642,9 @@ def _config_to_argv(parser, path):
         action = actions.get(key)
         if action is None and key not in ('config', 'help') and key in _kiln_option_names():
             continue  # another script's option: a saved args.yaml is a whole record
-        if action is None or key in ('config', 'help'):
+        if key in ('config', 'help'):
+            parser.error(f'--config {path}: {key!r} cannot be set in a config file; give --{key} on the command line')
+        if action is None:
             parser.error(f'--config {path}: unknown option {key!r}{did_you_mean(key, actions)}')
         if value is not None:
             argv += _config_tokens(parser, action, value, f'--config {path}: {key}')

@@ -97,19 +97,32 @@ def parse(argv):
 
 
 def main(argv=None):
-    """Submit the job; returns the submitit Job."""
+    """Submit the job; returns the submitit Job (a mistake, submitit missing or no SLURM here: one line)."""
+    args, train_argv = parse(sys.argv[1:] if argv is None else list(argv))  # --help needs no submitit
+    sys.path.insert(0, REPO)
+    from utils.errors import run_cli
+
+    return run_cli(lambda train_argv: submit(args, train_argv), train_argv)
+
+
+def submit(args, train_argv):
+    """Check the train.py options here (a typo: one line now, not in the queue), then submit."""
+    from options import parse_args, parse_train_args
+    from utils.errors import KilnError
+
     try:
         import submitit
     except ImportError:
-        sys.exit('scripts/submit.py needs submitit: pip install submitit')
-    args, train_argv = parse(sys.argv[1:] if argv is None else list(argv))
+        raise KilnError('scripts/submit.py needs submitit: pip install submitit') from None
     train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
-    sys.path.insert(0, REPO)
-    from options import parse_args, parse_train_args
-    from utils.errors import run_cli
-
-    run_cli(lambda argv: parse_args(parse_train_args, argv), train_argv)  # a typo: one line now, not in the queue
-    executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
+    parse_args(parse_train_args, train_argv)
+    try:
+        executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
+    except RuntimeError as error:  # submitit found no SLURM (srun) here
+        raise KilnError(
+            f'--cluster {args.cluster or "(SLURM if found)"}: {error}; submit from a SLURM login node, or try it '
+            f'here with --cluster local'
+        ) from None
     executor.update_parameters(
         name=args.name,
         nodes=args.nodes,

@@ -476,6 +476,7 @@ def test_existing_eval_results_are_not_touched(trained):
         (b'epochs: 2.5\n', 'epochs: must be a positive integer, got 2.5'),
         (b'optimizer: adamm\n', "optimizer: 'adamm' is not one of sgd, adam, adamw"),
         (b'lr: 0.1\nepochs: 2\nlr: 0.2\n', "the key 'lr' is given twice"),  # the last one won without a word
+        (b'config: other.yaml\n', "'config' cannot be set in a config file"),  # was: unknown (did you mean config?)
     ],
     ids=[
         'missing',
@@ -489,6 +490,7 @@ def test_existing_eval_results_are_not_touched(trained):
         'type',
         'choice',
         'twice',
+        'config_in_config',
     ],
 )
 def test_bad_config_file(data, tmp_path, content, needle):

@@ -5,6 +5,7 @@ scripts/submit.py on submitit's local executor."""
 import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -449,6 +450,21 @@ def test_slurm_script_picks_the_processes_per_node(slurm, gpus, nproc, processes
 
 
 # --- scripts/submit.py with submitit's local executor ------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which('srun') is not None, reason='a SLURM machine: this would submit a job')
+def test_submit_without_slurm_is_one_line():
+    """submitit's 'Could not detect srun' came as a 15-line traceback."""
+    pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
+    result = subprocess.run(
+        [sys.executable, 'scripts/submit.py', '--cluster', 'slurm', '--', '--epochs', '1'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(60),
+    )
+    assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
+    assert result.stderr.startswith('error: --cluster slurm: ') and '--cluster local' in result.stderr
 
 
 def _children(pid):
