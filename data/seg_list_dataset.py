@@ -80,6 +80,11 @@ def class_numbers(mask, where):
     """The one channel of class numbers of a mask image: single-channel modes (L, P, I, 1) as they are, an
     alpha channel left out (LA, PA), and a colour mode only where its channels agree (grey saved as RGB):
     a colour mask (a class per colour) would otherwise be read as brightness, wrong labels without a word."""
+    if mask.format in ('JPEG', 'MPO'):  # MPO: a JPEG from a camera
+        raise KilnError(
+            f'{where} is a JPEG, whose lossy compression changes class numbers along every edge; save masks as '
+            f'PNG (a class number per pixel, exactly)'
+        )
     colours = [band for band in mask.getbands() if band != 'A']
     if len(colours) > 1 and any(
         ImageChops.difference(mask.getchannel(colours[0]), mask.getchannel(band)).getbbox() for band in colours[1:]

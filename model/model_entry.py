@@ -2,6 +2,7 @@
 
 To add a model: create a package model/my_net/ with an nn.Module taking `args` (it reads
 args.num_classes, args.img_size, ...), and add one line here: 'my_net': 'model.my_net:MyNet',
+A model that takes only image sides of a multiple of N (its strides) says `size_multiple = N`.
 Backbones from timm need no line: --model_type timm:<name> (model/timm_nets, the 'timm' extra).
 (This file imports nothing heavy: `--help` and name checks read it before torch loads.)
 """
@@ -28,9 +29,20 @@ TIMM_PREFIX = 'timm:'  # --model_type timm:<name>: a timm backbone (model/timm_n
 
 
 def select_model(args):
-    """Build the model named by --model_type."""
+    """Build the model named by --model_type (a KilnError for an --img_size it cannot take)."""
     if args.model_type.startswith(TIMM_PREFIX):
         from model.timm_nets import timm_net
 
         return timm_net(args.model_type[len(TIMM_PREFIX) :], args)
-    return load_entry(MODELS, args.model_type, '--model_type', 'model/model_entry.py')(args)
+    model = load_entry(MODELS, args.model_type, '--model_type', 'model/model_entry.py')(args)
+    multiple = getattr(model, 'size_multiple', 1)
+    if args.img_size % multiple:
+        from utils.errors import KilnError
+
+        below = args.img_size // multiple * multiple
+        sizes = f'{below} or {below + multiple}' if below else f'{multiple}'
+        raise KilnError(
+            f'--model_type {args.model_type} takes images whose side is a multiple of {multiple}; '
+            f'--img_size {args.img_size} is not: give {sizes}'
+        )
+    return model

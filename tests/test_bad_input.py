@@ -532,3 +532,28 @@ def test_checkpoints_dir_that_is_a_file(data, tmp_path):
     result = train(not_a_folder, data)
     assert_one_error_line(result, not_a_folder)
     assert not_a_folder.read_text() == 'keep me\n'
+
+
+@pytest.mark.parametrize(
+    ('model', 'size', 'sizes'), [('seg_net', 30, '28 or 32'), ('center_net', 50, '48 or 64'), ('center_net', 8, '16')]
+)
+def test_an_image_size_the_model_cannot_take_is_one_line(model, size, sizes):
+    """seg_net's and center_net's skip connections need sides of a multiple of 4 and 16: other sizes
+    failed at the first step with a traceback from torch.cat."""
+    from argparse import Namespace
+
+    from model.model_entry import select_model
+    from utils.errors import KilnError
+
+    expected = f'--model_type {model} takes images whose side is a multiple of .*; --img_size {size} is not: '
+    with pytest.raises(KilnError, match=f'{expected}give {sizes}$'):
+        select_model(Namespace(model_type=model, num_classes=3, img_size=size))
+    select_model(Namespace(model_type=model, num_classes=3, img_size=64))  # fine
+
+
+def test_a_segmentation_run_at_a_size_its_model_cannot_take_is_one_line(tiny_shapes, tmp_path):
+    from conftest import tiny_seg_args
+
+    args = [*tiny_seg_args(tiny_shapes, tmp_path / 'ck'), '--task', 'segment', '--img_size', '30']
+    assert_one_error_line(run_script('train.py', *args), '--model_type seg_net takes images whose side is a multiple')
+    assert os.listdir(tmp_path / 'ck') == []

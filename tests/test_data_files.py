@@ -585,6 +585,25 @@ def test_masks_in_any_mode_are_read_as_class_numbers_and_colour_masks_are_refuse
         assert f'train.txt:1: mask {tmp_path / "a_mask.png"} is a colour image ({mode})' in str(caught.value)
 
 
+def test_a_jpeg_mask_is_refused_in_one_line(tmp_path):
+    """A JPEG mask trained without a word on class numbers its compression had changed along the edges
+    (3% of a small mask's pixels), all still within the classes."""
+    import argparse
+
+    from data.seg_list_dataset import SegListDataset
+
+    classes = np.zeros((48, 64), np.uint8)
+    classes[8:24, 8:40], classes[30:40, 20:60] = 1, 2
+    save(Image.new('RGB', (64, 48), 'white'), tmp_path / 'a.png')
+    Image.fromarray(classes).save(tmp_path / 'a_mask.jpg', quality=90)
+    (tmp_path / 'train.txt').write_text('a.png a_mask.jpg\n')
+    options = argparse.Namespace(train_list=str(tmp_path / 'train.txt'), img_size=32, num_classes=3)
+    with pytest.raises(KilnError) as caught:
+        SegListDataset(options, 'train')[0]
+    assert f'train.txt:1: mask {tmp_path / "a_mask.jpg"} is a JPEG' in str(caught.value), caught.value
+    assert 'save masks as PNG' in str(caught.value) and '\n' not in str(caught.value)
+
+
 def test_a_missing_listed_file_says_what_to_check(tmp_path):
     """Where relative paths are read from; a Latin-1 list naming a UTF-8 file name: the encoding."""
     import argparse

@@ -43,6 +43,8 @@ class CenterNet(nn.Module):
     heads. Takes normalized images (B, 3, S, S), S a multiple of 16; returns a dict of 'heatmap'
     logits (B, num_classes, S/4, S/4), 'size' (B, 2, S/4, S/4) and 'offset' (B, 2, S/4, S/4)."""
 
+    size_multiple = 16  # four stride-2 stages
+
     def __init__(self, args, widths=(16, 32, 64, 96), head_width=32):
         super().__init__()
         self.stem = _stage(3, widths[0])  # 1/2: nothing small enough to need full resolution

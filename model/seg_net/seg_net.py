@@ -9,6 +9,8 @@ class SegNet(nn.Module):
     """Two 2x down-sampling stages, a bottleneck, and two UpBlocks with skip connections; outputs
     per-pixel class scores (N, num_classes, H, W) at the input's size (a multiple of 4)."""
 
+    size_multiple = 4  # two stride-2 stages, undone by two up-samplings
+
     def __init__(self, args, widths=(16, 32, 64)):
         super().__init__()
         self.encoder1 = nn.Sequential(ConvBNReLU(3, widths[0]), ConvBNReLU(widths[0], widths[0]))
