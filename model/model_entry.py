@@ -35,10 +35,17 @@ def select_model(args):
 
         return timm_net(args.model_type[len(TIMM_PREFIX) :], args)
     model = load_entry(MODELS, args.model_type, '--model_type', 'model/model_entry.py')(args)
+    from utils.errors import KilnError
+
+    given = getattr(args, 'pretrained_path', None)
+    if given and getattr(model, 'pretrained_path', None) != given:  # utils.checkpoint.load_pretrained marks it
+        raise KilnError(
+            f'--model_type {args.model_type} does not read --pretrained_path (ImageNet weights are for the tv_* '
+            f'nets and timm:<name>: e.g. --model_type tv_resnet18); to start from a checkpoint of this model '
+            f'give --load_model_path'
+        )
     multiple = getattr(model, 'size_multiple', 1)
     if args.img_size % multiple:
-        from utils.errors import KilnError
-
         below = args.img_size // multiple * multiple
         sizes = f'{below} or {below + multiple}' if below else f'{multiple}'
         raise KilnError(

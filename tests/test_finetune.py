@@ -333,3 +333,28 @@ def test_unfreezing_after_the_last_epoch_is_one_line(tiny_shapes, tmp_path, sche
     assert '\n' not in error and (not (tmp_path / 'ck').exists() or not os.listdir(tmp_path / 'ck'))
     args[args.index('--unfreeze_at_epoch') + 1] = '2'  # the start of the last epoch: fine
     assert run_script('train.py', *args).returncode == 0
+
+
+def test_pretrained_path_mistakes_are_one_line_each(tiny_shapes, tmp_path):
+    """A model that never reads --pretrained_path trained from scratch without a word (even with a missing
+    file); a folder was 'does not exist'; a Kiln checkpoint was 'not tv_resnet18's weights: download ImageNet's'."""
+    args = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--epochs', '1', '--img_size', '32']
+
+    def error_of(*extra):
+        result = run_script('train.py', *args, *extra)
+        assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
+        return result.stderr.strip()
+
+    for model in ('small_cnn', 'resnet18'):
+        error = error_of('--model_type', model, '--pretrained_path', tmp_path / 'missing.pth')
+        assert error.startswith(f'error: --model_type {model} does not read --pretrained_path'), error
+    error = error_of('--model_type', 'tv_resnet18', '--pretrained_path', tmp_path)
+    assert (
+        error == f'error: --pretrained_path {tmp_path} is a folder; give the weights file in it (.pth or .safetensors)'
+    )
+    assert run_script('train.py', *args, '--model_type', 'tv_resnet18', '--save_prefix', 'kiln').returncode == 0
+    kiln = tmp_path / 'ck' / 'tv_resnet18_list_kiln' / 'last.pth'
+    error = error_of('--model_type', 'tv_resnet18', '--pretrained_path', kiln)
+    assert error.startswith(f'error: --pretrained_path {kiln} is a Kiln checkpoint, not ImageNet weights'), error
+    assert f'--load_model_path {kiln}' in error
+    assert sorted(os.listdir(tmp_path / 'ck')) == ['tv_resnet18_list_kiln']  # the refused runs left nothing

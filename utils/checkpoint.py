@@ -278,14 +278,24 @@ def load_match_dict(model, checkpoint, prefix_map=None, source=None):
 
 def load_pretrained(model, path, name, how_to_get):
     """Load the ImageNet weights file `path` (--pretrained_path) into `model` (net `name`), all of them
-    (safely, as every checkpoint); a missing file is a KilnError saying `how_to_get` it."""
+    (safely, as every checkpoint), and mark the model as having read it (models/model_entry.py checks);
+    a missing file is a KilnError saying `how_to_get` it."""
+    if os.path.isdir(path):
+        raise KilnError(f'--pretrained_path {path} is a folder; give the weights file in it (.pth or .safetensors)')
     if not os.path.isfile(path):
         raise KilnError(
             f'--pretrained_path {path} does not exist; Kiln never downloads weights: on a machine with internet '
             f'{how_to_get} and copy it to {path}'
         )
+    weights = load_checkpoint(path)
+    if isinstance(weights, dict) and 'args' in weights:  # a training checkpoint of Kiln's, not bare weights
+        raise KilnError(
+            f'--pretrained_path {path} is a Kiln checkpoint, not ImageNet weights; to start from its weights give '
+            f'--load_model_path {path} (with --load_not_strict where its classes differ)'
+        )
     advice = f"these are not {name}'s weights: {how_to_get} and give that file"
-    report = load_weights(model, path, strict=True, source=f'--pretrained_path {path}', advice=advice)
+    report = load_weights(model, weights, strict=True, source=f'--pretrained_path {path}', advice=advice)
+    model.pretrained_path = path
     print(f'{name}: {len(report.loaded)} tensors of ImageNet weights loaded from {path}')
 
 
