@@ -195,12 +195,16 @@ def read_image_paths(path):
 
 
 def missing_file_hint(list_path, file):
-    """What to check when the listed `file` does not exist: the list's encoding (a name that is not
-    UTF-8), else where relative paths are read from."""
+    """What to check when the listed `file` does not exist: a broken link, the list's encoding (a name
+    that is not UTF-8), else where relative paths are read from (for a list file, not a class folder)."""
+    if os.path.islink(file):
+        return f': it is a link to {os.readlink(file)}, which does not exist'
     try:
         file.encode('utf-8')
     except UnicodeEncodeError:  # bytes the list's decoding kept as they were
         return '; its name is not UTF-8: if the list was saved as Latin-1 or cp1252, save it as UTF-8'
+    if os.path.isdir(list_path):
+        return ''
     return f" (a relative path is read from the list file's folder, {_folder_of(list_path, os.getcwd())})"
 
 

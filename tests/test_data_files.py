@@ -620,6 +620,15 @@ def test_a_missing_listed_file_says_what_to_check(tmp_path):
     options = argparse.Namespace(train_list=str(tmp_path / 'sub' / 'train.txt'), img_size=8, num_classes=None)
     with pytest.raises(KilnError, match=f"read from the list file's folder, {tmp_path / 'sub'}"):
         ListDataset(options, 'train')
+    # a broken link in a class folder: said as such (it blamed a list file's folder, and there is no list)
+    for name in ('red', 'blue'):
+        (tmp_path / 'folders' / name).mkdir(parents=True)
+        save(Image.new('RGB', (8, 8)), tmp_path / 'folders' / name / 'a.png')
+    os.symlink(tmp_path / 'gone.png', tmp_path / 'folders' / 'blue' / 'broken.png')
+    options = argparse.Namespace(train_list=str(tmp_path / 'folders'), img_size=8, num_classes=None)
+    with pytest.raises(KilnError) as caught:
+        ListDataset(options, 'train').files_digest()
+    assert str(caught.value).endswith(f'does not exist: it is a link to {tmp_path / "gone.png"}, which does not exist')
 
 
 def test_a_label_far_beyond_the_others_is_refused_not_an_out_of_memory(tmp_path):
