@@ -66,6 +66,7 @@ INHERITED = (
     'img_size',
     'resize',
     'crop_pct',
+    'normalize',
     'loss',
     'topk',
     'amp',
@@ -285,6 +286,12 @@ def parse_common_args(parser):
     )
     parser.add_argument(
         '--crop_pct', type=_fraction, default=0.875, help='--resize crop: the share of the shorter side kept'
+    )
+    parser.add_argument(
+        '--normalize',
+        choices=['imagenet', 'kiln'],
+        help="the pixel mean and std images are normalized with: ImageNet's (what pretrained backbones saw) or "
+        "Kiln's (0.5, 0.25); default: imagenet for the tv_* and timm:* nets, else kiln",
     )
     parser.add_argument('--batch_size', type=_positive_int, default=128, help='images per step and process')
     parser.add_argument(
@@ -781,18 +788,21 @@ def resolve(args, **changes):
     )
     unset = [name for name in TASK_DEFAULTS if name in vars(options) and getattr(options, name) is None]
     options = options.replace(task=options.task or 'classify')
-    if not unset:
-        return options
-    from tasks.task_entry import task_class
+    if unset:
+        from tasks.task_entry import task_class
 
-    task = task_class(options.task)
-    lists = bool(getattr(options, 'train_list', None) or options.val_list)
-    values = {name: getattr(task, TASK_DEFAULTS[name]) for name in unset}
-    if 'monitor_mode' in values and 'monitor' not in unset:  # a --monitor of the user's: its own direction
-        values['monitor_mode'] = monitor_mode_of(options.monitor, task)
-    if 'data_type' in values:
-        values['data_type'] = values['data_type'][lists]  # without / with list files
-    return options.replace(**values)
+        task = task_class(options.task)
+        lists = bool(getattr(options, 'train_list', None) or options.val_list)
+        values = {name: getattr(task, TASK_DEFAULTS[name]) for name in unset}
+        if 'monitor_mode' in values and 'monitor' not in unset:  # a --monitor of the user's: its own direction
+            values['monitor_mode'] = monitor_mode_of(options.monitor, task)
+        if 'data_type' in values:
+            values['data_type'] = values['data_type'][lists]  # without / with list files
+        options = options.replace(**values)
+    if 'normalize' in vars(options) and options.normalize is None:  # as the backbone's pretrained weights expect
+        imagenet = options.model_type.startswith(('tv_', 'timm:'))
+        options = options.replace(normalize='imagenet' if imagenet else 'kiln')
+    return options
 
 
 def monitor_mode_of(metric, task):
@@ -814,6 +824,8 @@ def experiment_folder(options):
 def inherit(args, given, trained_with):
     """eval.py's and predict.py's options: those of INHERITED not `given` come from the checkpoint's
     training run (`trained_with`, its saved options), then from the task (see resolve)."""
+    if trained_with and 'normalize' not in trained_with:
+        trained_with = {**trained_with, 'normalize': 'kiln'}  # trained by a Kiln before --normalize: Kiln's
     inherited = {
         name: trained_with[name] if name not in given and name in trained_with else getattr(args, name, None)
         for name in INHERITED

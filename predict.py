@@ -103,7 +103,7 @@ def read_batches(paths, options, unreadable):
 @torch.no_grad()
 def predict(options, task, setup, device, paths, folder):
     """Predict every image of `paths` into `folder`/predictions.csv; return the unreadable (path, reason) pairs."""
-    transform = BatchTransform((), options.img_size, options.channels_last)
+    transform = BatchTransform((), options.img_size, options.channels_last, options)
     setup.wrapped.eval()
     unreadable, rows = [], []
     batches = read_batches(paths, options, unreadable)

@@ -17,8 +17,11 @@ import math
 import numpy as np
 import torch
 
-MEAN = (0.5, 0.5, 0.5)
-STD = (0.25, 0.25, 0.25)
+# --normalize: the per-channel pixel mean and std in [0, 1] that images are normalized with
+NORMALIZATIONS = {
+    'kiln': ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
+    'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # what ImageNet-pretrained backbones saw
+}
 
 
 def _reflect(index, size):
@@ -313,6 +316,7 @@ class BatchTransform:
             )
         self.random = [*self.augmentations, *([self.mix] if self.mix else [])]  # what draws parameters
         self.channels_last = channels_last
+        self.normalization = NORMALIZATIONS[getattr(options, 'normalize', None) or 'kiln']
         self.scales = {}  # device -> (255 x mean, 255 x std), made once: a copy per batch would wait for the GPU
 
     def draw(self, count, generator):
@@ -337,7 +341,7 @@ class BatchTransform:
         if image.dtype == torch.uint8:
             if image.device not in self.scales:
                 self.scales[image.device] = tuple(
-                    torch.tensor(values, device=image.device).view(1, -1, 1, 1) * 255 for values in (MEAN, STD)
+                    torch.tensor(values, device=image.device).view(1, -1, 1, 1) * 255 for values in self.normalization
                 )
             mean, std = self.scales[image.device]
             image = image.float().sub_(mean).div_(std)  # in place: one new tensor, not three (same values)
@@ -351,8 +355,7 @@ class BatchTransform:
         return batch
 
 
-def denormalize(images):
-    """Map normalized images (N, 3, H, W) back to [0, 1] for display."""
-    mean = images.new_tensor(MEAN).view(1, -1, 1, 1)
-    std = images.new_tensor(STD).view(1, -1, 1, 1)
+def denormalize(images, normalize='kiln'):
+    """Map images (N, 3, H, W) normalized as --normalize `normalize` says back to [0, 1] for display."""
+    mean, std = (images.new_tensor(values).view(1, -1, 1, 1) for values in NORMALIZATIONS[normalize])
     return images.float().mul(std).add_(mean).clamp_(0, 1)  # one new tensor, changed in place

@@ -108,7 +108,7 @@ class Task:
 
     def display_images(self, batch, count):
         """The first `count` images of a batch as float (N, 3, H, W) in [0, 1] for pictures."""
-        return denormalize(batch['image'][:count])
+        return denormalize(batch['image'][:count], getattr(self.options, 'normalize', None) or 'kiln')
 
     def pictures(self, batch, outputs):
         """Pictures of (the first `pictured` samples of) a batch as {name: HxWx3 uint8 array} (TensorBoard

@@ -172,7 +172,8 @@ run_to_exit(main)
 
 @pytest.mark.parametrize('ending', ['success', 'fail'])
 def test_torchrun_workers_end_with_their_status_and_never_abort(ending, tmp_path):
-    """Under load, every worker exits with its own status (0, or 2 after a one-line error) and its output."""
+    """Under load, every worker exits with its own status (0, or 2 after a one-line error said once) and its
+    output."""
     script = tmp_path / 'worker.py'
     script.write_text(DDP_WORKER)
     busy = [
@@ -201,7 +202,7 @@ def test_torchrun_workers_end_with_their_status_and_never_abort(ending, tmp_path
             assert output.count('left the group') == 2  # each worker's buffered output got out
         else:
             assert result.returncode == 2, output[-3000:]
-            assert output.count('error: a one-line error') == 2, output[-3000:]
+            assert output.count('error: a one-line error') == 1, output[-3000:]  # rank 0's; rank 1 waited for it
     finally:
         for process in busy:
             process.kill()

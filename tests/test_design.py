@@ -142,6 +142,7 @@ def test_eval_reproduces_the_validation_numbers_of_training(tiny_shapes, tmp_pat
 
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     extra = ['--topk', '5', '--loss', 'label_smoothing', '--img_size', '24', '--amp', 'bf16', '--channels_last']
+    extra += ['--normalize', 'imagenet']  # not the default of its model
     train_succeeds(args, *extra, '--epochs', '1', '--limit_train_batches', '2')
     folder = experiment_of(args)
     with open(os.path.join(folder, 'history.json')) as f:

@@ -384,6 +384,7 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
         ({0: 1, 1: -9}, 1, 'rank 1 was killed by SIGKILL'),  # rank 0 then failed on the broken connection
         ({0: -15, 1: 2}, 1, 'rank 1 failed with exit code 2 (its error is above)'),
         ({0: 2, 1: 2}, 0, 'rank 0 failed with exit code 2'),
+        ({0: 143, 1: 2}, 1, 'rank 1 failed with exit code 2'),  # rank 0 stopped by that SIGTERM, as Kiln exits
     ],
 )
 def test_torchrun_names_the_worker_that_caused_the_failure(exits, blamed, line, monkeypatch, capsys):
@@ -398,12 +399,12 @@ def test_torchrun_names_the_worker_that_caused_the_failure(exits, blamed, line, 
     for failure in failures.values():
         failure.timestamp = 1  # the same second, as torchrun often records them
 
-    def failed_job(argv):
+    def failed_job(options):
         raise ChildFailedError('train.py', failures)
 
-    monkeypatch.setattr(utils.torchrun, 'torchrun_main', failed_job)
+    monkeypatch.setattr(utils.torchrun.torchrun, 'run', failed_job)
     with pytest.raises(SystemExit) as exit_info:
-        utils.torchrun.main([])
+        utils.torchrun.main(['train.py'])
     code = exits[blamed]
     assert exit_info.value.code == (code if code > 0 else 128 - code)
     assert line in capsys.readouterr().err
@@ -809,3 +810,26 @@ def test_evaluation_hands_each_pictured_batch_over_as_soon_as_it_is_copied():
             outputs, batches[number]['image'][: task.pictured].mean((2, 3)) * torch.arange(1.0, 4.0)
         )
     assert result.metric_object.confusion.sum() == 100
+
+
+def test_normalization_follows_the_backbone_and_old_checkpoints_keep_kiln_s():
+    """Pretrained ImageNet backbones were fed Kiln's normalization (mean 0.5, std 0.25): ImageNet's mean
+    colour came in as (-0.06, -0.18, -0.37) instead of 0; a checkpoint of an earlier Kiln keeps its own."""
+    from data.augment import BatchTransform
+    from options import inherit, parse_test_args, resolve
+
+    def resolved(*argv):
+        return resolve(parse_args(parse_train_args, list(argv))).normalize
+
+    assert resolved('--model_type', 'tv_resnet18') == resolved('--model_type', 'timm:resnet18') == 'imagenet'
+    assert resolved('--model_type', 'small_cnn') == 'kiln'
+    assert resolved('--model_type', 'tv_resnet18', '--normalize', 'kiln') == 'kiln'
+    mean_colour = torch.tensor([0.485, 0.456, 0.406]).mul(255).round().to(torch.uint8).view(1, 3, 1, 1)
+    images = {'image': mean_colour.expand(2, 3, 4, 4).clone()}
+    imagenet = argparse.Namespace(normalize='imagenet')
+    normalized = BatchTransform((), 4, options=imagenet)(images)['image']
+    assert normalized.abs().max() < 0.01, normalized[0, :, 0, 0]
+    test_args = parse_args(parse_test_args, ['--load_model_path', 'x.pth'])
+    trained = {'model_type': 'tv_resnet18', 'task': 'classify', 'num_classes': 3}
+    assert inherit(test_args, set(), trained).normalize == 'kiln'  # no 'normalize' saved: Kiln's, as it trained
+    assert inherit(test_args, set(), {**trained, 'normalize': 'imagenet'}).normalize == 'imagenet'

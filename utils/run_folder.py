@@ -206,7 +206,9 @@ def open_experiment(argv, args):
     if resume_from or named_folder:  # a folder named alone has its options, even before its first checkpoint
         # the checkpoint's own options, not args.yaml's: a file anyone can edit, or empty after a power cut
         trained = checkpoint.get('args')
-        base = {k: v for k, v in trained.items() if k not in DERIVED} if isinstance(trained, dict) else saved
+        base = saved  # args.yaml, before the first checkpoint
+        if isinstance(trained, dict):  # trained by a Kiln before --normalize: with Kiln's normalization
+            base = {'normalize': 'kiln', **{k: v for k, v in trained.items() if k not in DERIVED}}
         merged = parse_args(parse_train_args, argv, base_config=base)
         _refuse_changes(parse_args(parse_train_args, [], base_config=base), merged, folder)
         args = resolve(merged)
