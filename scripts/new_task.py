@@ -169,10 +169,22 @@ def copy_template(dest):
     return 'every file but outputs and caches (not a git checkout)'
 
 
+def template_names():
+    """The template's own name (its README's title: Kiln, or the name of a project made from Kiln) and
+    its distribution's name in pyproject.toml."""
+    with open(os.path.join(TEMPLATE, 'README.md'), encoding='utf-8') as f:
+        title = f.readline().removeprefix('# ').strip()
+    with open(os.path.join(TEMPLATE, 'pyproject.toml'), encoding='utf-8') as f:
+        package = re.search(r"^name = '([^']*)'", f.read(), re.M).group(1)
+    return title, package
+
+
 def rename(dest, name):
-    """Put `name` where "Kiln" stood in the text files (as written: a backslash too), and replace the README's
-    template pitch and figures and the distribution's name in pyproject.toml (letters, digits, . _ -)."""
+    """Put `name` where the template's name stood in the text files (as written: a backslash too), and
+    replace the README's template pitch and figures and the distribution's name in pyproject.toml
+    (letters, digits, . _ -)."""
     intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('._-') or 'kiln'
+    old_name, old_package = template_names()
     for folder, _, files in os.walk(dest):
         for file in files:
             path = os.path.join(folder, file)
@@ -183,9 +195,9 @@ def rename(dest, name):
             if file == 'README.md' and folder == dest:
                 text = MEASURED.sub(PROJECT_MEASURED, INTRO.sub(lambda match: intro, text))
             if file == 'pyproject.toml' and folder == dest:
-                text = text.replace("name = 'kiln'", f"name = '{package}'", 1)
+                text = text.replace(f"name = '{old_package}'", f"name = '{package}'", 1)
             with open(path, 'w', encoding='utf-8') as f:
-                f.write(re.sub(r'\bKiln\b', lambda match: name, text))
+                f.write(re.sub(rf'(?<!\w){re.escape(old_name)}(?!\w)', lambda match: name, text))
 
 
 def camel(name):
@@ -257,7 +269,7 @@ def main(argv=None):
             with open(path) as f:
                 text = f.read()
             with open(path, 'w') as f:
-                f.write(text.replace('TASK=${TASK:-classify}', f'TASK=${{TASK:-{args.task}}}'))
+                f.write(re.sub(r'TASK=\$\{TASK:-\w+\}', lambda match: f'TASK=${{TASK:-{args.task}}}', text))
     if args.dataset:
         cls = camel(args.dataset) + 'Dataset'
         write(os.path.join(dest, 'data', f'{args.dataset}.py'), DATASET_STUB.format(name=args.dataset, cls=cls))

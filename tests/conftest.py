@@ -156,3 +156,21 @@ def experiment_of(args, model='small_cnn', data='list'):
 def run_files(folder):
     """The file names in a run folder, sorted, with every TensorBoard event file named 'events'."""
     return sorted(name if not name.startswith('events.') else 'events' for name in os.listdir(folder))
+
+
+def copy_of_the_project(dest):
+    """Copy the project into `dest` as scripts/new_task.py does: as committed (git archive HEAD), or,
+    outside a git checkout (a project just made from Kiln), every file but outputs and caches."""
+    sys.path.insert(0, os.path.join(REPO, 'scripts'))
+    try:
+        from new_task import copy_template
+    finally:
+        sys.path.pop(0)
+    copy_template(str(dest))
+
+
+def project_files(dest):
+    """The project's files (relative paths) in a copy of it made by `copy_of_the_project`."""
+    return sorted(
+        os.path.relpath(os.path.join(folder, name), dest) for folder, _, names in os.walk(dest) for name in names
+    )

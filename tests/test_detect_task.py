@@ -3,17 +3,15 @@ generated shapes within the CI budget, eval.py reports mAP, predict.py writes a 
 task is one file plus registry lines, with its dataset and model files, mentioned nowhere else."""
 
 import csv
-import io
 import json
 import os
 import re
 import subprocess
 import sys
-import tarfile
 
 import pytest
 
-from conftest import REPO, run_script, timeout
+from conftest import REPO, copy_of_the_project, project_files, run_script, timeout
 
 DETECTION_FILES = ('tasks/detect.py', 'data/det_list_dataset.py', 'data/shapes_det_dataset.py', 'model/center_net/')
 DETECTION_NAMES = re.compile(r'detect(?!_anomaly)|center_?net|shapes_det|det_list|ShapesDet|DetList', re.IGNORECASE)
@@ -81,22 +79,18 @@ def test_detection_trains_evaluates_and_predicts(boxes, tmp_path):
     assert len({row['image'] for row in rows}) > 16  # boxes found in many of the 128 images
 
 
-def _tracked_files():
-    listed = subprocess.run(['git', 'ls-files'], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    return [path for path in listed.splitlines() if os.path.isfile(os.path.join(REPO, path))]
-
-
-def test_detection_is_one_task_file_and_registry_lines():
+def test_detection_is_one_task_file_and_registry_lines(tmp_path):
     """No code outside tasks/, data/ and model/ (docs, packaging and tests aside) mentions detection, and
     the registries name it in one line each for the task, its two datasets and its model."""
+    copy_of_the_project(tmp_path)
     outside = [
         path
-        for path in _tracked_files()
+        for path in project_files(tmp_path)
         if not path.startswith(('tasks/', 'data/', 'model/', 'tests/'))
         and path.endswith(('.py', '.sh', '.xml', '.json', 'run'))
     ]
     assert 'train.py' in outside and 'utils/evaluation.py' in outside
-    mentions = [path for path in outside if DETECTION_NAMES.search(open(os.path.join(REPO, path)).read())]
+    mentions = [path for path in outside if DETECTION_NAMES.search(open(tmp_path / path).read())]
     assert mentions == []
     for registry, count in (('tasks/task_entry.py', 1), ('data/data_entry.py', 2), ('model/model_entry.py', 1)):
         lines = [line for line in open(os.path.join(REPO, registry)) if DETECTION_NAMES.search(line)]
@@ -105,9 +99,7 @@ def test_detection_is_one_task_file_and_registry_lines():
 
 def test_kiln_without_the_detection_files_still_works(tmp_path):
     """Delete the task's files and registry lines from a copy: everything else still imports and runs."""
-    archive = subprocess.run(['git', 'archive', '--format=tar', 'HEAD'], cwd=REPO, capture_output=True, check=True)
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(tmp_path, filter='data')
+    copy_of_the_project(tmp_path)
     for path in DETECTION_FILES:
         subprocess.run(['rm', '-r', str(tmp_path / path)], check=True)
     for registry in ('tasks/task_entry.py', 'data/data_entry.py', 'model/model_entry.py'):

@@ -23,7 +23,7 @@ def _ok(result):
 
 def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_path):
     dest = tmp_path / 'glaze'
-    _ok(run_script('scripts/new_task.py', str(dest), '--name', 'Glaze', '--dataset', 'leaves', '--model', 'leaf_net'))
+    _ok(run_script('scripts/new_task.py', str(dest), '--name', 'Glaze', '--dataset', 'shards', '--model', 'shard_net'))
     files = {os.path.relpath(os.path.join(folder, name), dest) for folder, _, names in os.walk(dest) for name in names}
     assert not any(
         f.startswith(('.git/', 'data/generated/')) or '__pycache__' in f or '.pytest_cache' in f for f in files
@@ -37,17 +37,17 @@ def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_pa
         '.ci/run',
         '.run/train.run.xml',
         'tests/conftest.py',
-        'data/leaves.py',
-        'model/leaf_net/leaf_net.py',
-        'model/leaf_net/__init__.py',
+        'data/shards.py',
+        'model/shard_net/shard_net.py',
+        'model/shard_net/__init__.py',
     } <= files
     readme = (dest / 'README.md').read_text()
     assert readme.startswith('# Glaze') and not re.search(r'\bKiln\b', readme)  # KilnError is code, kept
     # the template's measured figures are not the project's: they read as Glaze's own with the name changed
     assert 'Not measured yet' in readme and 'img/s' not in readme and 'images/s' not in readme
     assert 'bench/bench_overhead.py' in readme  # how to measure stays
-    assert "'leaves': 'data.leaves:LeavesDataset'," in (dest / 'data' / 'data_entry.py').read_text()
-    assert "'leaf_net': 'model.leaf_net:LeafNet'," in (dest / 'model' / 'model_entry.py').read_text()
+    assert "'shards': 'data.shards:ShardsDataset'," in (dest / 'data' / 'data_entry.py').read_text()
+    assert "'shard_net': 'model.shard_net:ShardNet'," in (dest / 'model' / 'model_entry.py').read_text()
 
     # its own tests (the fast ones here; the whole suite is the template's) and its train.sh with the stubs
     _ok(
@@ -64,9 +64,9 @@ def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_pa
             'bash',
             'scripts/train.sh',
             '--data_type',
-            'leaves',
+            'shards',
             '--model_type',
-            'leaf_net',
+            'shard_net',
             '--train_list',
             os.path.join(tiny_shapes, 'train.txt'),
             '--val_list',
@@ -82,7 +82,7 @@ def test_generated_project_is_clean_registers_stubs_and_runs(tiny_shapes, tmp_pa
         env={**os.environ, 'EPOCHS': '1'},
     )
     _ok(trained)
-    assert (dest / 'checkpoints' / 'leaf_net_leaves_default' / 'best.pth').is_file()
+    assert (dest / 'checkpoints' / 'shard_net_shards_default' / 'best.pth').is_file()
 
 
 def test_generator_refuses_a_non_empty_destination(tmp_path):
@@ -106,10 +106,10 @@ def test_a_project_name_is_written_as_given(tmp_path, name):
 
 def test_a_new_task_is_what_the_project_s_scripts_train(tmp_path):
     """train.sh kept TASK=classify: the project's `bash scripts/train.sh` trained the template's task."""
-    created = run_script('scripts/new_task.py', str(tmp_path / 'spots'), '--task', 'leaf_spots')
+    created = run_script('scripts/new_task.py', str(tmp_path / 'spots'), '--task', 'shard_spots')
     assert created.returncode == 0, created.stderr
     for script in ('train.sh', 'train_ddp.sh'):
-        assert 'TASK=${TASK:-leaf_spots}' in (tmp_path / 'spots' / 'scripts' / script).read_text()
+        assert 'TASK=${TASK:-shard_spots}' in (tmp_path / 'spots' / 'scripts' / script).read_text()
 
 
 @pytest.mark.parametrize(
