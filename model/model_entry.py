@@ -2,7 +2,8 @@
 
 To add a model: create a package model/my_net/ with an nn.Module taking `args` (it reads
 args.num_classes, args.img_size, ...), and add one line here: 'my_net': 'model.my_net:MyNet',
-A model that takes only image sides of a multiple of N (its strides) says `size_multiple = N`.
+A model that takes only image sides of a multiple of N (its strides) says `size_multiple = N`; one
+made for one task (its outputs: masks, boxes) says `made_for_task = 'segment'`.
 Backbones from timm need no line: --model_type timm:<name> (model/timm_nets, the 'timm' extra).
 (This file imports nothing heavy: `--help` and name checks read it before torch loads.)
 """
@@ -43,6 +44,14 @@ def select_model(args):
             f'--model_type {args.model_type} does not read --pretrained_path (ImageNet weights are for the tv_* '
             f'nets and timm:<name>: e.g. --model_type tv_resnet18); to start from a checkpoint of this model '
             f'give --load_model_path'
+        )
+    made_for, task = getattr(model, 'made_for_task', None), getattr(args, 'task', None)
+    if made_for and task and task != made_for:
+        from tasks.task_entry import task_class
+
+        raise KilnError(
+            f'--model_type {args.model_type} is made for --task {made_for}; give --task {made_for}, or a model for '
+            f'--task {task} (its own: --model_type {task_class(task).default_model})'
         )
     multiple = getattr(model, 'size_multiple', 1)
     if args.img_size % multiple:

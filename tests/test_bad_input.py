@@ -557,3 +557,18 @@ def test_a_segmentation_run_at_a_size_its_model_cannot_take_is_one_line(tiny_sha
     args = [*tiny_seg_args(tiny_shapes, tmp_path / 'ck'), '--task', 'segment', '--img_size', '30']
     assert_one_error_line(run_script('train.py', *args), '--model_type seg_net takes images whose side is a multiple')
     assert os.listdir(tmp_path / 'ck') == []
+
+
+@pytest.mark.parametrize(
+    ('model', 'task', 'made_for'), [('seg_net', 'classify', 'segment'), ('center_net', 'segment', 'detect')]
+)
+def test_a_model_made_for_another_task_is_one_line(model, task, made_for):
+    """--model_type seg_net left at --task classify failed at the first step with a traceback from the loss."""
+    from argparse import Namespace
+
+    from model.model_entry import select_model
+    from utils.errors import KilnError
+
+    with pytest.raises(KilnError, match=f'^--model_type {model} is made for --task {made_for}; give --task {made_for}'):
+        select_model(Namespace(model_type=model, num_classes=3, img_size=64, task=task))
+    select_model(Namespace(model_type=model, num_classes=3, img_size=64, task=made_for))  # fine

@@ -43,6 +43,7 @@ class CenterNet(nn.Module):
     heads. Takes normalized images (B, 3, S, S), S a multiple of 16; returns a dict of 'heatmap'
     logits (B, num_classes, S/4, S/4), 'size' (B, 2, S/4, S/4) and 'offset' (B, 2, S/4, S/4)."""
 
+    made_for_task = 'detect'  # its outputs are what that task reads
     size_multiple = 16  # four stride-2 stages
 
     def __init__(self, args, widths=(16, 32, 64, 96), head_width=32):

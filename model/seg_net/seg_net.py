@@ -9,6 +9,7 @@ class SegNet(nn.Module):
     """Two 2x down-sampling stages, a bottleneck, and two UpBlocks with skip connections; outputs
     per-pixel class scores (N, num_classes, H, W) at the input's size (a multiple of 4)."""
 
+    made_for_task = 'segment'  # its outputs are what that task reads
     size_multiple = 4  # two stride-2 stages, undone by two up-samplings
 
     def __init__(self, args, widths=(16, 32, 64)):
