@@ -90,6 +90,7 @@ class Evaluator:
             workers=options.num_workers,
             channels_last=options.channels_last,
             image_size=options.img_size,
+            options=options,  # --normalize
         )
         self.setup = setup_model(
             options,
