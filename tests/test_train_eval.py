@@ -541,3 +541,22 @@ def test_validation_folders_of_a_training_list_without_names_take_its_numbers(ti
         KilnError, match=r'has class folders class_0, class_1, class_10, .* by label number alone \(0 to 10\)'
     ):
         train.start(args)
+
+
+def test_eval_and_predict_normalize_as_the_run_did(tiny_shapes, tmp_path):
+    """eval.py's batches were built without the run's options: Kiln's normalization whatever the run had.
+    With --normalize imagenet, eval.py's and predict.py's answers (class and confidence) agree image by image."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1', '--normalize', 'imagenet']
+    train_succeeds(args)
+    folder = experiment_of(args)
+    assert torch.load(os.path.join(folder, 'last.pth'), weights_only=True)['args']['normalize'] == 'imagenet'
+    val = os.path.join(tiny_shapes, 'val.txt')
+    assert run_script('eval.py', '--load_model_path', folder, '--cpu', '--no-progress_bar').returncode == 0
+    assert run_script('predict.py', '--load_model_path', folder, '--input', val, '--cpu').returncode == 0
+    (evaluated,) = glob.glob(os.path.join(folder, 'eval', '*', 'predictions.csv'))
+    (predicted,) = glob.glob(os.path.join(folder, 'predict', '*', 'predictions.csv'))
+    with open(evaluated) as f, open(predicted) as g:
+        evaluations, predictions = list(csv.DictReader(f)), list(csv.DictReader(g))
+    assert len(evaluations) == len(predictions) == 48
+    answers = {row['image']: (row['prediction_name'], row['confidence']) for row in predictions}
+    assert {row['image']: (row['prediction_name'], row['confidence']) for row in evaluations} == answers
