@@ -166,11 +166,13 @@ def evaluate_checkpoint(args, given, path):
     run_on_main_process(
         create_run_folder, folder, options, 'choose a new --save_prefix to keep the old results', '--output_dir'
     )
-    with discard_folder_if_setup_fails(folder) if is_main_process() else contextlib.nullcontext():
+    with discard_folder_if_setup_fails(folder, results=True) if is_main_process() else contextlib.nullcontext():
         evaluator = Evaluator(options, checkpoint, task_type, folder)
         try:
             return evaluator.eval(), getattr(evaluator.dataset, 'list_path', None)
         finally:
+            with contextlib.suppress(Exception):  # the error to show is the first one
+                evaluator.logger.close()  # pictures pending are written before a failed run's folder goes
             evaluator.data.close()
 
 

@@ -138,7 +138,7 @@ def main(argv=None, args=None):
     input_name = source_name(options.input)
     folder = result_folder(path, 'predict', input_name, options.save_prefix, options.output_dir)
     create_run_folder(folder, options, 'choose a new --save_prefix to keep the old predictions', '--output_dir')
-    with discard_folder_if_setup_fails(folder):
+    with discard_folder_if_setup_fails(folder, results=True):
         keep_freed_memory()  # each batch reuses the last one's memory, not fresh pages
         device = select_device(options.cpu, options.gpus)
         task = task_type(options, checkpoint.get('class_names'))

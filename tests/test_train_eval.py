@@ -560,3 +560,31 @@ def test_eval_and_predict_normalize_as_the_run_did(tiny_shapes, tmp_path):
     assert len(evaluations) == len(predictions) == 48
     answers = {row['image']: (row['prediction_name'], row['confidence']) for row in predictions}
     assert {row['image']: (row['prediction_name'], row['confidence']) for row in evaluations} == answers
+
+
+def test_an_eval_that_fails_half_way_leaves_no_result_folder(trained, monkeypatch):
+    """Pictures are written while the evaluation runs: an eval.py that failed at its 6th batch left a
+    folder of pictures, and the same command was then refused ('already exists')."""
+    import eval as evaluation
+    from tasks.task import Task
+    from utils.errors import KilnError
+
+    folder, _ = trained
+    forward, batches = Task.forward, []
+
+    def failing(self, model, batch):
+        batches.append(len(batch['image']))
+        if len(batches) == 6:
+            raise KilnError('the disk holding the images is gone')
+        return forward(self, model, batch)
+
+    monkeypatch.setattr(Task, 'forward', failing)
+    command = ['--load_model_path', os.path.join(folder, 'last.pth'), '--viz_freq', '1', '--batch_size', '4']
+    command += ['--num_workers', '0', '--save_prefix', 'halfway', '--no-progress_bar', '--cpu']
+    with pytest.raises(KilnError, match='the disk holding the images is gone'):
+        evaluation.main(command)
+    assert not os.path.exists(os.path.join(folder, 'eval', 'last_val_halfway'))
+    monkeypatch.setattr(Task, 'forward', forward)
+    evaluation.main(command)  # the same command again
+    pictures = glob.glob(os.path.join(folder, 'eval', 'last_val_halfway', '*_batch*.png'))
+    assert len(pictures) == 12  # one per batch of 4

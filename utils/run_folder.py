@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -87,26 +88,30 @@ def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_
 
 
 @contextlib.contextmanager
-def discard_folder_if_setup_fails(folder):
+def discard_folder_if_setup_fails(folder, results=False):
     """Remove a just-created run folder again if what follows fails, so the same command can be re-run.
 
     Only what runs write by themselves (RUN_FILES, TensorBoard event files) is removed, and only
-    while the folder holds no checkpoint; a folder holding anything else is left alone.
+    while the folder holds no checkpoint; a folder holding anything else is left alone. A `results`
+    folder (eval.py's, predict.py's: made for this command alone) goes with all it holds (pictures
+    written while it ran, masks).
     """
     try:
         yield
     except BaseException:
         names = os.listdir(folder) if os.path.isdir(folder) else []
-        if not any(step_of(name) is not None for name in names):
+        if results:
+            shutil.rmtree(folder, ignore_errors=True)
+        elif not any(step_of(name) is not None for name in names):
             for name in names:
                 if name in RUN_FILES or name.startswith(('events.out.tfevents.', '.')):
                     with contextlib.suppress(OSError):
                         os.remove(os.path.join(folder, name))
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
-                parent = os.path.dirname(folder)
-                if os.path.basename(parent) in (EVAL_FOLDER, PREDICT_FOLDER):
-                    os.rmdir(parent)  # only succeeds when no other result is in it
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only succeeds when nothing else is in it
+            parent = os.path.dirname(folder)
+            if os.path.basename(parent) in (EVAL_FOLDER, PREDICT_FOLDER):
+                os.rmdir(parent)  # only succeeds when no other result is in it
         raise
 
 
