@@ -46,7 +46,7 @@ def select_model(args):
             f'give --load_model_path'
         )
     made_for, task = getattr(model, 'made_for_task', None), getattr(args, 'task', None)
-    if made_for and task and task != made_for:
+    if made_for and task and task != made_for and not _builds_on(task, made_for):
         from tasks.task_entry import task_class
 
         raise KilnError(
@@ -62,3 +62,10 @@ def select_model(args):
             f'--img_size {args.img_size} is not: give {sizes}'
         )
     return model
+
+
+def _builds_on(task, other):
+    """Whether --task `task` is `other` or a task made from it (a subclass: a project's own task)."""
+    from tasks.task_entry import task_class
+
+    return issubclass(task_class(task), task_class(other))

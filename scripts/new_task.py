@@ -182,17 +182,19 @@ def template_names():
 def rename(dest, name):
     """Put `name` where the template's name stood in the text files (as written: a backslash too), and
     replace the README's template pitch and figures and the distribution's name in pyproject.toml
-    (letters, digits, . _ -)."""
+    (letters, digits, . _ -). A project made from a project renames its README alone: its name may be a
+    word its code uses ('detect')."""
     intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('._-') or 'kiln'
     old_name, old_package = template_names()
     for folder, _, files in os.walk(dest):
         for file in files:
             path = os.path.join(folder, file)
-            if not file.endswith(TEXT_FILES):
+            readme = file == 'README.md' and folder == dest
+            if not file.endswith(TEXT_FILES) or (old_name != 'Kiln' and not readme and file != 'pyproject.toml'):
                 continue
             with open(path, encoding='utf-8') as f:
                 text = f.read()
-            if file == 'README.md' and folder == dest:
+            if readme:
                 text = MEASURED.sub(PROJECT_MEASURED, INTRO.sub(lambda match: intro, text))
             if file == 'pyproject.toml' and folder == dest:
                 text = text.replace(f"name = '{old_package}'", f"name = '{package}'", 1)

@@ -396,12 +396,17 @@ time.sleep(600)
 COUNTING_WORKER = """
 import os, signal, sys, time
 sys.path.insert(0, os.getcwd())
-from utils.distributed import _stop_with_launcher
+from utils.distributed import LAUNCHER_GONE, _stop_with_launcher
 heard = []
 signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum))
+signal.signal(signal.SIGUSR2, lambda signum, frame: heard.append(signum))  # submitit's time-limit signal
 launcher = os.getppid()
 _stop_with_launcher()
-os.kill(os.getpid(), signal.SIGUSR2)  # while the launcher lives: not its death, nothing to take
+os.kill(os.getpid(), LAUNCHER_GONE)  # while the launcher lives: not its death, nothing to take
+os.kill(os.getpid(), signal.SIGUSR2)  # still the handler's it was: submitit saves and requeues on it
+time.sleep(0.1)
+assert heard == [signal.SIGUSR2], heard
+heard.clear()
 open(sys.argv[1] + '.ready', 'w').close()
 deadline = time.time() + 60
 while os.getppid() == launcher and time.time() < deadline:

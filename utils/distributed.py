@@ -51,8 +51,10 @@ def _stop_with_launcher():
     """Have Linux signal this process when its parent (torchrun) dies, and take that as one SIGTERM, so
     a worker whose launcher was SIGKILLed saves and stops instead of training on alone. Linux sends the
     parent-death signal again as each thread of the dying launcher ends, and a second SIGTERM means
-    "stop at once": so the signal is one of its own (SIGUSR2), taken once, and only when the parent is
-    really gone."""
+    "stop at once": so the signal is one of its own (a real-time one: SIGUSR1 and SIGUSR2 are
+    SLURM's and submitit's), taken once, and only when the parent is really gone."""
+    if LAUNCHER_GONE is None:  # not Linux
+        return
     launcher, heard = os.getppid(), []
 
     def launcher_gone(signum, frame):
@@ -61,10 +63,13 @@ def _stop_with_launcher():
             signal.raise_signal(signal.SIGTERM)
 
     try:
-        signal.signal(signal.SIGUSR2, launcher_gone)
-        ctypes.CDLL(None).prctl(1, signal.SIGUSR2)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError, ValueError):  # not Linux, or not the main thread
+        signal.signal(LAUNCHER_GONE, launcher_gone)
+        ctypes.CDLL(None).prctl(1, LAUNCHER_GONE)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError, ValueError):  # no prctl, or not the main thread
         pass
+
+
+LAUNCHER_GONE = signal.SIGRTMIN + 2 if hasattr(signal, 'SIGRTMIN') else None  # the parent-death signal
 
 
 def host_group():
