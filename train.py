@@ -802,8 +802,7 @@ def fast_dev_run(argv, args):
         '--valid_interval',
         '2',
     ]
-    dev_argv = [token for token in dev_argv if token != '--fast_dev_run']
-    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv))
+    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv))  # (--fast_dev_run kept: recorded)
     finish(trainer, stop)
     checkpoint = trainer.folder(LAST)
     device = ['--cpu'] if args.cpu else []

@@ -190,7 +190,8 @@ def rename(dest, name):
         for file in files:
             path = os.path.join(folder, file)
             readme = file == 'README.md' and folder == dest
-            if not file.endswith(TEXT_FILES) or (old_name != 'Kiln' and not readme and file != 'pyproject.toml'):
+            made_from_kiln = old_package == 'kiln'  # (lower case: the renaming leaves it as it is)
+            if not file.endswith(TEXT_FILES) or (not made_from_kiln and not readme and file != 'pyproject.toml'):
                 continue
             with open(path, encoding='utf-8') as f:
                 text = f.read()

@@ -572,3 +572,21 @@ def test_a_model_made_for_another_task_is_one_line(model, task, made_for):
     with pytest.raises(KilnError, match=f'^--model_type {model} is made for --task {made_for}; give --task {made_for}'):
         select_model(Namespace(model_type=model, num_classes=3, img_size=64, task=task))
     select_model(Namespace(model_type=model, num_classes=3, img_size=64, task=made_for))  # fine
+
+
+def test_a_task_built_on_segment_takes_its_models(monkeypatch):
+    """A project's own task made from SegmentTask was refused seg_net, its own default model."""
+    from argparse import Namespace
+
+    import tasks.task_entry
+    from model.model_entry import select_model
+    from tasks.segment import SegmentTask
+
+    class BinarySegTask(SegmentTask):
+        pass
+
+    task_class = tasks.task_entry.task_class
+    monkeypatch.setattr(
+        tasks.task_entry, 'task_class', lambda name: BinarySegTask if name == 'binary_seg' else task_class(name)
+    )
+    select_model(Namespace(model_type='seg_net', num_classes=3, img_size=64, task='binary_seg'))

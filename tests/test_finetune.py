@@ -358,3 +358,18 @@ def test_pretrained_path_mistakes_are_one_line_each(tiny_shapes, tmp_path):
     assert error.startswith(f'error: --pretrained_path {kiln} is a Kiln checkpoint, not ImageNet weights'), error
     assert f'--load_model_path {kiln}' in error
     assert sorted(os.listdir(tmp_path / 'ck')) == ['tv_resnet18_list_kiln']  # the refused runs left nothing
+
+
+def test_fast_dev_run_takes_a_later_unfreezing(tiny_shapes, tmp_path):
+    """Its 2 steps are not the run's epochs: --unfreeze_at_epoch 3 of a 5-epoch run was refused."""
+    args = [
+        *tiny_run_args(tiny_shapes, tmp_path / 'ck'),
+        '--epochs',
+        '5',
+        '--freeze_to',
+        '-2',
+        '--unfreeze_at_epoch',
+        '3',
+    ]
+    result = run_script('train.py', *args, '--fast_dev_run')
+    assert result.returncode == 0, result.stderr

@@ -104,6 +104,23 @@ def test_a_project_name_is_written_as_given(tmp_path, name):
     assert f"name = '{package}'" in (tmp_path / 'project' / 'pyproject.toml').read_text()
 
 
+def test_a_project_made_from_a_project_keeps_its_code(tmp_path):
+    """A project named 'detect' made a project whose code had every 'detect' renamed: --task detect was gone."""
+    assert run_script('scripts/new_task.py', str(tmp_path / 'first'), '--name', 'detect').returncode == 0
+    made = subprocess.run(
+        [sys.executable, 'scripts/new_task.py', str(tmp_path / 'second'), '--name', 'boxes'],
+        cwd=tmp_path / 'first',
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+    )
+    assert made.returncode == 0, made.stderr
+    second = tmp_path / 'second'
+    assert (second / 'README.md').read_text().startswith('# boxes\n')
+    assert "name = 'boxes'" in (second / 'pyproject.toml').read_text()
+    assert "'detect': 'tasks.detect:DetectTask'," in (second / 'tasks' / 'task_entry.py').read_text()
+
+
 def test_a_new_task_is_what_the_project_s_scripts_train(tmp_path):
     """train.sh kept TASK=classify: the project's `bash scripts/train.sh` trained the template's task."""
     created = run_script('scripts/new_task.py', str(tmp_path / 'spots'), '--task', 'shard_spots')
