@@ -824,13 +824,18 @@ def experiment_folder(options):
 def inherit(args, given, trained_with):
     """eval.py's and predict.py's options: those of INHERITED not `given` come from the checkpoint's
     training run (`trained_with`, its saved options), then from the task (see resolve)."""
-    if trained_with and 'normalize' not in trained_with:
-        trained_with = {**trained_with, 'normalize': 'kiln'}  # trained by a Kiln before --normalize: Kiln's
+    trained_with = as_trained(trained_with)
     inherited = {
         name: trained_with[name] if name not in given and name in trained_with else getattr(args, name, None)
         for name in INHERITED
     }
     return resolve(args, **inherited)
+
+
+def as_trained(saved):
+    """A checkpoint's saved options, with what a Kiln before an option computed with where it saved none
+    (--normalize: Kiln's mean and std)."""
+    return {'normalize': 'kiln', **saved} if saved else saved
 
 
 def saved_options(args):

@@ -29,6 +29,7 @@ from options import (
     DERIVED,
     NOT_SAVED,
     RESUME_CHANGEABLE,
+    as_trained,
     experiment_folder,
     given_options,
     parse_args,
@@ -212,8 +213,8 @@ def open_experiment(argv, args):
         # the checkpoint's own options, not args.yaml's: a file anyone can edit, or empty after a power cut
         trained = checkpoint.get('args')
         base = saved  # args.yaml, before the first checkpoint
-        if isinstance(trained, dict):  # trained by a Kiln before --normalize: with Kiln's normalization
-            base = {'normalize': 'kiln', **{k: v for k, v in trained.items() if k not in DERIVED}}
+        if isinstance(trained, dict):
+            base = as_trained({k: v for k, v in trained.items() if k not in DERIVED})
         merged = parse_args(parse_train_args, argv, base_config=base)
         _refuse_changes(parse_args(parse_train_args, [], base_config=base), merged, folder)
         args = resolve(merged)
