@@ -183,7 +183,7 @@ def rename(dest, name):
     """Put `name` where the template's name stood in the text files (as written: a backslash too), and
     replace the README's template pitch and figures and the distribution's name in pyproject.toml
     (letters, digits, . _ -). A project made from a project renames its README alone: its name may be a
-    word its code uses ('detect')."""
+    word its code uses ('model')."""
     intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('._-') or 'kiln'
     old_name, old_package = template_names()
     for folder, _, files in os.walk(dest):
