@@ -120,9 +120,13 @@ def submit(args, train_argv):
         executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
     except RuntimeError as error:  # submitit found no SLURM (srun) here
         raise KilnError(
-            f'--cluster {args.cluster or "(SLURM if found)"}: {error}; submit from a SLURM login node, or try it '
-            f'here with --cluster local'
+            f'--cluster {args.cluster}: {error}; submit from a SLURM login node, or try it here with --cluster local'
         ) from None
+    if args.cluster is None and executor.cluster != 'slurm':  # submitit's fallback: a job in the background here
+        raise KilnError(
+            'no SLURM here (no srun): submit from a SLURM login node, or give --cluster local to run the job on '
+            'this machine'
+        )
     executor.update_parameters(
         name=args.name,
         nodes=args.nodes,

@@ -466,6 +466,15 @@ def test_submit_without_slurm_is_one_line():
     )
     assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
     assert result.stderr.startswith('error: --cluster slurm: ') and '--cluster local' in result.stderr
+    # without --cluster, submitit fell back to a job in the background on this machine, without a word
+    result = subprocess.run(
+        [sys.executable, 'scripts/submit.py', '--', '--epochs', '1'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(60),
+    )
+    assert result.returncode == 2 and result.stderr.startswith('error: no SLURM here (no srun)'), result.stderr
 
 
 def _children(pid):
