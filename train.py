@@ -32,7 +32,7 @@ from data.augment import AUGMENTATIONS, MIXES, augmentation_names
 from data.data_entry import select_dataset
 from data.list_dataset import match_classes
 from data.loader import Batches
-from options import option_defaults, prefix_map, resolve, saved_options
+from options import as_trained, option_defaults, prefix_map, resolve, saved_options
 from tasks.task_entry import TASKS, task_class
 from utils.allocator import keep_freed_memory
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
@@ -641,8 +641,15 @@ class Trainer:
 
 def check_trained_task(options, checkpoint, source):
     """A KilnError when --load_model_path's `checkpoint` (the file `source`) was trained for another task
-    than this run's (unless --load_not_strict takes what fits from it: a backbone for another task)."""
+    than this run's (unless --load_not_strict takes what fits from it: a backbone for another task); a
+    note when its images were normalized otherwise."""
     trained = checkpoint.get('args') if isinstance(checkpoint.get('args'), dict) else {}
+    normalized = as_trained(trained).get('normalize')
+    if normalized not in (None, options.normalize) and is_main_process():  # a note: fine-tuning may mean to change it
+        print(
+            f'note: {source} was trained on images normalized with --normalize {normalized}; this run uses '
+            f'{options.normalize} (give --normalize {normalized} to keep what its weights saw)'
+        )
     if options.load_not_strict or trained.get('task') in (None, options.task):
         return
     model = trained.get('model_type')

@@ -199,6 +199,7 @@ def rename(dest, name):
                 text = MEASURED.sub(PROJECT_MEASURED, INTRO.sub(lambda match: intro, text))
             if file == 'pyproject.toml' and folder == dest:
                 text = text.replace(f"name = '{old_package}'", f"name = '{package}'", 1)
+                text = text.replace(f"'{old_package}[", f"'{package}[")  # its extras naming its own
             with open(path, 'w', encoding='utf-8') as f:
                 f.write(re.sub(rf'(?<!\w){re.escape(old_name)}(?!\w)', lambda match: name, text))
 

@@ -431,6 +431,22 @@ def test_a_killed_launcher_is_one_sigterm_to_its_workers(tmp_path):
     assert heard.read_text() == '1'
 
 
+def test_ctrl_c_to_utils_torchrun_while_it_starts_is_one_line(tiny_shapes, tmp_path):
+    """A Ctrl-C while torch loaded in the launcher, or while its rendezvous waited, was a traceback."""
+    process = subprocess.Popen(
+        [*TORCHRUN, 'train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck')],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(0.5)  # still importing torch
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=timeout(60))
+    assert process.returncode == 130 and stderr.strip() == 'interrupted', stderr
+
+
 def test_checks_before_training(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     _one_error_line(run_script('train.py', *args, '--monitor', 'val/nope'), '--monitor val/nope', 'val/acc')

@@ -101,7 +101,9 @@ def test_a_project_name_is_written_as_given(tmp_path, name):
     readme = (tmp_path / 'project' / 'README.md').read_text()
     assert readme.startswith(f'# {name}\n'), readme[:80]
     package = 'proj-1' if name.startswith('Proj') else 'c-new-lab'
-    assert f"name = '{package}'" in (tmp_path / 'project' / 'pyproject.toml').read_text()
+    pyproject = (tmp_path / 'project' / 'pyproject.toml').read_text()
+    assert f"name = '{package}'" in pyproject
+    assert f"'{package}[trackers" in pyproject and "'kiln[" not in pyproject  # its dev extra names itself
 
 
 def test_a_project_made_from_a_project_keeps_its_code(tmp_path):

@@ -560,6 +560,9 @@ def test_eval_and_predict_normalize_as_the_run_did(tiny_shapes, tmp_path):
     assert len(evaluations) == len(predictions) == 48
     answers = {row['image']: (row['prediction_name'], row['confidence']) for row in predictions}
     assert {row['image']: (row['prediction_name'], row['confidence']) for row in evaluations} == answers
+    # fine-tuned with this model's own default (kiln): said, since its weights saw the other
+    tuned = train_succeeds(args[: args.index('--normalize')], '--load_model_path', folder, '--save_prefix', 'tuned')
+    assert 'was trained on images normalized with --normalize imagenet; this run uses kiln' in tuned.stdout
 
 
 def test_an_eval_that_fails_half_way_leaves_no_result_folder(trained, monkeypatch):

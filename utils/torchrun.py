@@ -14,6 +14,9 @@ endings changed:
 import signal
 import sys
 
+from utils.errors import quiet_interrupts
+
+quiet_interrupts()  # a Ctrl-C while torch loads or the rendezvous waits: one line, not a traceback
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
