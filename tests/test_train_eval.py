@@ -549,7 +549,8 @@ def test_eval_and_predict_normalize_as_the_run_did(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1', '--normalize', 'imagenet']
     train_succeeds(args)
     folder = experiment_of(args)
-    assert torch.load(os.path.join(folder, 'last.pth'), weights_only=True)['args']['normalize'] == 'imagenet'
+    saved = torch.load(os.path.join(folder, 'last.pth'), weights_only=True, map_location='cpu')
+    assert saved['args']['normalize'] == 'imagenet'
     val = os.path.join(tiny_shapes, 'val.txt')
     assert run_script('eval.py', '--load_model_path', folder, '--cpu', '--no-progress_bar').returncode == 0
     assert run_script('predict.py', '--load_model_path', folder, '--input', val, '--cpu').returncode == 0
