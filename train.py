@@ -809,7 +809,8 @@ def fast_dev_run(argv, args):
         '--valid_interval',
         '2',
     ]
-    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv))  # (--fast_dev_run kept: recorded)
+    # --fast_dev_run stays among its options: Trainer.build knows its 2 steps are not the run's schedule
+    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv))
     finish(trainer, stop)
     checkpoint = trainer.folder(LAST)
     device = ['--cpu'] if args.cpu else []
