@@ -632,8 +632,10 @@ class Trainer:
             with contextlib.suppress(Exception):  # the error to show is the first one
                 self.logger.close()  # what was logged so far is written and readable
             raise
-        nonfinite = stop is not None and stop.reason == StopReason.NONFINITE
-        self.logger.close(None if nonfinite else self.final_metrics())
+        # final and best metrics only for a run that ended: one stopped by a signal is resumed, and ends
+        # then as one never stopped (its final/, best/ and HParams points once, at its real end)
+        ended = stop is None or stop.reason == StopReason.EARLY_STOP
+        self.logger.close(self.final_metrics() if ended else None)
         if is_main_process():
             self.report(stop, time.perf_counter() - start)
         return stop

@@ -205,6 +205,9 @@ def test_a_stop_signal_at_a_step_due_for_validation_leaves_it_to_the_resumed_run
         assert all(torch.equal(t, ours['model'][k]) for k, t in theirs['model'].items()), name
         assert ours['history'] == theirs['history'], name
     assert _scalars(_folder(stopped), 'val/acc') == _scalars(_folder(whole), 'val/acc')
+    # the final and best values once, at the end (the stop wrote them at its step too, never purged)
+    for tag in ('final/val/acc', 'best/val/acc'):
+        assert _scalars(_folder(stopped), tag) == _scalars(_folder(whole), tag), tag
 
 
 def test_a_run_resumed_with_more_epochs_follows_the_longer_schedule_from_its_first_step(tiny_args):
