@@ -456,7 +456,7 @@ class Trainer:
             self.task,
             self.setup.autocast,
             picture_batches={0} if pictures else (),
-            pictures=lambda number, source: self.logger.log_pictures(number, source, self.task.pictures, step),
+            pictures=lambda number, source: self.logger.log_pictures(source, self.task.pictures, step),
             progress_bar=o.progress_bar if is_main_process() else False,
         )
         if pictures:

@@ -316,7 +316,7 @@ class BatchTransform:
             )
         self.random = [*self.augmentations, *([self.mix] if self.mix else [])]  # what draws parameters
         self.channels_last = channels_last
-        self.normalization = NORMALIZATIONS[getattr(options, 'normalize', None) or 'kiln']
+        self.normalization = NORMALIZATIONS[normalization(options)]
         self.scales = {}  # device -> (255 x mean, 255 x std), made once: a copy per batch would wait for the GPU
 
     def draw(self, count, generator):
@@ -353,6 +353,11 @@ class BatchTransform:
         if 'mask' in batch:
             batch['mask'] = batch['mask'].long()
         return batch
+
+
+def normalization(options):
+    """The --normalize of `options` (resolved: options.resolve), 'kiln' where options have none."""
+    return getattr(options, 'normalize', None) or 'kiln'
 
 
 def denormalize(images, normalize='kiln'):

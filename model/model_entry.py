@@ -46,13 +46,14 @@ def select_model(args):
             f'give --load_model_path'
         )
     made_for, task = getattr(model, 'made_for_task', None), getattr(args, 'task', None)
-    if made_for and task and task != made_for and not _builds_on(task, made_for):
+    if made_for and task and task != made_for:
         from tasks.task_entry import task_class
 
-        raise KilnError(
-            f'--model_type {args.model_type} is made for --task {made_for}; give --task {made_for}, or a model for '
-            f'--task {task} (its own: --model_type {task_class(task).default_model})'
-        )
+        if not issubclass(task_class(task), task_class(made_for)):  # a project's own task built on it takes it
+            raise KilnError(
+                f'--model_type {args.model_type} is made for --task {made_for}; give --task {made_for}, or a model for '
+                f'--task {task} (its own: --model_type {task_class(task).default_model})'
+            )
     multiple = getattr(model, 'size_multiple', 1)
     if args.img_size % multiple:
         below = args.img_size // multiple * multiple
@@ -62,10 +63,3 @@ def select_model(args):
             f'--img_size {args.img_size} is not: give {sizes}'
         )
     return model
-
-
-def _builds_on(task, other):
-    """Whether --task `task` is `other` or a task made from it (a subclass: a project's own task)."""
-    from tasks.task_entry import task_class
-
-    return issubclass(task_class(task), task_class(other))

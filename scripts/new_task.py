@@ -186,11 +186,11 @@ def rename(dest, name):
     word its code uses ('model')."""
     intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('._-') or 'kiln'
     old_name, old_package = template_names()
+    made_from_kiln = old_package == 'kiln'  # (lower case: the renaming leaves it as it is)
     for folder, _, files in os.walk(dest):
         for file in files:
             path = os.path.join(folder, file)
             readme = file == 'README.md' and folder == dest
-            made_from_kiln = old_package == 'kiln'  # (lower case: the renaming leaves it as it is)
             if not file.endswith(TEXT_FILES) or (not made_from_kiln and not readme and file != 'pyproject.toml'):
                 continue
             with open(path, encoding='utf-8') as f:

@@ -15,7 +15,7 @@ Register it with one line in tasks/task_entry.py; no loop, option or entry scrip
 
 import torch
 
-from data.augment import denormalize
+from data.augment import denormalize, normalization
 from data.loader import pad_collate
 from utils.errors import KilnError
 
@@ -108,7 +108,7 @@ class Task:
 
     def display_images(self, batch, count):
         """The first `count` images of a batch as float (N, 3, H, W) in [0, 1] for pictures."""
-        return denormalize(batch['image'][:count], getattr(self.options, 'normalize', None) or 'kiln')
+        return denormalize(batch['image'][:count], normalization(self.options))
 
     def pictures(self, batch, outputs):
         """Pictures of (the first `pictured` samples of) a batch as {name: HxWx3 uint8 array} (TensorBoard

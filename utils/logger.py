@@ -60,8 +60,8 @@ class Logger:
         """Curves: {'train/loss': 0.5, 'val/acc': 0.9, ...} at optimizer step `step`."""
         self._to_trackers('log_metrics', dict(metrics), step, epoch)
 
-    def log_pictures(self, number, source, draw, step):
-        """Pictures of evaluated batch `number`: `source` (a utils.checkpointer.Snapshot of (batch, outputs))
+    def log_pictures(self, source, draw, step):
+        """Pictures of an evaluated batch: `source` (a utils.checkpointer.Snapshot of (batch, outputs))
         is drawn by `draw` (the task's `pictures`) on the writer thread and logged as 'val/<name>'."""
         if self.trackers:
             self.writer.submit(self._log_pictures, source, draw, step)
@@ -70,7 +70,7 @@ class Logger:
         self.trackers.log_images({f'val/{name}': picture for name, picture in draw(*source.get()).items()}, step)
 
     def save_pictures(self, number, source, draw, folder):
-        """Pictures of evaluated batch `number` (see `log_pictures`), drawn and saved as
+        """Pictures of evaluated batch `number` (`source`: see `log_pictures`), drawn and saved as
         `<folder>/<name>_batch<N>.png` on the writer thread."""
         self.writer.submit(self._save_pictures, number, source, draw, folder)
 
