@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from data.augment import BatchTransform, RandomCrop, _reflect
+from data.augment import BatchTransform, RandomCrop, _reflect, _shift_reflected
 from data.list_dataset import ListDataset
 from data.loader import Batches, pad_collate
 from data.mem_list_dataset import MemListDataset
@@ -123,6 +123,28 @@ def test_the_crop_is_torchvision_s_reflect_padded_random_crop():
     for i, (dy, dx) in enumerate(shift.tolist()):
         assert torch.equal(out[i].float(), padded[i, :, 2 + dy : 10 + dy, 2 + dx : 10 + dx])
     assert _reflect(torch.tensor([-2, -1, 0, 7, 8, 9]), 8).tolist() == [2, 1, 0, 7, 6, 5]
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_the_batched_crop_moves_every_pixel_where_reflection_says(seed):
+    """Against the per-pixel definition (row r of sample i is input row reflect(r + dy_i)), for images,
+    masks and extra dimensions of several dtypes, also images smaller than the padding."""
+    generator = torch.Generator().manual_seed(seed)
+    for shape, dtype in [
+        ((5, 3, 17, 9), torch.uint8),
+        ((4, 11, 6), torch.int64),
+        ((3, 2, 2, 7, 8), torch.float32),
+        ((6, 1, 2, 3), torch.uint8),  # smaller than a padding of 4
+    ]:
+        tensor = torch.randint(0, 200, shape, generator=generator).to(dtype)
+        padding = int(torch.randint(1, 5, (), generator=generator))
+        shift = torch.randint(-padding, padding + 1, (shape[0], 2), generator=generator)
+        height, width = shape[-2:]
+        rows = _reflect(torch.arange(height) + shift[:, :1], height)  # (N, H)
+        columns = _reflect(torch.arange(width) + shift[:, 1:], width)
+        expected = torch.stack([tensor[i][..., rows[i], :][..., columns[i]] for i in range(shape[0])])
+        moved = _shift_reflected(tensor, shift, padding)
+        assert moved.dtype == dtype and torch.equal(moved, expected), f'seed {seed}, {shape} {dtype}, padding {padding}'
 
 
 def test_masks_and_boxes_move_with_their_pixels():
