@@ -26,6 +26,7 @@ if __name__ == '__main__':
     ARGS = run_cli(parse_in_one_process)  # --help and mistakes answer before torch loads
 
 import csv
+import functools
 import glob
 import sys
 
@@ -34,6 +35,7 @@ import torch
 from data.augment import BatchTransform
 from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images
 from data.list_file import read_image_paths
+from data.loader import default_workers, init_worker
 from eval import load_for_inference
 from options import given_options, prefix_map
 from utils.allocator import keep_freed_memory
@@ -80,19 +82,40 @@ def source_name(source):
     return plain_name(source or '.')
 
 
-def read_batches(paths, options, unreadable):
-    """Yield batches of (path, uint8 image, region, image size) of the readable images, resized as the
-    model was trained (--img_size, --resize, --crop_pct; the region is the part of the image that
-    became the input); add (path, reason) of the others to `unreadable`."""
-    batch = []
-    for path in paths:
+class DecodedImages(torch.utils.data.Dataset):
+    """The images of `paths` resized as the model was trained (--img_size, --resize, --crop_pct): each
+    item is (path, (uint8 image, region, image size)), or (path, reason) for an image that cannot be read."""
+
+    def __init__(self, paths, options):
+        self.paths, self.options = paths, options
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        path, o = self.paths[index], self.options
         try:
-            image, region, size = decode_image(
-                path, options.img_size, resize=options.resize, crop_pct=options.crop_pct, with_box=True
-            )
-            batch.append((path, image, region, size))
+            return path, decode_image(path, o.img_size, resize=o.resize, crop_pct=o.crop_pct, with_box=True)
         except KilnError as error:
-            unreadable.append((path, str(error)))
+            return path, str(error)
+
+
+def read_batches(paths, options, unreadable):
+    """Yield batches of (path, uint8 image, region, image size) of the readable images, decoded by
+    --num_workers processes, in the order of `paths` (the region is the part of the image that became
+    the input); add (path, reason) of the others to `unreadable`."""
+    decoded = torch.utils.data.DataLoader(
+        DecodedImages(paths, options),
+        batch_size=None,  # one image at a time, in order: the readable ones are batched here
+        num_workers=default_workers(options.num_workers),
+        worker_init_fn=functools.partial(init_worker, os.getpid()),
+    )
+    batch = []
+    for path, result in decoded:
+        if isinstance(result, str):
+            unreadable.append((path, result))
+        else:
+            batch.append((path, *result))
         if len(batch) == options.batch_size:
             yield batch
             batch = []

@@ -60,7 +60,9 @@ def _die_with_parent(parent):
         os._exit(1)
 
 
-def _init_worker(parent, worker_id):
+def init_worker(parent, worker_id):
+    """A DataLoader worker's start (`functools.partial(init_worker, os.getpid())`): stop signals left to
+    the main process, death with it, and its random generators seeded."""
     # a stop signal is the main process's to handle (it finishes the step and saves, and needs its
     # workers for that); Ctrl-C and torchrun send it to the workers too, so they ignore it, and die
     # with the main process instead
@@ -128,7 +130,7 @@ class Batches:
                 collate_fn=functools.partial(_collate_with_positions, collate),
                 pin_memory=device.type == 'cuda',
                 persistent_workers=workers > 0,
-                worker_init_fn=functools.partial(_init_worker, os.getpid()),
+                worker_init_fn=functools.partial(init_worker, os.getpid()),
             )
 
     def close(self):

@@ -71,21 +71,22 @@ class DetectTask(Task):
     eval_header = ('image', 'class', 'class_name', 'score', 'x1', 'y1', 'x2', 'y2')
 
     def eval_rows(self, batch, outputs):
-        """One row per detection scoring at least MIN_SCORE (the true boxes are in the list file)."""
+        """One row per detection scoring at least MIN_SCORE, one of empty fields for an image without (the
+        true boxes are in the list file)."""
         return self.predict_rows(batch, outputs, None, None)
 
     predict_header = eval_header
 
     def predict_rows(self, batch, outputs, paths, folder):
-        """A row per detection scoring at least MIN_SCORE, its box in the image's own pixels when the
-        batch says which part of each image became the input ('region' x0, y0, x1, y1: see
-        data/det_list_dataset.py), else in the input's pixels."""
+        """A row per detection scoring at least MIN_SCORE (one of empty fields for an image without), its
+        box in the image's own pixels when the batch says which part of each image became the input
+        ('region' x0, y0, x1, y1: see data/det_list_dataset.py), else in the input's pixels."""
         boxes, scores, labels = self.to_host(*decode_detections(outputs))
         if 'region' in batch:  # the region of the (upright) image that was resized to the square input
             (region,) = self.to_host(batch['region'].float())
             scale = (region[:, 2:] - region[:, :2]) / batch['image'].shape[-1]
             boxes = boxes * scale.repeat(1, 2)[:, None] + region[:, None, :2].repeat(1, 1, 2)
-        return [
+        rows = [
             [
                 [label, self.class_names[label], f'{score:.4f}', *(f'{v:.1f}' for v in box)]
                 for box, score, label in zip(image_boxes.tolist(), image_scores.tolist(), image_labels.tolist())
@@ -93,6 +94,8 @@ class DetectTask(Task):
             ]
             for image_boxes, image_scores, image_labels in zip(boxes, scores, labels)
         ]
+        # an image without a detection still has its row (empty fields): every image read is in the file
+        return [image_rows or [[''] * (len(self.eval_header) - 1)] for image_rows in rows]
 
 
 class DetectionMetrics:

@@ -69,7 +69,9 @@ def mask_on_image(mask, region, image_size):
     """A square predicted mask (S, S) resized (nearest) onto the `region` (x0, y0, x1, y1) of an image of
     `image_size` (width, height) that became the model's input; UNSEEN elsewhere."""
     width, height = image_size
-    x0, y0, x1, y1 = (round(value) for value in region)
+    # at least one pixel each way, as data/image_io.decode_image cut the input (a region under a pixel wide)
+    x0, y0 = min(round(region[0]), width - 1), min(round(region[1]), height - 1)
+    x1, y1 = max(round(region[2]), x0 + 1), max(round(region[3]), y0 + 1)
     full = np.full((height, width), UNSEEN, np.uint8)
     full[y0:y1, x0:x1] = np.asarray(Image.fromarray(mask).resize((x1 - x0, y1 - y0), Image.NEAREST))
     return full

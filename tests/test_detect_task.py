@@ -75,8 +75,11 @@ def test_detection_trains_evaluates_and_predicts(boxes, tmp_path):
     with open(folder / 'predict' / 'best_val_default' / 'predictions.csv') as f:
         rows = list(csv.DictReader(f))
     assert rows and set(rows[0]) == {'image', 'class', 'class_name', 'score', 'x1', 'y1', 'x2', 'y2'}
-    assert all(float(row['score']) >= 0.3 and float(row['x2']) > float(row['x1']) for row in rows)
-    assert len({row['image'] for row in rows}) > 16  # boxes found in many of the 128 images
+    found = [row for row in rows if row['score']]  # the others: an image without a detection, fields empty
+    assert all(float(row['score']) >= 0.3 and float(row['x2']) > float(row['x1']) for row in found)
+    assert all(set(row.values()) == {row['image'], ''} for row in rows if not row['score'])
+    assert len({row['image'] for row in found}) > 16  # boxes found in many of the 128 images
+    assert len({row['image'] for row in rows}) == 128  # and every image has its rows
 
 
 def test_detection_is_one_task_file_and_registry_lines(tmp_path):
@@ -145,6 +148,23 @@ def test_rows_give_boxes_in_the_image_pixels_of_the_list(tmp_path, monkeypatch, 
     (rows,) = task.predict_rows(batch, None, ['wide.png'], None)
     ((label, name, score, *box),) = rows
     assert (label, name) == (1, 'b') and [float(v) for v in box] == pytest.approx([23, 17, 48, 42], abs=0.05), box
+
+
+def test_an_image_without_a_detection_keeps_its_row(monkeypatch):
+    """predictions.csv has every image read: one without a box over MIN_SCORE gets a row of empty fields."""
+    import argparse
+
+    import torch
+
+    import tasks.detect as detect
+
+    task = detect.DetectTask(argparse.Namespace(num_classes=2, loss=None), ['a', 'b'])
+    boxes = torch.tensor([[[1.0, 2.0, 3.0, 4.0]], [[5.0, 6.0, 7.0, 8.0]]])
+    decoded = (boxes, torch.tensor([[0.9], [detect.MIN_SCORE / 2]]), torch.tensor([[1], [0]]))
+    monkeypatch.setattr(detect, 'decode_detections', lambda outputs: decoded)
+    found, empty = task.predict_rows({'image': torch.zeros(2, 3, 8, 8)}, None, ['x.png', 'y.png'], None)
+    assert found == [[1, 'b', '0.9000', '1.0', '2.0', '3.0', '4.0']]
+    assert empty == [[''] * (len(task.predict_header) - 1)]
 
 
 def test_normalized_boxes_are_refused_and_small_boxes_kept(tmp_path):

@@ -237,7 +237,7 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
     images.mkdir()
     for name in ('00000.png', '00001.png', '00002.png'):
         os.link(os.path.join(tiny_shapes, 'images', 'val', name), images / name)
-    (images / 'broken.png').write_bytes(b'not an image')
+    (images / '00001_broken.png').write_bytes(b'not an image')  # between two readable ones
     result = run_script(
         'predict.py',
         '--load_model_path',
@@ -245,6 +245,8 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
         '--input',
         str(images),
         '--no-progress_bar',
+        '--num_workers',
+        '0',
     )
     assert result.returncode == 2 and '1 of 4 images could not be read' in result.stderr
     folder = os.path.join(classified[0], 'predict', 'best_images_default')
@@ -252,13 +254,56 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
         rows = list(csv.DictReader(f))
     assert [os.path.basename(r['image']) for r in rows] == ['00000.png', '00001.png', '00002.png']
     assert all(r['prediction_name'] in ('circle', 'square', 'triangle', 'star', 'cross', 'ring') for r in rows)
-    assert 'broken.png' in open(os.path.join(folder, 'unreadable.txt')).read()
+    assert '00001_broken.png' in open(os.path.join(folder, 'unreadable.txt')).read()
     assert 'the others were predicted' in result.stderr
+    # decoded by worker processes, in batches of 2: the same rows in the same order, the same reasons
+    in_workers = run_script(
+        'predict.py',
+        '--load_model_path',
+        classified[0],
+        '--input',
+        str(images),
+        '--no-progress_bar',
+        '--num_workers',
+        '2',
+        '--batch_size',
+        '2',
+        '--save_prefix',
+        'workers',
+    )
+    assert in_workers.returncode == 2 and '1 of 4 images could not be read' in in_workers.stderr
+    other = os.path.join(classified[0], 'predict', 'best_images_workers')
+    with open(os.path.join(other, 'predictions.csv')) as f:
+        assert [(r['image'], r['prediction']) for r in csv.DictReader(f)] == [
+            (r['image'], r['prediction']) for r in rows
+        ]
+    assert open(os.path.join(other, 'unreadable.txt')).read() == open(os.path.join(folder, 'unreadable.txt')).read()
     alone = run_script(  # nothing else to predict: no word of others
-        'predict.py', '--load_model_path', classified[0], '--input', images / 'broken.png', '--no-progress_bar'
+        'predict.py', '--load_model_path', classified[0], '--input', images / '00001_broken.png', '--no-progress_bar'
     )
     assert alone.returncode == 2 and '1 of 1 images could not be read' in alone.stderr, alone.stderr
     assert 'others' not in alone.stderr
+
+
+WHO_DECODES = """
+import os, sys, types, torch, predict
+predict.decode_image = lambda path, *args, **kw: (torch.zeros(3, 2, 2, dtype=torch.uint8), (0, 0, 2, 2), os.getpid())
+options = types.SimpleNamespace(num_workers=int(sys.argv[1]), batch_size=3, img_size=2, resize=None, crop_pct=None)
+batches = list(predict.read_batches([f'{i}.png' for i in range(8)], options, []))
+print([path for batch in batches for path, *_ in batch] == [f'{i}.png' for i in range(8)], len(batches))
+print(len({size for batch in batches for *_, size in batch} - {os.getpid()}))
+"""
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_predict_decodes_in_num_workers_processes(workers):
+    """--num_workers was accepted and ignored: every image was decoded in the main process."""
+    result = subprocess.run(
+        [sys.executable, '-c', WHO_DECODES, str(workers)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    in_order, others = result.stdout.split('\n')[:2]
+    assert in_order == 'True 3' and int(others) == workers  # in order; each worker decoded some
 
 
 def test_predict_takes_a_quoted_glob_and_names_its_folder_plainly(tiny_shapes, classified, tmp_path):
@@ -305,6 +350,9 @@ def test_a_predicted_mask_lies_on_its_image():
     cropped = mask_on_image(mask, (22, 2, 58, 38), (80, 40))  # the centred 36-pixel square of crop_pct 0.9
     assert cropped.shape == (40, 80) and (cropped[:, :22] == UNSEEN).all() and (cropped[:2] == UNSEEN).all()
     assert (cropped[2:11, 22:31] == 0).all() and (cropped[29:38, 49:58] == 15).all()
+    # a 1x2 image's centred square is under a pixel high: the one pixel it falls in (as the input was cut)
+    tiny = mask_on_image(mask, (0.0625, 0.5625, 0.9375, 1.4375), (1, 2))
+    assert tiny.shape == (2, 1) and tiny[0, 0] == UNSEEN and tiny[1, 0] in mask
 
 
 def test_eval_compares_several_checkpoints(classified, tmp_path):
