@@ -121,13 +121,16 @@ class Evaluator:
         if is_main_process():
             self.write_results(evaluation)
             self.logger.close()  # the pictures are written
-            main_metrics = {k: v for k, v in evaluation.metrics.items() if '/' not in k}
-            print(f'{o.load_model_path}: ' + ' '.join(f'{k} {v:.4f}' for k, v in main_metrics.items()))
-            print(
-                f'  results in {self.folder}: result.txt, result.json, predictions.csv'
-                f'{", pictures" if o.save_viz else ""}'
-            )
         return evaluation.metrics
+
+    def report(self, metrics):
+        """Print the main metrics and where the results are."""
+        main_metrics = {k: v for k, v in metrics.items() if '/' not in k}
+        print(f'{self.options.load_model_path}: ' + ' '.join(f'{k} {v:.4f}' for k, v in main_metrics.items()))
+        print(
+            f'  results in {self.folder}: result.txt, result.json, predictions.csv'
+            f'{", pictures" if self.options.save_viz else ""}'
+        )
 
     def write_results(self, evaluation):
         """result.txt (one `metric: value` per line), result.json, predictions.csv and the task's
@@ -158,7 +161,8 @@ class Evaluator:
 
 
 def evaluate_checkpoint(args, given, path):
-    """Evaluate one checkpoint into its own new result folder; return (its metrics, the list evaluated)."""
+    """Evaluate one checkpoint into its own new result folder; return (its metrics, the list evaluated,
+    the folder)."""
     options, checkpoint, task_type = load_for_inference(args, given, path)
     name = evaluated_list_name(args.val_list)  # 'val' unless given
     folder = result_folder(path, 'eval', name, options.save_prefix, options.output_dir)
@@ -169,24 +173,34 @@ def evaluate_checkpoint(args, given, path):
     with discard_folder_if_setup_fails(folder, results=True) if is_main_process() else contextlib.nullcontext():
         evaluator = Evaluator(options, checkpoint, task_type, folder)
         try:
-            return evaluator.eval(), getattr(evaluator.dataset, 'list_path', None)
+            metrics = evaluator.eval()
         finally:
             with contextlib.suppress(Exception):  # the error to show is the first one
                 evaluator.logger.close()  # pictures pending are written before a failed run's folder goes
             evaluator.data.close()
+    if is_main_process():  # once the results are whole: a closed output cannot take them away
+        evaluator.report(metrics)
+    return metrics, getattr(evaluator.dataset, 'list_path', None), folder
 
 
 def prepare_comparison(args, checkpoints):
-    """Check that no result folder exists yet, then create the comparison folder; return its path."""
+    """Check that every checkpoint is whole and that no two of them, and no earlier results, share a
+    result folder, then create the comparison folder; return its path."""
+    folders, name = {}, evaluated_list_name(args.val_list)
     for checkpoint in checkpoints:
-        name = evaluated_list_name(args.val_list)
+        verify(checkpoint)  # a corrupt one is said now, not after the others were evaluated
         folder = result_folder(checkpoint, 'eval', name, args.save_prefix, args.output_dir)
         if os.path.exists(folder):
             raise KilnError(f'{folder} already exists; choose a new --save_prefix to keep the old results')
+        if folder in folders:
+            raise KilnError(
+                f'{folders[folder]} and {checkpoint} would both write their results to {folder} (experiment '
+                f'folders of the same name under --output_dir): evaluate them in two commands with their own '
+                f'--save_prefix'
+            )
+        folders[folder] = checkpoint
     folder = os.path.join(  # beside the results when they go to --output_dir
-        args.output_dir or args.checkpoints_dir,
-        'comparisons',
-        f'{evaluated_list_name(args.val_list)}_{args.save_prefix}',
+        args.output_dir or args.checkpoints_dir, 'comparisons', f'{name}_{args.save_prefix}'
     )
     create_run_folder(folder, args, 'choose a new --save_prefix to keep the old comparison')
     return folder
@@ -230,9 +244,17 @@ def main(argv=None, args=None):
         if len(checkpoints) == 1:
             return evaluate_checkpoint(args, given, checkpoints[0])[0]
         folder = run_on_main_process(prepare_comparison, args, checkpoints)
-        rows = [(checkpoint, *evaluate_checkpoint(args, given, checkpoint)) for checkpoint in checkpoints]
+        rows = []
+        with contextlib.ExitStack() as made:  # all or nothing: a failed or stopped comparison can be run again
+            if is_main_process():
+                made.enter_context(discard_folder_if_setup_fails(folder, results=True))
+            for checkpoint in checkpoints:
+                metrics, list_path, result = evaluate_checkpoint(args, given, checkpoint)
+                if is_main_process():
+                    made.enter_context(discard_folder_if_setup_fails(result, results=True))
+                rows.append((checkpoint, metrics, list_path))
+            several_lists = write_comparison(folder, rows) if is_main_process() else False
         if is_main_process():
-            several_lists = write_comparison(folder, rows)
             with open(os.path.join(folder, 'comparison.txt')) as f:
                 print(f.read().rstrip())
             print(f'comparison of {len(rows)} checkpoints in {folder}: comparison.txt, comparison.csv')

@@ -386,6 +386,66 @@ def test_eval_compares_several_checkpoints(classified, tmp_path):
     assert again.returncode == 2 and 'already exists' in again.stderr
 
 
+def test_a_comparison_that_fails_half_way_leaves_nothing_and_runs_again(classified, tmp_path):
+    """The first checkpoint's results and an empty comparison folder stayed, and the same command was
+    refused ('already exists') once the cause was mended."""
+    import torch
+
+    weights = tmp_path / 'weights.pth'  # a plain state dict: which model it holds is not said
+    torch.save(torch.load(os.path.join(classified[1], 'best.pth'), weights_only=True)['model'], weights)
+    command = ['--load_model_path', classified[0], weights, '--save_prefix', 'half', '--checkpoints_dir', tmp_path]
+    failed = run_script('eval.py', *command, '--no-progress_bar')
+    assert failed.returncode == 2 and 'give --model_type' in failed.stderr, failed.stderr
+    assert not os.path.exists(os.path.join(classified[0], 'eval', 'best_val_half'))  # evaluated, then removed
+    assert not (tmp_path / 'comparisons' / 'val_half').exists()
+    _ok(run_script('eval.py', *command, '--no-progress_bar', '--model_type', 'small_cnn'))
+    assert os.path.isfile(os.path.join(classified[0], 'eval', 'best_val_half', 'result.txt'))
+    assert (tmp_path / 'comparisons' / 'val_half' / 'comparison.csv').is_file()
+
+
+def test_a_corrupt_copy_or_two_checkpoints_of_one_name_are_refused_before_any_work(classified, tmp_path):
+    """A folder copied without its hard links (cp -r) had best.pth pass unchecked, damaged or not; two
+    experiment folders of one name under --output_dir wrote into one result folder (the second refused
+    after the first was evaluated)."""
+    import shutil
+
+    copied = tmp_path / 'copied' / os.path.basename(classified[1])
+    shutil.copytree(classified[1], copied)  # best.pth and last.pth: copies now, not links
+    data = bytearray((copied / 'best.pth').read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (copied / 'best.pth').write_bytes(bytes(data))
+    command = ['--load_model_path', classified[0], copied, '--save_prefix', 'bad', '--checkpoints_dir', tmp_path]
+    refused = run_script('eval.py', *command, '--no-progress_bar')
+    assert refused.returncode == 2 and f'{copied}/best.pth is corrupt' in refused.stderr, refused.stderr
+    assert (
+        not os.path.exists(os.path.join(classified[0], 'eval', 'best_val_bad'))
+        and not (tmp_path / 'comparisons').exists()
+    )
+    shutil.copyfile(os.path.join(classified[1], 'best.pth'), copied / 'best.pth')  # a whole copy is taken
+    _ok(run_script('eval.py', '--load_model_path', copied, '--no-progress_bar', '--save_prefix', 'whole'))
+
+    twin = tmp_path / 'twin' / os.path.basename(classified[0])
+    shutil.copytree(classified[0], twin, ignore=shutil.ignore_patterns('eval'))
+    both = ['--load_model_path', classified[0], twin, '--output_dir', tmp_path / 'out', '--checkpoints_dir', tmp_path]
+    clash = run_script('eval.py', *both, '--no-progress_bar')
+    assert clash.returncode == 2 and 'would both write their results to' in clash.stderr, clash.stderr
+    assert not (tmp_path / 'out').exists()
+
+
+def test_a_closed_output_keeps_whole_results_and_ends_quietly(classified, tmp_path):
+    """`eval.py ... | head -1`: the pipe closed before the summary lines removed the finished result
+    folder, with 'error: cannot use: Broken pipe; free disk space ...'."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is printed
+    command = [sys.executable, 'eval.py', '--load_model_path', classified[0], '--no-progress_bar']
+    result = subprocess.run(
+        [*command, '--save_prefix', 'piped'], cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300
+    )
+    os.close(write_end)
+    assert result.returncode == 141 and result.stderr == '', result.stderr  # as a tool stopped by SIGPIPE
+    assert os.path.isfile(os.path.join(classified[0], 'eval', 'best_val_piped', 'predictions.csv'))
+
+
 def test_runs_log_hparams_and_args(classified):
     events = EventAccumulator(classified[0])
     events.Reload()

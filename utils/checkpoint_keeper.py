@@ -82,16 +82,27 @@ def _linked_name(folder, link, files):
 
 def verify(path):
     """Raise a KilnError when `path`'s bytes differ from the checksum its folder's record holds for it
-    (a checkpoint not in a record cannot be checked and passes)."""
+    (a checkpoint not in a record cannot be checked and passes). last.pth and best.pth that are copies,
+    not links (a folder copied without its hard links, a file system without them), must hold the bytes
+    of one of the folder's checkpoints."""
     folder, name = os.path.split(os.path.abspath(path))
     record = read_record(folder)
     if not record:
         return
-    files = record['files']
+    files, link = record['files'], name
     name = name if name in files else _linked_name(folder, name, files)
     expected = files.get(name, {}).get('sha256') if name else None
     if expected and checksum(path) != expected:
         raise KilnError(f'{path} is corrupt: its bytes do not match the checksum in {os.path.join(folder, RECORD)}')
+    if name is None and link in (LAST, BEST):
+        digest = checksum(path)
+        known = {entry.get('sha256') for entry in files.values()}
+        unrecorded = [other for other in os.listdir(folder) if step_of(other) is not None and other not in files]
+        if digest not in known and all(checksum(os.path.join(folder, other)) != digest for other in unrecorded):
+            raise KilnError(
+                f'{path} is corrupt: its bytes are those of none of the checkpoints in {folder} (checksums in '
+                f'{RECORD}); load one of those files instead'
+            )
 
 
 class CheckpointKeeper:

@@ -2,6 +2,7 @@
 
 import atexit
 import os
+import select
 import signal
 import sys
 import threading
@@ -127,12 +128,18 @@ def _run_reporting_errors(main, argv):
     if '--debug' in argv:
         return main(argv)
     try:
-        return main(argv)
+        result = main(argv)
+        sys.stdout.flush()  # a closed output shows here, not in the interpreter's last flush (exit code 120)
+        return result
     except KeyboardInterrupt:
         _interrupted()
     except KilnError as error:
         exit_with_error(f'error: {_one_line(error)}')
     except OSError as error:
+        if isinstance(error, BrokenPipeError) and _output_gone():
+            # the reader of the output left (`| head -1`): stop quietly with SIGPIPE's status, as tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush must not fail
+            raise SystemExit(128 + signal.SIGPIPE) from None
         where = f' {error.filename}' if error.filename else ''
         exit_with_error(
             f'error: cannot use{where}: {error.strerror or error}; free disk space or fix the permissions '
@@ -153,6 +160,16 @@ def _run_reporting_errors(main, argv):
         if not _is_out_of_memory(error):
             raise
         exit_with_error('error: out of memory; lower --batch_size or --img_size (--debug shows where)')
+
+
+def _output_gone():
+    """Whether standard output is a pipe whose reader has closed it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (captured output), no poll
+        return False
 
 
 def run_to_exit(main, argv=None):
