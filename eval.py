@@ -154,7 +154,8 @@ class Evaluator:
         with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
             writer = csv.writer(f)
             writer.writerow(task.eval_header)
-            for path, rows in zip(self.dataset.image_paths(), evaluation.rows):
+            image_paths = getattr(self.dataset, 'image_paths', lambda: range(len(evaluation.rows)))  # or numbers
+            for path, rows in zip(image_paths(), evaluation.rows):
                 writer.writerows([path, *row] for row in rows)
         for name, picture in task.result_pictures(evaluation.metric_object).items():
             save_png(picture, os.path.join(folder, f'{name}.png'))

@@ -144,7 +144,9 @@ class Trainer:
     Each part lives in a file named by its one job and carries its own state (what a checkpoint is
     made of); the Trainer's own state is the number of steps to make. A new kind of training changes
     one method: `train_step` (a second loss term, a teacher model), `optimizer_step`, `validate` or
-    `save`; subclass the Trainer and build it with `MyTrainer.build(options)`.
+    `save`. Subclass the Trainer and run it as train.py runs its own, from a script of yours:
+    `run_to_exit(lambda argv: train.main(argv, trainer_type=MyTrainer))` (the folder, torchrun, signals,
+    --fast_dev_run and one-line errors as for train.py; the run's "continue" line names your script).
     """
 
     def __init__(
@@ -206,7 +208,8 @@ class Trainer:
         train_set = select_dataset(options, 'train')
         options = options.replace(
             num_classes=options.num_classes or train_set.num_classes,
-            resize=options.resize or getattr(train_set, 'resize', None),
+            # a dataset that does not say gave whole images: predict.py reads files the same way
+            resize=options.resize or getattr(train_set, 'resize', None) or 'squash',
         )
         check_monitor(options, task_type)
         task = task_type(options, train_set.class_names)
@@ -617,8 +620,16 @@ class Trainer:
                 if here == str(count)
                 else f'torchrun ({count} processes) '
             )
-            lines.append(f'  continue:    {launch}train.py --resume {shlex.quote(self.folder(LAST))}')
+            lines.append(f'  continue:    {launch}{self.script()} --resume {shlex.quote(self.folder(LAST))}')
         print('\n'.join(lines), flush=True)
+
+    def script(self):
+        """The script to continue this run with: train.py, or the one that runs a subclass (its own
+        train_step, ...: resumed by train.py, the run would go on without them)."""
+        path = getattr(sys.modules['__main__'], '__file__', None)
+        if type(self) is Trainer or not path:
+            return 'train.py'
+        return shlex.quote(os.path.relpath(path))
 
     def run(self):
         """Train, then let the Logger write what is pending, finish and close the trackers, and report;
@@ -727,16 +738,16 @@ def open_run(argv, options):
     return run_on_main_process(on_main_process), lock
 
 
-def start(argv):
+def start(argv, trainer_type=None):
     """What `main` does before training, in one process: resolve the options, open the experiment
-    folder and build the Trainer (for scripts and tests: `start(argv).run()`)."""
+    folder and build the Trainer (for benchmarks and tests: `start(argv).run()`)."""
     options, lock = open_experiment(argv, resolve(parse_args(parse_train_args, argv)))
-    return Trainer.build(options, lock)
+    return (trainer_type or Trainer).build(options, lock)
 
 
-def main(argv=None, args=None):
-    """Join torchrun's processes if any, make (or reopen) the experiment folder, build the Trainer and
-    run it; returns the Trainer."""
+def main(argv=None, args=None, trainer_type=None):
+    """Join torchrun's processes if any, make (or reopen) the experiment folder, build the Trainer (or
+    `trainer_type`, a subclass) and run it; returns the Trainer."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = args or parse_args(parse_train_args, argv)
     if args.fast_dev_run and args.resume:
@@ -744,23 +755,23 @@ def main(argv=None, args=None):
     init_distributed(args.cpu, args.gpus)
     try:
         if args.fast_dev_run:
-            return fast_dev_run(argv, args)
-        trainer, stop = train_in_group(argv, args)
+            return fast_dev_run(argv, args, trainer_type)
+        trainer, stop = train_in_group(argv, args, trainer_type)
     finally:
         cleanup_distributed()
     finish(trainer, stop)
     return trainer
 
 
-def train_in_group(argv, args):
-    """Open the experiment folder, build the Trainer and run it, in the process group already joined;
-    returns (the Trainer, its Stop or None)."""
+def train_in_group(argv, args, trainer_type=None):
+    """Open the experiment folder, build the Trainer (or `trainer_type`) and run it, in the process
+    group already joined; returns (the Trainer, its Stop or None)."""
     options, lock = open_run(argv, resolve(args))
     # a failed start removes a folder it just made, never one that --resume reopened
     fresh = is_main_process() and options.resume_from is None and not options.resume
     try:
         with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
-            trainer = Trainer.build(options, lock)
+            trainer = (trainer_type or Trainer).build(options, lock)
             try:
                 stop = trainer.run()
                 barrier()  # each process returns once rank 0's files are written (--fast_dev_run reads them next)
@@ -788,7 +799,7 @@ def finish(trainer, stop):
         sys.exit(128 + stop.signum)
 
 
-def fast_dev_run(argv, args):
+def fast_dev_run(argv, args, trainer_type=None):
     """--fast_dev_run: 2 training and 2 validation batches and one save in a throwaway folder under
     <checkpoints_dir>/fast_dev_run/, then eval.py and predict.py on that checkpoint."""
     import eval as evaluation_script
@@ -812,7 +823,7 @@ def fast_dev_run(argv, args):
         '2',
     ]
     # --fast_dev_run stays among its options: Trainer.build knows its 2 steps are not the run's schedule
-    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv))
+    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv), trainer_type)
     finish(trainer, stop)
     checkpoint = trainer.folder(LAST)
     device = ['--cpu'] if args.cpu else []
@@ -820,9 +831,14 @@ def fast_dev_run(argv, args):
     evaluation_script.main(['--load_model_path', checkpoint, '--no-progress_bar', *device])
     if os.environ.get('RANK', '0') != '0':  # predict.py runs in one process: torchrun's others are done
         return trainer
-    predict.main(
-        ['--load_model_path', checkpoint, '--input', trainer.val_data.dataset.list_path, '--no-progress_bar', *device]
-    )
+    images = getattr(trainer.val_data.dataset, 'list_path', None)
+    if images is None:  # a dataset of no files (see data/data_entry.py)
+        print(
+            f'fast_dev_run: trained, saved and evaluated in {trainer.options.model_dir} (no predict.py: '
+            f'--data_type {args.data_type} names no image files)'
+        )
+        return trainer
+    predict.main(['--load_model_path', checkpoint, '--input', images, '--no-progress_bar', *device])
     print(f'fast_dev_run: trained, saved, evaluated and predicted in {trainer.options.model_dir}')
     return trainer
 

@@ -3,6 +3,14 @@
 To add a dataset: write data/my_dataset.py with a Dataset class taking (args, split), where split
 is 'train' or 'val', and add one line here: 'my_dataset': 'data.my_dataset:MyDataset',
 (This file imports nothing heavy: `--help` and name checks read it before torch loads.)
+
+What Kiln reads of a dataset: `len()`, items as dicts ({'image': uint8 (C, H, W) or a float tensor
+already normalized, 'label': int, ...}), `num_classes` and `class_names` (a list, or None). Optional:
+`targets` (the keys it gives beyond 'image'; default ('label',)), `resize` (how it made images square,
+'squash' or 'crop': predict.py reads files the same way; default 'squash'), `augment` (its default
+--augment names), `image_paths()` (eval.py's predictions.csv; else sample numbers), `list_path` (what
+--fast_dev_run predicts on), `tensors()` (the whole split as tensors: batched in memory, see
+data/mem_list_dataset.py). data/list_dataset.py's ListDataset has them all.
 """
 
 from utils.registry import load_entry

@@ -128,9 +128,10 @@ def _upright(pixels, orientation):
 
 def image_box(width, height, resize='squash', crop_pct=CROP_PCT):
     """The part (x0, y0, x1, y1) of a width x height image that becomes the square picture: all of it
-    ('squash', the aspect ratio lost) or a centred square of `crop_pct` of the shorter side ('crop',
-    the aspect ratio kept; ImageNet's resize to 256 then centre crop of 224)."""
-    if resize == 'squash':
+    ('squash', the aspect ratio lost; also None, a checkpoint of a dataset that did not say) or a centred
+    square of `crop_pct` of the shorter side ('crop', the aspect ratio kept; ImageNet's resize to 256
+    then centre crop of 224)."""
+    if resize != 'crop':
         return (0.0, 0.0, float(width), float(height))
     side = min(width, height) * crop_pct
     return ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)

@@ -59,7 +59,8 @@ class {cls}(Task):
         return self.criterion(outputs, batch['label'])
 
     def metrics(self):
-        # TODO: an object with update(outputs, batch) and compute(class_names=None) (see metrics.py)
+        # TODO: an object with update(outputs, batch), compute(class_names=None), reset(), state_dict() and
+        # load_state_dict(state) (see tasks/task.py's metrics and metrics.py)
         return ClassificationMetrics(self.num_classes, self.options.topk)
 
     def pictures(self, batch, outputs):

@@ -99,7 +99,10 @@ class Task:
 
     # metrics, pictures, rows --------------------------------------------------------------------------
     def metrics(self):
-        """A fresh metric object for one split or interval: `update(outputs, batch)`, `compute(class_names=None)`."""
+        """A fresh metric object for one split or interval: `update(outputs, batch)` and
+        `compute(class_names=None)` (a dict of numbers; under torchrun it adds up every process's counts);
+        as train metrics also `reset()`, and `state_dict()`/`load_state_dict(state)` of counts that add up
+        over processes (a checkpoint keeps them): see metrics.ConfusionMetrics."""
         raise NotImplementedError
 
     def train_metrics(self):

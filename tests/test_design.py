@@ -108,6 +108,115 @@ def test_a_custom_training_step_is_one_overridden_method(tiny_shapes, tmp_path):
     assert 'train/penalty' in header and 'val/acc' in header
 
 
+SUBCLASS_SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})
+import train
+from utils.errors import run_to_exit
+
+
+class PenalizedTrainer(train.Trainer):
+    def train_step(self, batch, group_size, update):
+        with self.setup.autocast():
+            outputs = self.task.forward(self.setup.wrapped, batch)
+            penalty = 0.01 * outputs.float().square().mean()
+            loss = self.task.loss(outputs, batch) + penalty
+        (loss / group_size).backward()
+        self.logger.record('train/loss', loss, self.task.count(batch))
+        self.logger.record('train/penalty', penalty, self.task.count(batch))
+        self.logger.record_outputs(outputs, batch)
+        return self.task.count(batch)
+
+
+if __name__ == '__main__':
+    run_to_exit(lambda argv: train.main(argv, trainer_type=PenalizedTrainer))
+"""
+
+
+def test_a_trainer_subclass_runs_from_its_own_script_as_train_py_does(tiny_shapes, tmp_path):
+    """A subclass had no entry point: run by hand, it skipped --fast_dev_run (a full run), one-line errors
+    (a traceback, and the failed start's folder stayed) and the exit status of a stop, hung at exit
+    holding its DataLoader workers, and its "continue" line resumed with train.py, without its loss."""
+    script = tmp_path / 'my_train.py'
+    script.write_text(SUBCLASS_SCRIPT.format(repo=REPO))
+    checkpoints = tmp_path / 'ck'
+    argv = [*tiny_run_args(tiny_shapes, checkpoints), '--loggers', 'csv', '--num_workers', '1']
+
+    def run(*extra):
+        command = [sys.executable, str(script), *argv, *extra]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout(300))
+
+    typo = run('--model_type', 'small_cnnn')
+    assert typo.returncode == 2 and typo.stderr.startswith('error: unknown --model_type'), typo.stderr
+    assert 'Traceback' not in typo.stderr and not checkpoints.exists()
+
+    dev = run('--fast_dev_run')
+    assert dev.returncode == 0, dev.stderr
+    (folder,) = glob.glob(str(checkpoints / 'fast_dev_run' / '*'))  # 2 steps in a throwaway folder
+    with open(os.path.join(folder, 'metrics.csv')) as f:
+        assert 'train/penalty' in f.readline().split(',')
+    assert f'continue:    python my_train.py --resume {folder}/last.pth' in dev.stdout, dev.stdout
+
+
+class MinimalDataset(torch.utils.data.Dataset):
+    """Only what data/data_entry.py says a dataset must have: 48 random 16x16 images of 2 classes."""
+
+    num_classes, class_names = 2, ['dark', 'light']
+
+    def __init__(self, args, split):
+        generator = torch.Generator().manual_seed(int(split == 'val'))
+        self.labels = torch.randint(0, 2, (48,), generator=generator)
+        noise = torch.randint(0, 64, (48, 3, 16, 16), generator=generator, dtype=torch.uint8)
+        self.images = noise + (self.labels * 128).to(torch.uint8).view(-1, 1, 1, 1)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return {'image': self.images[index], 'label': int(self.labels[index])}
+
+
+def test_a_dataset_with_only_the_required_members_trains_evaluates_and_fast_dev_runs(tmp_path, monkeypatch):
+    """eval.py needed image_paths() and --fast_dev_run list_path (tracebacks), and a checkpoint of a
+    dataset without `resize` kept None, which predict.py took for a crop."""
+    from data import data_entry
+
+    monkeypatch.setitem(data_entry.DATASETS, 'minimal', 'test_design:MinimalDataset')
+    argv = ['--data_type', 'minimal', '--img_size', '16', '--batch_size', '16', '--cpu', '--no-progress_bar']
+    dev = run_script('train.py', *argv, '--fast_dev_run', '--checkpoints_dir', tmp_path / 'dev')
+    assert dev.returncode == 0 and 'no predict.py' in dev.stdout, dev.stderr
+    trained = run_script('train.py', *argv, '--epochs', '1', '--checkpoints_dir', tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    folder = str(tmp_path / 'small_cnn_minimal_default')
+    trained_with = torch.load(os.path.join(folder, 'best.pth'), weights_only=True)['args']
+    assert trained_with['resize'] == 'squash'  # what predict.py reads: files made square whole
+    evaluated = run_script('eval.py', '--load_model_path', folder, '--cpu', '--no-progress_bar')
+    assert evaluated.returncode == 0, evaluated.stderr
+    with open(os.path.join(folder, 'eval', 'best_val_default', 'predictions.csv')) as f:
+        assert [row['image'] for row in csv.DictReader(f)] == [str(i) for i in range(48)]  # sample numbers
+
+
+def test_train_metrics_without_the_checkpoint_methods_are_refused_at_the_start():
+    """A task's metrics with only update and compute trained a whole epoch, then failed at the first
+    checkpoint (AttributeError: no state_dict)."""
+    from utils.errors import KilnError
+    from utils.logger import Logger
+
+    class CountingMetrics:
+        def update(self, outputs, batch):
+            pass
+
+        def compute(self, class_names=None):
+            return {}
+
+    class CountingTask:
+        def train_metrics(self):
+            return CountingMetrics()
+
+    with pytest.raises(KilnError, match=r'without reset, state_dict, load_state_dict: train metrics need'):
+        Logger(task=CountingTask())
+
+
 def test_printed_speed_is_that_since_the_previous_line(tiny_shapes, tmp_path, monkeypatch, capsys):
     """img/s on a printed line counts the steps since the line before (a slow stretch shows where it
     happened and is gone from the next line), on a clock that moves 1 s per step and 10 s more in step 3."""

@@ -161,6 +161,19 @@ def _reference(path, size, resize):
     return np.asarray(upright.resize((size, size), Image.BILINEAR)).astype(int), reduced
 
 
+def test_a_dataset_that_does_not_say_how_it_resized_gets_whole_images_in_predict(tmp_path):
+    """A checkpoint of a dataset without a `resize` kept None, which predict.py read as a centred crop of
+    every image that training and eval.py had seen whole (26 of 60 predictions agreed with eval.py)."""
+    from data.image_io import decode_image, image_box
+
+    assert image_box(80, 40, None) == image_box(80, 40, 'squash') == (0.0, 0.0, 80.0, 40.0)
+    pixels = np.zeros((40, 80, 3), np.uint8)
+    pixels[:, :8] = 255  # a bright band at the left edge, which a crop cuts away
+    Image.fromarray(pixels).save(tmp_path / 'band.png')
+    image = decode_image(str(tmp_path / 'band.png'), 16, resize=None)
+    assert image[:, :, 0].float().mean() > 100  # the band is there
+
+
 @pytest.mark.parametrize('resize', ['squash', 'crop'])
 def test_the_fast_decoder_gives_what_pillow_gives(photos, resize):
     from data.image_io import decode_image

@@ -14,9 +14,13 @@ import os
 
 from metrics import BatchedUpdates
 from utils.background import BackgroundWriter
+from utils.errors import KilnError
 from utils.recorder import Recorder
 from utils.trackers import Trackers
 from utils.viz import save_png
+
+# what a task's train metrics are asked for: every step, at validation, and by each checkpoint
+TRAIN_METRIC_METHODS = ('update', 'compute', 'reset', 'state_dict', 'load_state_dict')
 
 
 class Logger:
@@ -28,6 +32,13 @@ class Logger:
         self.trackers = trackers if trackers is not None else Trackers()
         self.recorder = Recorder()
         metrics = task.train_metrics() if task is not None else None
+        missing = [name for name in TRAIN_METRIC_METHODS if metrics is not None and not hasattr(metrics, name)]
+        if missing:  # said now, not at the first checkpoint after an epoch of training
+            raise KilnError(
+                f'{type(task).__name__}.train_metrics() gives a {type(metrics).__name__} without '
+                f'{", ".join(missing)}: train metrics need {", ".join(TRAIN_METRIC_METHODS)} (a checkpoint keeps '
+                f'their counts: see metrics.ConfusionMetrics), or let train_metrics() return None'
+            )
         self.train_metrics = None if metrics is None else BatchedUpdates(metrics, task.outputs_to_float)
         self.writer = writer or BackgroundWriter()
 
