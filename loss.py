@@ -1,4 +1,9 @@
-"""Loss functions by name (--loss). Add a loss: write it here and add one line to LOSSES."""
+"""Loss functions by name (--loss). Add a loss: write it here and add one line to LOSSES.
+
+A loss is called as `loss(scores, target)` by the task (tasks/*.py `loss`): for classification, scores
+(N, C) and class indices (N,), or class probabilities (N, C) under --augment mixup or cutmix; for
+segmentation (N, C, H, W) and (N, H, W).
+"""
 
 from functools import partial
 

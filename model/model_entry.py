@@ -1,7 +1,8 @@
 """Model names (--model_type) and where their classes live.
 
-To add a model: create a package model/my_net/ with an nn.Module taking `args` (it reads
-args.num_classes, args.img_size, ...), and add one line here: 'my_net': 'model.my_net:MyNet',
+To add a model: create a package model/my_net/ whose my_net.py holds an nn.Module taking `args` (it
+reads args.num_classes, args.img_size, ...), and add one line here: 'my_net': 'model.my_net.my_net:MyNet',
+('model.my_net:MyNet' where the package's __init__.py imports the class, as Kiln's own packages do).
 A model that takes only image sides of a multiple of N (its strides) says `size_multiple = N`; one
 made for one task (its outputs: masks, boxes) says `made_for_task = 'segment'`.
 Backbones from timm need no line: --model_type timm:<name> (model/timm_nets, the 'timm' extra).
