@@ -13,6 +13,7 @@ TERM makes them save too, and SLURM requeues the job.
 """
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -105,17 +106,14 @@ def main(argv=None):
     return run_cli(lambda train_argv: submit(args, train_argv), train_argv)
 
 
-def submit(args, train_argv):
-    """Check the train.py options here (a typo: one line now, not in the queue), then submit."""
-    from options import parse_args, parse_train_args
+def slurm_executor(args):
+    """submitit's executor for --cluster, refusing (KilnError) where there is no SLURM and none was named."""
     from utils.errors import KilnError
 
     try:
         import submitit
     except ImportError:
         raise KilnError('scripts/submit.py needs submitit: pip install submitit') from None
-    train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
-    parse_args(parse_train_args, train_argv)
     try:
         executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
     except RuntimeError as error:  # submitit found no SLURM (srun) here
@@ -127,6 +125,23 @@ def submit(args, train_argv):
             'no SLURM here (no srun): submit from a SLURM login node, or give --cluster local to run the job on '
             'this machine'
         )
+    return executor
+
+
+def submit(args, train_argv):
+    """Check the train.py options here (a typo: one line now, not in the queue), then submit."""
+    from options import parse_args, parse_train_args
+
+    train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
+    parse_args(parse_train_args, train_argv)
+    made = [path for path in (args.folder, os.path.dirname(args.folder)) if path and not os.path.exists(path)]
+    try:
+        executor = slurm_executor(args)
+    except BaseException:  # refused: the folders submitit just made go again
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        raise
     executor.update_parameters(
         name=args.name,
         nodes=args.nodes,

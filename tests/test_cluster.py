@@ -454,11 +454,13 @@ def test_slurm_script_picks_the_processes_per_node(slurm, gpus, nproc, processes
 
 
 @pytest.mark.skipif(shutil.which('srun') is not None, reason='a SLURM machine: this would submit a job')
-def test_submit_without_slurm_is_one_line():
-    """submitit's 'Could not detect srun' came as a 15-line traceback."""
+def test_submit_without_slurm_is_one_line(tmp_path):
+    """submitit's 'Could not detect srun' came as a 15-line traceback; the refusal left the folder that
+    submitit had made for its logs."""
     pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
+    logs = tmp_path / 'checkpoints' / 'submitit'
     result = subprocess.run(
-        [sys.executable, 'scripts/submit.py', '--cluster', 'slurm', '--', '--epochs', '1'],
+        [sys.executable, 'scripts/submit.py', '--folder', logs, '--cluster', 'slurm', '--', '--epochs', '1'],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -468,13 +470,14 @@ def test_submit_without_slurm_is_one_line():
     assert result.stderr.startswith('error: --cluster slurm: ') and '--cluster local' in result.stderr
     # without --cluster, submitit fell back to a job in the background on this machine, without a word
     result = subprocess.run(
-        [sys.executable, 'scripts/submit.py', '--', '--epochs', '1'],
+        [sys.executable, 'scripts/submit.py', '--folder', logs, '--', '--epochs', '1'],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout(60),
     )
     assert result.returncode == 2 and result.stderr.startswith('error: no SLURM here (no srun)'), result.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def _children(pid):
