@@ -238,16 +238,13 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
     for name in ('00000.png', '00001.png', '00002.png'):
         os.link(os.path.join(tiny_shapes, 'images', 'val', name), images / name)
     (images / '00001_broken.png').write_bytes(b'not an image')  # between two readable ones
-    result = run_script(
-        'predict.py',
-        '--load_model_path',
-        os.path.join(classified[0], 'best.pth'),
-        '--input',
-        str(images),
-        '--no-progress_bar',
-        '--num_workers',
-        '0',
-    )
+
+    def predict_images(*options):
+        return run_script(
+            'predict.py', '--load_model_path', classified[0], '--input', images, '--no-progress_bar', *options
+        )
+
+    result = predict_images('--num_workers', '0')
     assert result.returncode == 2 and '1 of 4 images could not be read' in result.stderr
     folder = os.path.join(classified[0], 'predict', 'best_images_default')
     with open(os.path.join(folder, 'predictions.csv')) as f:
@@ -257,20 +254,7 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
     assert '00001_broken.png' in open(os.path.join(folder, 'unreadable.txt')).read()
     assert 'the others were predicted' in result.stderr
     # decoded by worker processes, in batches of 2: the same rows in the same order, the same reasons
-    in_workers = run_script(
-        'predict.py',
-        '--load_model_path',
-        classified[0],
-        '--input',
-        str(images),
-        '--no-progress_bar',
-        '--num_workers',
-        '2',
-        '--batch_size',
-        '2',
-        '--save_prefix',
-        'workers',
-    )
+    in_workers = predict_images('--num_workers', '2', '--batch_size', '2', '--save_prefix', 'workers')
     assert in_workers.returncode == 2 and '1 of 4 images could not be read' in in_workers.stderr
     other = os.path.join(classified[0], 'predict', 'best_images_workers')
     with open(os.path.join(other, 'predictions.csv')) as f:
