@@ -132,11 +132,7 @@ class ListDataset(Dataset):
                 raise KilnError(f'{self.list_path} is a folder: --data_type {args.data_type} reads list files')
             self.samples, self.class_names = read_class_folders(self.list_path)
         else:
-            with collections_paused():
-                self.samples = [
-                    (resolve_path(self.list_path, fields[0]), self.parse_target(fields[1:], number), number)
-                    for number, fields in read_list_file(self.list_path, columns=self.columns)
-                ]
+            self.samples = self.read_samples()
             self.class_names = read_class_names(self.list_path, self.class_files)
         self.check_files()
         self.num_classes = args.num_classes or self.count_classes()
@@ -168,6 +164,16 @@ class ListDataset(Dataset):
         """From now on, read every image through `crop` (a data.augment.RandomResizedCrop): the training
         crop made at decode time from the full-resolution image, not on the device after."""
         self.crop = crop
+
+    def read_samples(self):
+        """(image path, target, line number) per entry of the list file `self.list_path`, whose lines are
+        "image_path target fields" (data/list_file.py). Override it for another layout, e.g. a CSV with
+        named columns: paths relative to the list's folder go through `resolve_path(self.list_path, path)`."""
+        with collections_paused():
+            return [
+                (resolve_path(self.list_path, fields[0]), self.parse_target(fields[1:], number), number)
+                for number, fields in read_list_file(self.list_path, columns=self.columns)
+            ]
 
     def parse_target(self, fields, number):
         """The target of one line from its fields after the image path: an integer label >= 0."""

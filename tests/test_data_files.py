@@ -698,3 +698,31 @@ except KilnError as error:
     decoded, refused = result.stdout.splitlines()
     assert decoded == '(3, 8, 8)'
     assert refused.startswith('cannot read image') and 'more than 200 pixels, too many to decode safely' in refused
+
+
+def test_a_list_of_another_layout_is_one_overridden_method(tiny_shapes, tmp_path):
+    """A CSV "sample_id,label,filepath,fold" needed ListDataset's constructor copied; now a subclass reads
+    it in `read_samples` and keeps the rest (class names, file checks, decoding)."""
+    import argparse
+    import csv as csv_module
+
+    from data.list_dataset import ListDataset
+
+    class CsvDataset(ListDataset):
+        def read_samples(self):
+            with open(self.list_path, newline='') as f:
+                return [
+                    (resolve_path(self.list_path, row['filepath']), int(row['label']), number)
+                    for number, row in enumerate(csv_module.DictReader(f), start=2)
+                ]
+
+    entries = [line.split() for line in open(os.path.join(tiny_shapes, 'train.txt')).read().splitlines()[:5]]
+    table = tmp_path / 'train.csv'
+    with open(table, 'w', newline='') as f:
+        writer = csv_module.writer(f)
+        writer.writerow(['sample_id', 'label', 'filepath', 'fold'])
+        writer.writerows([i, label, os.path.join(tiny_shapes, path), i % 2] for i, (path, label) in enumerate(entries))
+    options = argparse.Namespace(train_list=str(table), img_size=16, num_classes=None, data_root=None, resize=None)
+    dataset = CsvDataset(options, 'train')
+    assert [int(dataset[i]['label']) for i in range(len(dataset))] == [int(label) for _, label in entries]
+    assert dataset[0]['image'].shape == (3, 16, 16) and dataset.num_classes == max(int(e[1]) for e in entries) + 1
