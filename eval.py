@@ -124,12 +124,13 @@ class Evaluator:
         return evaluation.metrics
 
     def report(self, metrics):
-        """Print the main metrics and where the results are."""
+        """What to print: the main metrics and where the results are."""
         main_metrics = {k: v for k, v in metrics.items() if '/' not in k}
-        print(f'{self.options.load_model_path}: ' + ' '.join(f'{k} {v:.4f}' for k, v in main_metrics.items()))
-        print(
-            f'  results in {self.folder}: result.txt, result.json, predictions.csv'
-            f'{", pictures" if self.options.save_viz else ""}'
+        return (
+            f'{self.options.load_model_path}: '
+            + ' '.join(f'{k} {v:.4f}' for k, v in main_metrics.items())
+            + f'\n  results in {self.folder}: result.txt, result.json, predictions.csv'
+            + (', pictures' if self.options.save_viz else '')
         )
 
     def write_results(self, evaluation):
@@ -161,9 +162,9 @@ class Evaluator:
             save_png(picture, os.path.join(folder, f'{name}.png'))
 
 
-def evaluate_checkpoint(args, given, path):
-    """Evaluate one checkpoint into its own new result folder; return (its metrics, the list evaluated,
-    the folder)."""
+def evaluate_checkpoint(args, given, path, say=print):
+    """Evaluate one checkpoint into its own new result folder and `say` (print) what it found once the
+    folder is whole; return (its metrics, the list evaluated, the folder)."""
     options, checkpoint, task_type = load_for_inference(args, given, path)
     name = evaluated_list_name(args.val_list)  # 'val' unless given
     folder = result_folder(path, 'eval', name, options.save_prefix, options.output_dir)
@@ -180,7 +181,7 @@ def evaluate_checkpoint(args, given, path):
                 evaluator.logger.close()  # pictures pending are written before a failed run's folder goes
             evaluator.data.close()
     if is_main_process():  # once the results are whole: a closed output cannot take them away
-        evaluator.report(metrics)
+        say(evaluator.report(metrics))
     return metrics, getattr(evaluator.dataset, 'list_path', None), folder
 
 
@@ -245,17 +246,18 @@ def main(argv=None, args=None):
         if len(checkpoints) == 1:
             return evaluate_checkpoint(args, given, checkpoints[0])[0]
         folder = run_on_main_process(prepare_comparison, args, checkpoints)
-        rows = []
+        rows, reports = [], []
         with contextlib.ExitStack() as made:  # all or nothing: a failed or stopped comparison can be run again
             if is_main_process():
                 made.enter_context(discard_folder_if_setup_fails(folder, results=True))
             for checkpoint in checkpoints:
-                metrics, list_path, result = evaluate_checkpoint(args, given, checkpoint)
+                metrics, list_path, result = evaluate_checkpoint(args, given, checkpoint, say=reports.append)
                 if is_main_process():
                     made.enter_context(discard_folder_if_setup_fails(result, results=True))
                 rows.append((checkpoint, metrics, list_path))
             several_lists = write_comparison(folder, rows) if is_main_process() else False
-        if is_main_process():
+        if is_main_process():  # every folder whole: now printing may fail (a closed pipe) without harm
+            print('\n'.join(reports))
             with open(os.path.join(folder, 'comparison.txt')) as f:
                 print(f.read().rstrip())
             print(f'comparison of {len(rows)} checkpoints in {folder}: comparison.txt, comparison.csv')

@@ -100,27 +100,30 @@ class DecodedImages(torch.utils.data.Dataset):
             return path, str(error)
 
 
+def collate_decoded(items):
+    """One batch of DecodedImages items as (paths, images (N, 3, S, S) or None, regions, image sizes,
+    unreadable (path, reason) pairs): one tensor per batch crosses from a worker, not one per image."""
+    readable = [(path, *result) for path, result in items if not isinstance(result, str)]
+    unreadable = [(path, result) for path, result in items if isinstance(result, str)]
+    paths, images, regions, sizes = zip(*readable) if readable else ((), (), (), ())
+    return paths, torch.stack(images) if images else None, regions, sizes, unreadable
+
+
 def read_batches(paths, options, unreadable):
-    """Yield batches of (path, uint8 image, region, image size) of the readable images, decoded by
-    --num_workers processes, in the order of `paths` (the region is the part of the image that became
-    the input); add (path, reason) of the others to `unreadable`."""
+    """Yield batches of (paths, uint8 images, regions, image sizes) of the readable images among each
+    --batch_size of `paths`, decoded by --num_workers processes, in order (the region is the part of the
+    image that became the input); add (path, reason) of the others to `unreadable`."""
     decoded = torch.utils.data.DataLoader(
         DecodedImages(paths, options),
-        batch_size=None,  # one image at a time, in order: the readable ones are batched here
+        batch_size=options.batch_size,
+        collate_fn=collate_decoded,
         num_workers=default_workers(options.num_workers),
         worker_init_fn=functools.partial(init_worker, os.getpid()),
     )
-    batch = []
-    for path, result in decoded:
-        if isinstance(result, str):
-            unreadable.append((path, result))
-        else:
-            batch.append((path, *result))
-        if len(batch) == options.batch_size:
+    for *batch, failed in decoded:
+        unreadable += failed
+        if batch[0]:
             yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 @torch.no_grad()
@@ -130,9 +133,10 @@ def predict(options, task, setup, device, paths, folder):
     setup.wrapped.eval()
     unreadable, rows = [], []
     batches = read_batches(paths, options, unreadable)
-    for batch in progress(batches, options.progress_bar, 'predict', total=-(-len(paths) // options.batch_size)):
-        names, images, regions, sizes = zip(*batch)
-        inputs = transform({'image': torch.stack(images).to(device, non_blocking=True)})
+    for names, images, regions, sizes in progress(
+        batches, options.progress_bar, 'predict', total=-(-len(paths) // options.batch_size)
+    ):
+        inputs = transform({'image': images.to(device, non_blocking=True)})
         # where each input came from: the region of the upright image, and the image's (width, height)
         inputs['region'], inputs['image_size'] = torch.tensor(regions), torch.tensor(sizes)
         with setup.autocast():

@@ -34,6 +34,8 @@ def _reflect(index, size):
 def _reflect_pad(tensor, padding):
     """`tensor` (N, C, H, W) padded by `padding` pixels on each side by reflection (padding_mode='reflect')."""
     height, width = tensor.shape[-2:]
+    if tensor.dtype == torch.bool:  # torch pads no bool tensors by reflection
+        return _reflect_pad(tensor.view(torch.uint8), padding).view(torch.bool)
     if padding < min(height, width):
         return torch.nn.functional.pad(tensor, (padding,) * 4, mode='reflect')
     # an image no larger than the padding: reflected again and again (torch's pad refuses it)

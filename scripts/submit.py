@@ -134,7 +134,10 @@ def submit(args, train_argv):
 
     train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
     parse_args(parse_train_args, train_argv)
-    made = [path for path in (args.folder, os.path.dirname(args.folder)) if path and not os.path.exists(path)]
+    made, path = [], os.path.abspath(args.folder)  # the folders submitit will make, deepest first
+    while not os.path.exists(path):
+        made.append(path)
+        path = os.path.dirname(path)
     try:
         executor = slurm_executor(args)
     except BaseException:  # refused: the folders submitit just made go again

@@ -458,7 +458,7 @@ def test_submit_without_slurm_is_one_line(tmp_path):
     """submitit's 'Could not detect srun' came as a 15-line traceback; the refusal left the folder that
     submitit had made for its logs."""
     pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
-    logs = tmp_path / 'checkpoints' / 'submitit'
+    logs = tmp_path / 'checkpoints' / 'submitit' / '%j'  # folders submitit makes, three deep
     result = subprocess.run(
         [sys.executable, 'scripts/submit.py', '--folder', logs, '--cluster', 'slurm', '--', '--epochs', '1'],
         cwd=REPO,

@@ -135,8 +135,9 @@ def test_the_batched_crop_moves_every_pixel_where_reflection_says(seed):
         ((4, 11, 6), torch.int64),
         ((3, 2, 2, 7, 8), torch.float32),
         ((6, 1, 2, 3), torch.uint8),  # smaller than a padding of 4
+        ((2, 9, 10), torch.bool),  # masks as some datasets give them (torch pads no bool by reflection)
     ]:
-        tensor = torch.randint(0, 200, shape, generator=generator).to(dtype)
+        tensor = torch.randint(0, 2 if dtype == torch.bool else 200, shape, generator=generator).to(dtype)
         padding = int(torch.randint(1, 5, (), generator=generator))
         shift = torch.randint(-padding, padding + 1, (shape[0], 2), generator=generator)
         height, width = shape[-2:]

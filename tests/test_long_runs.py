@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from conftest import REPO, run_script, timeout, tiny_run_args
-from utils.checkpoint_keeper import CheckpointKeeper
+from utils.checkpoint_keeper import CheckpointKeeper, verify
 from utils.errors import KilnError
 from utils.run_history import RunHistory
 
@@ -418,9 +418,13 @@ def test_resume_options(tiny_shapes, tmp_path):
     )
 
 
-def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tiny_shapes, tmp_path):
+@pytest.mark.parametrize('links', [True, False])
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tiny_shapes, tmp_path, monkeypatch, links):
     """They stayed, newer than every save of the resumed run: its saves were pruned at once as older
-    (keep_last), and a later --resume took the abandoned run's newest."""
+    (keep_last), and a later --resume took the abandoned run's newest. Without hard links (copies), a
+    best.pth of the abandoned steps stayed and then failed its check as none of the folder's checkpoints."""
+    if not links:
+        monkeypatch.setattr(os, 'link', lambda *args: (_ for _ in ()).throw(OSError(1, 'no hard links here')))
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     _train(args, '--epochs', '3', '--keep_last', '3')
     folder = _folder(args)
@@ -436,6 +440,9 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tiny_shapes, tmp
     newest, skipped = CheckpointKeeper(folder).newest_trusted()
     assert newest == os.path.join(folder, 'epoch002_step0000012.pth') and not skipped
     assert _step(_load(os.path.join(folder, 'last.pth'))) == 12
+    for name in ('last.pth', 'best.pth'):  # what the run's last lines name to continue and to evaluate
+        verify(os.path.join(folder, name))
+        assert _step(_load(os.path.join(folder, name))) <= 12
 
 
 def test_reproducibility_record(tiny_shapes, tmp_path):

@@ -5,6 +5,7 @@ import csv
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 
@@ -262,6 +263,21 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
             (r['image'], r['prediction']) for r in rows
         ]
     assert open(os.path.join(other, 'unreadable.txt')).read() == open(os.path.join(folder, 'unreadable.txt')).read()
+    # a batch crosses from a worker as one tensor: 300 images in batches of 256 under 128 open files
+    many = tmp_path / 'many'
+    many.mkdir()
+    for number in range(300):
+        os.link(images / '00000.png', many / f'{number:03d}.png')
+    limited = subprocess.run(
+        [sys.executable, 'predict.py', '--load_model_path', classified[0], '--input', many, '--no-progress_bar']
+        + ['--num_workers', '2', '--batch_size', '256'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)),
+    )
+    assert limited.returncode == 0 and '300 images predicted' in limited.stdout, limited.stderr
     alone = run_script(  # nothing else to predict: no word of others
         'predict.py', '--load_model_path', classified[0], '--input', images / '00001_broken.png', '--no-progress_bar'
     )
@@ -274,8 +290,8 @@ import os, sys, types, torch, predict
 predict.decode_image = lambda path, *args, **kw: (torch.zeros(3, 2, 2, dtype=torch.uint8), (0, 0, 2, 2), os.getpid())
 options = types.SimpleNamespace(num_workers=int(sys.argv[1]), batch_size=3, img_size=2, resize=None, crop_pct=None)
 batches = list(predict.read_batches([f'{i}.png' for i in range(8)], options, []))
-print([path for batch in batches for path, *_ in batch] == [f'{i}.png' for i in range(8)], len(batches))
-print(len({size for batch in batches for *_, size in batch} - {os.getpid()}))
+print([path for paths, *_ in batches for path in paths] == [f'{i}.png' for i in range(8)], len(batches))
+print(len({size for *_, sizes in batches for size in sizes} - {os.getpid()}))
 """
 
 
@@ -400,7 +416,7 @@ def test_a_corrupt_copy_or_two_checkpoints_of_one_name_are_refused_before_any_wo
     (copied / 'best.pth').write_bytes(bytes(data))
     command = ['--load_model_path', classified[0], copied, '--save_prefix', 'bad', '--checkpoints_dir', tmp_path]
     refused = run_script('eval.py', *command, '--no-progress_bar')
-    assert refused.returncode == 2 and f'{copied}/best.pth is corrupt' in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and f'{copied}/best.pth is none of the checkpoints' in refused.stderr, refused.stderr
     assert (
         not os.path.exists(os.path.join(classified[0], 'eval', 'best_val_bad'))
         and not (tmp_path / 'comparisons').exists()
@@ -428,6 +444,34 @@ def test_a_closed_output_keeps_whole_results_and_ends_quietly(classified, tmp_pa
     os.close(write_end)
     assert result.returncode == 141 and result.stderr == '', result.stderr  # as a tool stopped by SIGPIPE
     assert os.path.isfile(os.path.join(classified[0], 'eval', 'best_val_piped', 'predictions.csv'))
+    # a comparison, printing unbuffered: its first line failed inside the all-or-nothing block, which
+    # removed some results and kept others (the same command was then refused)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    compared = subprocess.run(
+        [*command[:3], *classified, '--no-progress_bar', '--save_prefix', 'piped2', '--checkpoints_dir', tmp_path],
+        cwd=REPO,
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        env={**os.environ, 'PYTHONUNBUFFERED': '1'},
+    )
+    os.close(write_end)
+    assert compared.returncode == 141 and compared.stderr == '', compared.stderr
+    assert all(os.path.isfile(os.path.join(folder, 'eval', 'best_val_piped2', 'result.txt')) for folder in classified)
+    assert (tmp_path / 'comparisons' / 'val_piped2' / 'comparison.csv').is_file()
+    # and with no output at all (fd 1 closed: sys.stdout is None), a run is a run
+    closed = subprocess.run(
+        [*command, '--save_prefix', 'closed'],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.close(1),
+    )
+    assert closed.returncode == 0, closed.stderr
+    assert os.path.isfile(os.path.join(classified[0], 'eval', 'best_val_closed', 'result.txt'))
 
 
 def test_runs_log_hparams_and_args(classified):

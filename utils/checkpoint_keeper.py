@@ -100,8 +100,8 @@ def verify(path):
         unrecorded = [other for other in os.listdir(folder) if step_of(other) is not None and other not in files]
         if digest not in known and all(checksum(os.path.join(folder, other)) != digest for other in unrecorded):
             raise KilnError(
-                f'{path} is corrupt: its bytes are those of none of the checkpoints in {folder} (checksums in '
-                f'{RECORD}); load one of those files instead'
+                f'{path} is none of the checkpoints in {folder} (its bytes match none of the checksums in '
+                f'{RECORD}): damaged, or left over from an earlier run; load one of the epoch*_step*.pth files'
             )
 
 

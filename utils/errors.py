@@ -129,7 +129,8 @@ def _run_reporting_errors(main, argv):
         return main(argv)
     try:
         result = main(argv)
-        sys.stdout.flush()  # a closed output shows here, not in the interpreter's last flush (exit code 120)
+        if sys.stdout is not None:  # (None: started with its output closed)
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush (exit code 120)
         return result
     except KeyboardInterrupt:
         _interrupted()

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import filecmp
 import glob
 import importlib.metadata
 import json
@@ -256,9 +257,13 @@ def _set_aside_newer(folder, step):
         return
     aside = os.path.join(folder, 'superseded', f'step{step}_{time.strftime("%Y%m%d_%H%M%S")}')
     os.makedirs(aside, exist_ok=True)  # two resumes within a second share it
+    theirs = [os.path.join(folder, name) for name in newer]
     for link in (LAST, BEST):
         path = os.path.join(folder, link)
-        if os.path.isfile(path) and any(os.path.samefile(path, os.path.join(folder, name)) for name in newer):
+        # a hard link to one of them, or a copy (a file system without links, a folder copied without them)
+        if os.path.isfile(path) and any(
+            os.path.samefile(path, other) or filecmp.cmp(path, other, False) for other in theirs
+        ):
             os.replace(path, os.path.join(aside, link))
     for name in newer:
         os.replace(os.path.join(folder, name), os.path.join(aside, name))
