@@ -188,7 +188,7 @@ def test_a_dataset_with_only_the_required_members_trains_evaluates_and_fast_dev_
     trained = run_script('train.py', *argv, '--epochs', '1', '--checkpoints_dir', tmp_path)
     assert trained.returncode == 0, trained.stderr
     folder = str(tmp_path / 'small_cnn_minimal_default')
-    trained_with = torch.load(os.path.join(folder, 'best.pth'), weights_only=True)['args']
+    trained_with = torch.load(os.path.join(folder, 'best.pth'), map_location='cpu', weights_only=True)['args']
     assert trained_with['resize'] == 'squash'  # what predict.py reads: files made square whole
     evaluated = run_script('eval.py', '--load_model_path', folder, '--cpu', '--no-progress_bar')
     assert evaluated.returncode == 0, evaluated.stderr

@@ -392,7 +392,9 @@ def test_a_comparison_that_fails_half_way_leaves_nothing_and_runs_again(classifi
     import torch
 
     weights = tmp_path / 'weights.pth'  # a plain state dict: which model it holds is not said
-    torch.save(torch.load(os.path.join(classified[1], 'best.pth'), weights_only=True)['model'], weights)
+    torch.save(
+        torch.load(os.path.join(classified[1], 'best.pth'), map_location='cpu', weights_only=True)['model'], weights
+    )
     command = ['--load_model_path', classified[0], weights, '--save_prefix', 'half', '--checkpoints_dir', tmp_path]
     failed = run_script('eval.py', *command, '--no-progress_bar')
     assert failed.returncode == 2 and 'give --model_type' in failed.stderr, failed.stderr
