@@ -738,14 +738,14 @@ def open_run(argv, options):
     return run_on_main_process(on_main_process), lock
 
 
-def start(argv, trainer_type=None):
+def start(argv):
     """What `main` does before training, in one process: resolve the options, open the experiment
     folder and build the Trainer (for benchmarks and tests: `start(argv).run()`)."""
     options, lock = open_experiment(argv, resolve(parse_args(parse_train_args, argv)))
-    return (trainer_type or Trainer).build(options, lock)
+    return Trainer.build(options, lock)
 
 
-def main(argv=None, args=None, trainer_type=None):
+def main(argv=None, args=None, trainer_type=Trainer):
     """Join torchrun's processes if any, make (or reopen) the experiment folder, build the Trainer (or
     `trainer_type`, a subclass) and run it; returns the Trainer."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -763,7 +763,7 @@ def main(argv=None, args=None, trainer_type=None):
     return trainer
 
 
-def train_in_group(argv, args, trainer_type=None):
+def train_in_group(argv, args, trainer_type=Trainer):
     """Open the experiment folder, build the Trainer (or `trainer_type`) and run it, in the process
     group already joined; returns (the Trainer, its Stop or None)."""
     options, lock = open_run(argv, resolve(args))
@@ -771,7 +771,7 @@ def train_in_group(argv, args, trainer_type=None):
     fresh = is_main_process() and options.resume_from is None and not options.resume
     try:
         with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
-            trainer = (trainer_type or Trainer).build(options, lock)
+            trainer = trainer_type.build(options, lock)
             try:
                 stop = trainer.run()
                 barrier()  # each process returns once rank 0's files are written (--fast_dev_run reads them next)
@@ -799,7 +799,7 @@ def finish(trainer, stop):
         sys.exit(128 + stop.signum)
 
 
-def fast_dev_run(argv, args, trainer_type=None):
+def fast_dev_run(argv, args, trainer_type=Trainer):
     """--fast_dev_run: 2 training and 2 validation batches and one save in a throwaway folder under
     <checkpoints_dir>/fast_dev_run/, then eval.py and predict.py on that checkpoint."""
     import eval as evaluation_script
