@@ -417,8 +417,8 @@ def parse_train_args(parser):
     parser.add_argument(
         '--unfrozen_lr_scale',
         type=_positive_float,
-        default=1.0,
-        help='learning rate of the groups frozen at the start, relative to --backbone_lr (or --lr)',
+        help='with --freeze_to, learning rate of the groups frozen at the start, relative to --backbone_lr '
+        '(or --lr; default 1)',
     )
     parser.add_argument('--head_lr', type=_positive_float, help='learning rate of the last layer group (default --lr)')
     parser.add_argument(

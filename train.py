@@ -237,9 +237,15 @@ class Trainer:
             wrap=False,
         )
         # freeze before wrapping for DDP, which syncs only what is trainable when it wraps
-        finetuning = FineTuning(setup.model, options.freeze_to, options.freeze_batch_norms, options.unfreeze_at_epoch)
+        finetuning = FineTuning(
+            setup.model,
+            options.freeze_to,
+            options.freeze_batch_norms,
+            options.unfreeze_at_epoch,
+            options.unfrozen_lr_scale,
+        )
         setup.wrap(options)
-        groups = finetuning.param_groups(options.lr, options.head_lr, options.backbone_lr, options.unfrozen_lr_scale)
+        groups = finetuning.param_groups(options.lr, options.head_lr, options.backbone_lr)
         fused = options.amp == 'fp16' and device.type == 'cuda' or None  # None, not False: False also turns off foreach
         optimizer = OPTIMIZERS[options.optimizer](groups, options, fused)
         updates_per_epoch, max_steps = schedule_length(options, train_data)
@@ -448,7 +454,7 @@ class Trainer:
         stopping; the curves and pictures go to the Logger. Returns the metrics (and 'improved')."""
         o, step = self.options, self.position.step
         metrics = self.logger.summary()  # train/* since the last validation, over every process
-        metrics['train/lr'] = self.optimizer.param_groups[0]['lr']
+        metrics['train/lr'] = FineTuning.shown_lr(self.optimizer)
         last = step >= self.max_steps
         pictures = o.log_images and (last or time.perf_counter() - self.pictured_at >= o.image_interval)
         if self.ema is not None:
@@ -524,7 +530,7 @@ class Trainer:
         if is_main_process():
             shown = ' '.join(f'{k} {v:.4f}' for k, v in running.items())
             tqdm.write(
-                f'{self.position_text()} {shown} lr {self.optimizer.param_groups[0]["lr"]:.2e} '
+                f'{self.position_text()} {shown} lr {FineTuning.shown_lr(self.optimizer):.2e} '
                 f'{(seen - seen_then) / (now - then) * world_size():.0f} img/s'
             )
 

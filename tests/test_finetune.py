@@ -118,6 +118,10 @@ def test_unfrozen_layers_train_at_their_own_rate_and_resume_exactly(finetuned):
     # the head at --head_lr: the same groups from the start, so the optimizer and schedule never change shape
     for state in (after_1, after_3):
         assert [g['initial_lr'] for g in state['optimizer']['param_groups']] == pytest.approx([1e-3, 5e-4, 1e-2])
+    # the rate the run logs and prints is the head's (it was the first group's: a frozen group's, say)
+    with open(os.path.join(folder, 'history.json')) as f:
+        logged = json.load(f)['metrics']['train/lr']
+    assert logged[0] == after_1['optimizer']['param_groups'][-1]['lr'] != after_1['optimizer']['param_groups'][0]['lr']
     frozen = set(after_1['optimizer']['param_groups'][1]['params'])
     assert frozen and not frozen & set(after_1['optimizer']['state'])  # no updates while frozen
     assert frozen <= set(after_3['optimizer']['state'])  # trained once unfrozen
@@ -295,13 +299,16 @@ def test_fine_tuning_a_checkpoint_of_another_task_says_which_options_to_give(tin
     assert tuned.returncode == 0, tuned.stderr
 
 
-@pytest.mark.parametrize('given', [['--freeze_batch_norms'], ['--unfreeze_at_epoch', '2']])
+@pytest.mark.parametrize(
+    'given', [['--freeze_batch_norms'], ['--unfreeze_at_epoch', '2'], ['--unfrozen_lr_scale', '0.5']]
+)
 def test_freezing_options_without_freeze_to_are_refused(given):
     """They were accepted and did nothing: nothing is frozen without --freeze_to."""
     from utils.errors import KilnError
     from utils.finetune import FineTuning
 
-    options = {'freeze_batch_norms': True} if given[0] == '--freeze_batch_norms' else {'unfreeze_at_epoch': 2}
+    name = given[0].removeprefix('--')
+    options = {name: True if len(given) == 1 else float(given[1]) if '.' in given[1] else int(given[1])}
     with pytest.raises(KilnError, match=f'^{" ".join(given)} acts on the layers --freeze_to freezes'):
         FineTuning(_model(), **options)
     FineTuning(_model(), freeze_to=0, **options)  # with it, fine
@@ -317,6 +324,7 @@ def test_freezing_every_parameter_is_one_line(tiny_shapes, tmp_path):
     error = result.stderr.strip()
     assert result.returncode == 2, error
     assert error.startswith('error: --freeze_to -1 --freeze_batch_norms leaves nothing to train'), error
+    assert error.endswith('freeze fewer, e.g. --freeze_to -2 trains the groups after it'), error
     assert not (tmp_path / 'ck').exists() or not os.listdir(tmp_path / 'ck')
     FineTuning(_model(), freeze_to=-1)  # BatchNorm layers left to train: fine
 
@@ -373,3 +381,68 @@ def test_fast_dev_run_takes_a_later_unfreezing(tiny_shapes, tmp_path):
     ]
     result = run_script('train.py', *args, '--fast_dev_run')
     assert result.returncode == 0, result.stderr
+
+
+class TokenNet(torch.nn.Module):
+    """A ViT's layout in small: parameters of the model itself (a class token, position embeddings), and
+    two heads that timm's get_classifier() names (a distilled ViT's head and head_dist, the latter last)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, 4))
+        self.embed = torch.nn.Linear(3, 4)
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        self.head = torch.nn.Linear(4, 2)
+        self.head_dist = torch.nn.Linear(4, 2)
+
+    def get_classifier(self):
+        return self.head, self.head_dist
+
+
+def test_the_models_own_parameters_freeze_with_group_0_and_every_named_head_is_the_last_group():
+    """--freeze_to -2 left a ViT's cls_token and pos_embed training, and on a distilled ViT froze its new
+    class head (`head`), training only `head_dist` (its last child), which alone got --head_lr."""
+    from utils.finetune import FineTuning
+
+    model = TokenNet()
+    tuning = FineTuning(model, freeze_to=-2, freeze_batch_norms=True)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {'head.weight', 'head.bias', 'head_dist.weight', 'head_dist.bias'}
+    groups = tuning.param_groups(1e-3, head_lr=1e-2)
+    assert [group['lr'] for group in groups] == [1e-3, 1e-2]
+    assert {id(p) for p in groups[-1]['params']} == {
+        id(p) for p in [*model.head.parameters(), *model.head_dist.parameters()]
+    }
+    tuning.unfreeze()
+    assert all(p.requires_grad for p in model.parameters())
+    assert model.blocks[1].training  # frozen in eval mode, trained again
+
+
+def test_a_distilled_timm_vit_trains_its_class_heads_and_freezes_its_tokens():
+    timm = pytest.importorskip('timm', reason='the timm extra is not installed')
+    from utils.finetune import FineTuning
+
+    model = timm.create_model('deit_tiny_distilled_patch16_224', pretrained=False, img_size=32, num_classes=3)
+    FineTuning(model, freeze_to=-2, freeze_batch_norms=True)
+    trainable = {name.split('.')[0] for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {'head', 'head_dist'}
+
+
+def test_freezing_a_model_of_one_group_says_to_leave_freeze_to_out():
+    """The advice was '--freeze_to -2 trains the head', which the one-group model refuses in turn."""
+    from utils.finetune import FineTuning
+
+    with pytest.raises(KilnError, match=r'all 1 layer groups frozen\); leave --freeze_to out'):
+        FineTuning(_model('linear'), freeze_to=0)
+
+
+@pytest.mark.parametrize('strict', [True, False])
+def test_weights_of_another_model_type_name_it(strict):
+    """A small_cnn checkpoint loaded into resnet18 advised --load_not_strict, which then failed too;
+    neither message named the checkpoint's model."""
+    from utils.checkpoint import load_weights
+
+    checkpoint = {'model': _model('small_cnn').state_dict(), 'args': {'model_type': 'small_cnn'}}
+    expected = 'it is a --model_type small_cnn checkpoint and this run builds linear: give --model_type small_cnn$'
+    with pytest.raises(KilnError, match=expected):
+        load_weights(_model('linear', classes=5), checkpoint, strict=strict, model_type='linear')

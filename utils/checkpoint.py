@@ -254,14 +254,17 @@ def match_weights(model, weights):
     return report, matched
 
 
-def load_match_dict(model, checkpoint, prefix_map=None, source=None):
+NO_FIT_ADVICE = 'check --model_type, or rename its tensors with --load_prefix_map'
+
+
+def load_match_dict(model, checkpoint, prefix_map=None, source=None, advice=NO_FIT_ADVICE):
     """Load into `model` only the tensors whose names and shapes match; return a LoadReport.
 
     `checkpoint` is a path (.pth or .safetensors) or an already loaded dict: a Kiln checkpoint, a
     plain state dict or a torchvision weights file. Use it to start from weights of a model that
     differs in places (another head, an extra block); everything else keeps its init.
     `prefix_map` renames names first (see state_dict_of). A KilnError when no tensor fits (`source`
-    names the checkpoint in it).
+    names the checkpoint in it, `advice` says what to do).
     """
     source = checkpoint if isinstance(checkpoint, str) else source or 'the checkpoint'
     if isinstance(checkpoint, str):
@@ -269,8 +272,8 @@ def load_match_dict(model, checkpoint, prefix_map=None, source=None):
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
     if not matched:  # the model would train from its init as if nothing were wrong
         raise KilnError(
-            f"no tensor of {source} fits this model ({report.first_problems()}): it holds another net's "
-            f'weights; check --model_type, or rename its tensors with --load_prefix_map'
+            f'no tensor of {source} fits this model ({report.first_problems()}): it holds another '
+            f"net's weights; {advice}"
         )
     unwrap_model(model).load_state_dict(matched, strict=False)
     return report
@@ -302,23 +305,37 @@ def load_pretrained(model, path, name, how_to_get):
 STRICT_ADVICE = 'check --model_type/--num_classes or pass --load_not_strict to load only the tensors that match'
 
 
-def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None, advice=STRICT_ADVICE):
+def other_model_advice(checkpoint, model_type):
+    """What to do when `checkpoint` is a Kiln checkpoint of another --model_type than `model_type`; None
+    when it is not (or either is unknown)."""
+    options = checkpoint.get('args') if isinstance(checkpoint, dict) else None
+    trained = options.get('model_type') if isinstance(options, dict) else None
+    if model_type and trained and trained != model_type:
+        return (
+            f'it is a --model_type {trained} checkpoint and this run builds {model_type}: give --model_type {trained}'
+        )
+    return None
+
+
+def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None, advice=STRICT_ADVICE, model_type=None):
     """Load model weights from `checkpoint` (a path or a loaded dict): all of them when `strict`,
     else the matching ones via load_match_dict, whose report is printed. Returns a LoadReport.
 
     A strict load that does not fit raises a KilnError naming the first mismatched tensors and giving
-    `advice`; `source` names the checkpoint in messages (default: its path).
+    `advice`; `source` names the checkpoint in messages (default: its path). With `model_type` (the
+    --model_type being built), a Kiln checkpoint of another model type says so in that error instead.
     """
     path = checkpoint if isinstance(checkpoint, str) else None
     source = source or path or 'the checkpoint'
     if path is not None:
         checkpoint = load_checkpoint(path)
+    other_model = other_model_advice(checkpoint, model_type)  # the likeliest reason it would not fit
     if not strict:
-        report = load_match_dict(model, checkpoint, prefix_map, source)
+        report = load_match_dict(model, checkpoint, prefix_map, source, other_model or NO_FIT_ADVICE)
         print(f'load_match_dict from {source}: {report}')
         return report
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
     if not report.fits():
-        raise KilnError(f'{source} does not fit this model ({report.first_problems()}); {advice}')
+        raise KilnError(f'{source} does not fit this model ({report.first_problems()}); {other_model or advice}')
     unwrap_model(model).load_state_dict(matched)
     return report

@@ -56,7 +56,9 @@ def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, 
     model = select_model(options)
     report = None
     if weights is not None:
-        report = load_weights(model, weights, strict=strict, source=source, prefix_map=prefix_map)
+        report = load_weights(
+            model, weights, strict=strict, source=source, prefix_map=prefix_map, model_type=options.model_type
+        )
     model = model.to(device, memory_format=torch.channels_last if options.channels_last else torch.preserve_format)
     compiled = torch.compile(model, mode=options.compile_mode) if options.compile else model
     if graphed:
