@@ -36,7 +36,6 @@ def acc(step):
     return 1 - step / 16
 
 
-FINAL = {'final/train/loss': loss(LAST_STEP), 'final/val/acc': acc(LAST_STEP), 'best/val/acc': acc(LAST_STEP)}
 # what a run never interrupted logs: train/loss from step 1, val/acc (a column added later) from step 3
 EXPECTED = {
     'train/loss': {step: loss(step) for step in range(1, LAST_STEP + 1)},
@@ -73,18 +72,30 @@ def kill_and_resume(names, folder, options, kill='after_commit', on_kill=lambda:
             log_step(first, step)
         first.state_dict()  # the checkpoint of step 7 is never written
     on_kill()
-    second = build_trackers(
-        names, folder, folder.name, METRIC_NAMES, resume_step=RESUME_STEP, states=saved, options=options
+    return first, saved, resume_to_the_end(names, folder, options, RESUME_STEP, saved)
+
+
+def resume_to_the_end(names, folder, options, resume_step, saved, last_step=LAST_STEP, hparams=HPARAMS):
+    """A run resumed from the checkpoint of `resume_step` (whose states are `saved`; None: a new run): it
+    logs the steps after it up to `last_step`, commits its checkpoint and finishes. Returns the states of
+    that checkpoint."""
+    trackers = build_trackers(
+        names, folder, folder.name, METRIC_NAMES, resume_step=resume_step, states=saved, options=options
     )
-    second.log_hparams(HPARAMS)
-    second.log_text('args', '    lr: 0.01', RESUME_STEP)
-    for step in range(RESUME_STEP + 1, LAST_STEP + 1):
-        log_step(second, step)
-    last = second.state_dict()
-    second.commit(LAST_STEP)
-    second.finish(FINAL)
-    second.close()
-    return first, saved, last
+    trackers.log_hparams(hparams)
+    trackers.log_text('args', '    lr: 0.01', resume_step or 0)
+    for step in range((resume_step or 0) + 1, last_step + 1):
+        log_step(trackers, step)
+    last = trackers.state_dict()
+    trackers.commit(last_step)
+    trackers.finish(final_metrics(last_step))
+    trackers.close()
+    return last
+
+
+def final_metrics(last_step):
+    """The final and best metrics of a run that ended at `last_step`."""
+    return {'final/train/loss': loss(last_step), 'final/val/acc': acc(last_step), 'best/val/acc': acc(last_step)}
 
 
 @pytest.fixture(autouse=True)
@@ -145,7 +156,8 @@ def test_tensorboard_resume_has_every_point_once(tmp_path, kill):
     for name, expected in EXPECTED.items():
         assert steps_and_values((e.step, e.value) for e in events.Scalars(name)) == expected
     assert [e.step for e in events.Images('val/predictions')] == IMAGE_STEPS
-    assert [(e.step, e.value) for e in events.Scalars('final/val/acc')] == [(LAST_STEP, acc(LAST_STEP))]
+    # after the last step, where a resume from the run's last checkpoint purges it (see the next test)
+    assert [(e.step, e.value) for e in events.Scalars('final/val/acc')] == [(LAST_STEP + 1, acc(LAST_STEP))]
     # the HParams row: every task's metrics declared, this run's options in the session
     content = events.PluginTagToContent('hparams')
     experiment = HParamsPluginData.FromString(content['_hparams_/experiment']).experiment
@@ -153,6 +165,26 @@ def test_tensorboard_resume_has_every_point_once(tmp_path, kill):
     session = HParamsPluginData.FromString(content['_hparams_/session_start_info']).session_start_info
     assert session.hparams['lr'].number_value == 0.01 and session.hparams['task'].string_value == 'classification'
     assert 'args/text_summary' in events.Tags()['tensors']
+
+
+def test_tensorboard_run_extended_past_its_end_shows_its_end_once(tmp_path):
+    """A finished run resumed from its last checkpoint with a larger --max_iteration: the end of the first
+    start (final and best points, HParams row) is purged, the extended run's end is shown once."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    folder = tmp_path / 'run'
+    saved = resume_to_the_end(['tensorboard'], folder, options(tmp_path), None, None)
+    extended = {**HPARAMS, 'max_iteration': LAST_STEP + 5}
+    resume_to_the_end(['tensorboard'], folder, options(tmp_path), LAST_STEP, saved, LAST_STEP + 5, extended)
+    events = read_events(folder)
+    for name, value in final_metrics(LAST_STEP + 5).items():
+        assert [(e.step, e.value) for e in events.Scalars(name)] == [(LAST_STEP + 6, value)]
+    assert [e.step for e in events.Scalars('val/acc')] == list(range(3, LAST_STEP + 6))
+    # what the HParams tab reads (TensorBoard's data provider): one session, at the extended run's end
+    hparams = EventAccumulator(str(folder))
+    hparams.Reload()
+    for tag in ('_hparams_/experiment', '_hparams_/session_start_info', '_hparams_/session_end_info'):
+        assert [e.step for e in hparams.Tensors(tag)] == [LAST_STEP + 6]
 
 
 def test_tensorboard_reads_a_resumed_run_after_the_run_it_continues(tmp_path):
@@ -333,6 +365,32 @@ def test_mlflow_resume_has_every_point_once_in_one_run(tmp_path, mlflow_checkpoi
     assert sorted(int(re.search(r'\Wstep\W(\d+)\W', path).group(1)) for path in images) == expected
 
 
+def test_mlflow_resume_from_an_older_checkpoint_writes_no_point_twice(tmp_path, mlflow_checkpoints):
+    """A finished run resumed from its checkpoint of step 5 (named with --resume, or the newest one whole):
+    MLflow holds the points of steps 6 to 10 and the end already, and gets none of them again."""
+    from mlflow.tracking import MlflowClient
+
+    from utils.trackers.mlflow_tracker import local_store
+
+    folder = tmp_path / 'run'
+    first = build_trackers(['mlflow'], folder, folder.name, METRIC_NAMES, options=options(mlflow_checkpoints))
+    for step in range(1, RESUME_STEP + 1):
+        log_step(first, step)
+    saved = first.state_dict()
+    first.commit(RESUME_STEP)
+    first.close()  # a kill: the rest of the run is logged by a resume from step 5 that is not killed
+    resume_to_the_end(['mlflow'], folder, options(mlflow_checkpoints), RESUME_STEP, saved)
+    resume_to_the_end(['mlflow'], folder, options(mlflow_checkpoints), RESUME_STEP, saved)
+    client = MlflowClient(tracking_uri=local_store(mlflow_checkpoints)[0])
+    run_id = saved['mlflow']['run_id']
+    for name, expected in EXPECTED.items():
+        assert steps_and_values((m.step, m.value) for m in client.get_metric_history(run_id, name)) == expected
+    for name, value in final_metrics(LAST_STEP).items():
+        assert [(m.step, m.value) for m in client.get_metric_history(run_id, name)] == [(LAST_STEP, value)]
+    images = [a.path for a in client.list_artifacts(run_id, 'images') if a.path.endswith('.png')]
+    assert sorted(int(re.search(r'\Wstep\W(\d+)\W', path).group(1)) for path in images) == IMAGE_STEPS
+
+
 def test_mlflow_resume_needs_the_store_of_its_run(tmp_path, mlflow_checkpoints):
     with pytest.raises(KilnError, match=f'the MLflow run {"0" * 32} of this checkpoint is not in sqlite:///'):
         build_trackers(
@@ -343,6 +401,101 @@ def test_mlflow_resume_needs_the_store_of_its_run(tmp_path, mlflow_checkpoints):
             states={'mlflow': {'run_id': '0' * 32}},
             options=options(mlflow_checkpoints),
         )
+
+
+def mlflow_settings_error(tmp_path, uri=None):
+    """The KilnError of a run with --mlflow_uri `uri` (None: MLFLOW_TRACKING_URI or the local store)."""
+    pytest.importorskip('mlflow', reason='mlflow-skinny is not installed')
+    with pytest.raises(KilnError) as error:
+        build_trackers(['mlflow'], tmp_path / 'run', 'run', options=SimpleNamespace(mlflow_uri=uri))
+    return str(error.value)
+
+
+def test_mlflow_uri_that_mlflow_refuses_is_one_line_saying_what_to_give(tmp_path, monkeypatch):
+    database = tmp_path / 'x.db'
+    assert mlflow_settings_error(tmp_path, str(database)) == (
+        f"--mlflow_uri {database} is a folder of MLflow's file store, which MLflow 3 refuses; for a database "
+        f'file give sqlite:///{database}, or give no URI for the local store in <checkpoints_dir>/mlruns'
+    )
+    monkeypatch.setenv('MLFLOW_TRACKING_URI', str(tmp_path / 'store'))
+    assert mlflow_settings_error(tmp_path).startswith(f'MLFLOW_TRACKING_URI {tmp_path / "store"} is a folder of')
+    assert mlflow_settings_error(tmp_path, 'bogus://x').startswith(
+        '--mlflow_uri bogus://x: MLflow has no store for bogus:// URIs; give sqlite:///<database file>, http(s)://'
+    )
+
+
+def test_mlflow_server_not_there_fails_at_once(tmp_path, monkeypatch):
+    """MLflow's own retries would wait four minutes; the user's retry settings still count."""
+    import socket
+
+    from mlflow.utils import rest_utils
+
+    with socket.socket() as port:  # bound, never listening: a connection is refused
+        port.bind(('127.0.0.1', 0))
+        uri = f'http://127.0.0.1:{port.getsockname()[1]}'
+        started = time.monotonic()
+        assert mlflow_settings_error(tmp_path, uri).startswith(f'no MLflow server answers at {uri} (--mlflow_uri): ')
+        assert time.monotonic() - started < 10
+        requests = []
+        monkeypatch.setattr(rest_utils, 'http_request', lambda *args, **kwargs: requests.append(kwargs) or 1 / 0)
+        monkeypatch.setenv('MLFLOW_HTTP_REQUEST_MAX_RETRIES', '3')
+        monkeypatch.setenv('MLFLOW_HTTP_REQUEST_TIMEOUT', '60')
+        with pytest.raises(ZeroDivisionError):
+            build_trackers(['mlflow'], tmp_path / 'run', 'run', options=SimpleNamespace(mlflow_uri=uri))
+        assert requests[0]['max_retries'] is None and requests[0]['timeout'] is None  # MLflow reads them
+
+
+def test_mlflow_deleted_experiment_is_one_line_saying_how_to_restore_it(tmp_path, mlflow_checkpoints):
+    from mlflow.tracking import MlflowClient
+
+    from utils.trackers.mlflow_tracker import EXPERIMENT
+
+    uri = f'sqlite:///{mlflow_checkpoints}/deleted/mlflow.db'  # its own store: the experiment goes
+    client = MlflowClient(tracking_uri=uri)
+    client.delete_experiment(client.create_experiment(EXPERIMENT))
+    assert re.fullmatch(
+        rf"the MLflow experiment 'kiln' in {uri} is deleted; restore it \(mlflow experiments restore "
+        r'--experiment-id \d+, with that tracking URI\) or give another --mlflow_uri',
+        mlflow_settings_error(tmp_path, uri),
+    )
+
+
+NEW_STORE_AT_ONCE = """
+import os, sys, time
+from types import SimpleNamespace
+from utils.trackers import build_trackers
+import mlflow.tracking
+open(sys.argv[2], 'w').close()
+while not os.path.exists(sys.argv[3]):  # every process ready: they open the new store together
+    time.sleep(0.01)
+options = SimpleNamespace(mlflow_uri=None, checkpoints_dir=sys.argv[1])
+build_trackers(['mlflow'], os.path.join(sys.argv[1], os.path.basename(sys.argv[2])), 'run', options=options).close()
+"""
+
+
+def test_runs_that_start_together_on_a_new_mlflow_store_both_start(tmp_path, mlflow_checkpoints):
+    """MLflow creates a new SQLite store's tables when it first opens it; two processes that do so at
+    once fail in one of them (alembic "Online migration expected to match one row") without a lock."""
+    import subprocess
+
+    from conftest import REPO
+
+    go = tmp_path / 'go'
+    ready = [tmp_path / f'ready{number}' for number in range(2)]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, '-c', NEW_STORE_AT_ONCE, str(tmp_path / 'checkpoints'), str(name), str(go)],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ready
+    ]
+    while not all(name.exists() for name in ready) and all(run.poll() is None for run in runs):
+        time.sleep(0.01)
+    go.touch()
+    for run in runs:
+        assert run.wait(timeout=120) == 0, run.communicate()[1]
 
 
 def test_mlflow_needs_sqlalchemy_for_its_local_store(tmp_path, monkeypatch):
@@ -439,6 +592,16 @@ def test_wandb_offline_resume_has_every_point_once_in_one_run(tmp_path, wandb_mo
     assert summary['final/val/acc'] == acc(LAST_STEP) and summary['args'] == '    lr: 0.01'
 
 
+def test_wandb_setting_it_refuses_is_one_line(tmp_path, wandb_module):
+    with pytest.raises(KilnError) as error:
+        build_trackers(['wandb'], tmp_path / 'run', 'run', options=SimpleNamespace(wandb_project='a/b'))
+    assert re.fullmatch(
+        r"W&B refuses to start the run: Invalid project name 'a/b'.*; fix --wandb_project \(a/b\) or the WANDB_\* "
+        r'environment variables',
+        str(error.value),
+    )
+
+
 def test_wandb_goes_offline_without_a_login(tmp_path, monkeypatch):
     assert wandb_mode() is None  # WANDB_MODE is set (by the offline fixture): W&B decides
     monkeypatch.delenv('WANDB_MODE')
@@ -469,6 +632,15 @@ def test_build_trackers_checks_names_and_keeps_states_by_name(tmp_path):
     trackers = build_trackers(['csv', 'tensorboard', 'csv'], tmp_path / 'run', 'run')
     assert [t.name for t in trackers] == ['csv', 'tensorboard']
     assert trackers.state_dict() == {'csv': {}, 'tensorboard': {}}
+    trackers.close()
+
+
+def test_trackers_left_out_of_a_start_keep_their_saved_states(tmp_path):
+    """A resume without --loggers wandb keeps the W&B run id (and the MLflow state) in its checkpoints,
+    so that a later resume with it continues that run instead of starting a new one."""
+    saved = {'csv': {}, 'wandb': {'run_id': 'abc123'}, 'mlflow': {'run_id': 'f' * 32, 'pending': [[5, {'a': 1.0}]]}}
+    trackers = build_trackers(['csv', 'tensorboard'], tmp_path / 'run', 'run', resume_step=5, states=saved)
+    assert trackers.state_dict() == {**saved, 'tensorboard': {}}
     trackers.close()
 
 

@@ -73,10 +73,15 @@ class Tracker:
 
 
 class Trackers:
-    """The trackers of one run: every call goes to each of them; `state_dict` is {name: state}."""
+    """The trackers of one run: every call goes to each of them; `state_dict` is {name: state}.
 
-    def __init__(self, trackers=()):
+    `saved_states` are the states of the checkpoint resumed: those of trackers left out of this
+    start are kept in every checkpoint, so that a later start with them continues their runs.
+    """
+
+    def __init__(self, trackers=(), saved_states=None):
         self.trackers = list(trackers)
+        self.saved_states = dict(saved_states or {})
 
     def __iter__(self):
         return iter(self.trackers)
@@ -109,7 +114,7 @@ class Trackers:
             tracker.finish(final_metrics)
 
     def state_dict(self):
-        return {tracker.name: tracker.state_dict() for tracker in self.trackers}
+        return {**self.saved_states, **{tracker.name: tracker.state_dict() for tracker in self.trackers}}
 
     def close(self):
         """Close every tracker, even when one of them fails (the first error is raised afterwards)."""
@@ -141,7 +146,7 @@ def build_trackers(names, folder, run_name, hparams_metric_names=(), resume_step
     }
     options = SimpleNamespace(**{key: getattr(options, key, value) for key, value in defaults.items()})
     os.makedirs(folder, exist_ok=True)
-    trackers = Trackers()
+    trackers = Trackers(saved_states=states)
     try:
         for name in dict.fromkeys(names):  # each once, in the order given
             module, cls = _CLASSES[name].split('.')

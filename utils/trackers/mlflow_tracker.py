@@ -6,22 +6,96 @@ is deprecated) with artifacts in `<checkpoints_dir>/mlruns/artifacts`. Browse it
 `mlflow ui --backend-store-uri sqlite:///<checkpoints_dir>/mlruns/mlflow.db` (the full mlflow package).
 """
 
+import contextlib
+import fcntl
 import os
 import pathlib
+import re
 import time
+from urllib.parse import urlsplit
 
 from utils.errors import KilnError
 from utils.trackers import Tracker, require
 
 EXPERIMENT = 'kiln'
 MAX_PARAM_LENGTH = 6000  # MLflow rejects longer parameter values
+SQLITE = 'sqlite:///'
+# how long a server gets to answer the first request, unless MLFLOW_HTTP_REQUEST_TIMEOUT says
+SERVER_CHECK_TIMEOUT_S = 10
+# MLflow's name of a picture logged with a key and a step: images/<key>+step+<step>+timestamp+...
+IMAGE_FILE = re.compile(r'\+step\+(\d+)\+timestamp\+')
 
 
 def local_store(checkpoints_dir):
     """(tracking URI, artifact location) of the local store under `checkpoints_dir`."""
     folder = os.path.join(os.path.abspath(checkpoints_dir), 'mlruns')
     os.makedirs(folder, exist_ok=True)
-    return 'sqlite:///' + os.path.join(folder, 'mlflow.db'), pathlib.Path(folder, 'artifacts').as_uri()
+    return SQLITE + os.path.join(folder, 'mlflow.db'), pathlib.Path(folder, 'artifacts').as_uri()
+
+
+@contextlib.contextmanager
+def database_lock(uri):
+    """Hold an exclusive lock on `<database>.lock` beside an SQLite store's database file (nothing for
+    another URI): MLflow creates a new database's tables when it opens it, and two runs that do so at
+    once fail in one of them ("Online migration expected to match one row")."""
+    if not uri.startswith(SQLITE):
+        yield
+        return
+    database = os.path.abspath(uri[len(SQLITE) :])
+    os.makedirs(os.path.dirname(database), exist_ok=True)
+    with open(f'{database}.lock', 'a') as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX)  # released when the file is closed
+        yield
+
+
+def check_server(uri, source):
+    """Raise a KilnError at once when the MLflow server at the http(s) `uri` does not answer.
+
+    MLflow retries a request 7 times with a growing wait by default: four minutes of silence before
+    its traceback. This one request retries only as often and waits only as long as the user's own
+    MLFLOW_HTTP_REQUEST_MAX_RETRIES and MLFLOW_HTTP_REQUEST_TIMEOUT say (none, SERVER_CHECK_TIMEOUT_S
+    when unset); the run's later requests keep MLflow's settings, to ride out a server's short outages.
+    """
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        # any answer, even an error status, is a server that is there
+        http_request(
+            get_default_host_creds(uri),
+            '/health',
+            'GET',
+            max_retries=None if MLFLOW_HTTP_REQUEST_MAX_RETRIES.defined else 0,
+            timeout=None if MLFLOW_HTTP_REQUEST_TIMEOUT.defined else SERVER_CHECK_TIMEOUT_S,
+            raise_on_status=False,
+        )
+    except MlflowException as error:
+        # MLflow's message ends with urllib3's nested one; the system's reason ("Connection refused") says it
+        found = re.search(r'\[Errno -?\d+\] ([^"\')]+)', str(error))
+        reason = found.group(1) if found else str(error).splitlines()[0][:200]
+        raise KilnError(
+            f'no MLflow server answers at {uri} ({source}): {reason}; start the server, or fix {source}'
+        ) from None
+
+
+def uri_error(uri, source, error):
+    """The KilnError of a tracking URI that MLflow refused (`error`, an MlflowException)."""
+    from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
+
+    if urlsplit(uri).scheme in ('', 'file'):
+        return KilnError(
+            f"{source} {uri} is a folder of MLflow's file store, which MLflow 3 refuses; for a database "
+            f'file give {SQLITE}{os.path.abspath(urlsplit(uri).path)}, or give no URI for the local store '
+            f'in <checkpoints_dir>/mlruns'
+        )
+    if isinstance(error, UnsupportedModelRegistryStoreURIException):  # (MLflow checks the registry's first)
+        return KilnError(
+            f'{source} {uri}: MLflow has no store for {urlsplit(uri).scheme}:// URIs; give sqlite:///<database '
+            f'file>, http(s)://<server> or another URI MLflow takes (postgresql://, mysql://, databricks, ...)'
+        )
+    return KilnError(f'MLflow cannot use {source} {uri}: {str(error).strip().splitlines()[0][:300]}')
 
 
 class MlflowTracker(Tracker):
@@ -30,7 +104,10 @@ class MlflowTracker(Tracker):
     MLflow keeps every point it is given, so nothing a resumed run will log again may reach it:
     points wait in memory until `commit(step)` or `finish`. Those waiting when a checkpoint is
     assembled also go into its state, so that a kill between the checkpoint's write and its commit
-    loses nothing: the resumed run writes those MLflow does not have yet.
+    loses nothing: the resumed run writes those MLflow does not have yet. A run resumed from an older
+    checkpoint than its last one (or extended past its end) finds points after that checkpoint in
+    MLflow already: it writes none of those (metric, step) again, nor pictures at a step that has
+    some; Kiln's resume is exact, so they are the points it would write.
     """
 
     name = 'mlflow'
@@ -38,33 +115,51 @@ class MlflowTracker(Tracker):
     def __init__(self, folder, run_name, resume_step=None, state=None, options=None, metric_names=()):
         require('mlflow', self.name, 'mlflow-skinny')
         from mlflow.entities import Metric, Param
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         self.Metric, self.Param = Metric, Param
+        source = '--mlflow_uri' if options.mlflow_uri else 'MLFLOW_TRACKING_URI'
         uri, artifacts = options.mlflow_uri or os.environ.get('MLFLOW_TRACKING_URI'), None
-        if uri and uri.startswith('sqlite:///'):  # a database file: artifacts beside it, not in ./mlruns
-            artifacts = pathlib.Path(os.path.dirname(os.path.abspath(uri[len('sqlite:///') :])), 'artifacts').as_uri()
+        if uri and uri.startswith(SQLITE):  # a database file: artifacts beside it, not in ./mlruns
+            artifacts = pathlib.Path(os.path.dirname(os.path.abspath(uri[len(SQLITE) :])), 'artifacts').as_uri()
         if not uri:
             for module in ('sqlalchemy', 'alembic'):  # MLflow's SQLite store needs both
                 require(module, self.name)
             uri, artifacts = local_store(options.checkpoints_dir)
-        self.client = MlflowClient(tracking_uri=uri)
+        if urlsplit(uri).scheme in ('http', 'https'):
+            check_server(uri, source)
+        try:
+            with database_lock(uri):  # the client opens the store, creating a new one
+                self.client = MlflowClient(tracking_uri=uri)
+        except MlflowException as error:
+            raise uri_error(uri, source, error) from None
         state = state or {}
         self.run_id = state.get('run_id')
         if self.run_id:
             self._continue_run(uri)
         else:
-            self.run_id = self._new_run(run_name, folder, artifacts)
+            self.run_id = self._new_run(run_name, folder, artifacts, uri)
         self.pending = {}  # step -> {metric: value} not yet written
         self.images = {}  # step -> {tag: image} not yet written
         self.last_step = resume_step or 0
         self.finished = False
-        self._write_missing(state.get('pending', []))
+        saved = [(step, name, value) for step, metrics in state.get('pending', []) for name, value in metrics.items()]
+        self.held_points, self.held_image_steps = set(), set()
+        if resume_step is not None:
+            self._read_held(min([resume_step + 1, *(step for step, _, _ in saved)]))
+        self._log_batch(saved)  # those its commit did not get to write
 
-    def _new_run(self, run_name, folder, artifacts):
+    def _new_run(self, run_name, folder, artifacts, uri):
         from mlflow.exceptions import MlflowException
 
         experiment = self.client.get_experiment_by_name(EXPERIMENT)
+        if experiment and experiment.lifecycle_stage != 'active':
+            raise KilnError(
+                f"the MLflow experiment '{EXPERIMENT}' in {uri} is deleted; restore it (mlflow experiments "
+                f'restore --experiment-id {experiment.experiment_id}, with that tracking URI) or give another '
+                f'--mlflow_uri'
+            )
         try:
             experiment_id = (
                 experiment.experiment_id
@@ -89,18 +184,27 @@ class MlflowTracker(Tracker):
                 f'--mlflow_uri or --checkpoints_dir it started with'
             ) from None
 
-    def _write_missing(self, saved):
-        """Write the points of a checkpoint's state that its commit did not get to write."""
-        saved = [(step, name, value) for step, metrics in saved for name, value in metrics.items()]
-        logged = {
-            name: {metric.step for metric in self.client.get_metric_history(self.run_id, name)}
-            for name in {name for _, name, _ in saved}
-        }
-        self._log_batch([(step, name, value) for step, name, value in saved if step not in logged[name]])
+    def _read_held(self, since):
+        """Note the points and picture steps from `since` on that the run already holds."""
+        for name in self.client.get_run(self.run_id).data.metrics:
+            self.held_points.update(
+                (metric.step, name)
+                for metric in self.client.get_metric_history(self.run_id, name)
+                if metric.step >= since
+            )
+        for artifact in self.client.list_artifacts(self.run_id, 'images'):
+            match = IMAGE_FILE.search(artifact.path)
+            if match and int(match.group(1)) >= since:
+                self.held_image_steps.add(int(match.group(1)))
 
     def _log_batch(self, points):
+        """Write (step, name, value) points, leaving out those the run holds already."""
         timestamp = int(time.time() * 1000)
-        metrics = [self.Metric(name, value, timestamp, step) for step, name, value in points]
+        metrics = [
+            self.Metric(name, value, timestamp, step)
+            for step, name, value in points
+            if (step, name) not in self.held_points
+        ]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
 
@@ -126,8 +230,10 @@ class MlflowTracker(Tracker):
         steps = [step for step in sorted(set(self.pending) | set(self.images)) if up_to is None or step <= up_to]
         self._log_batch([(step, name, value) for step in steps for name, value in self.pending.pop(step, {}).items()])
         for step in steps:
-            for tag, image in self.images.pop(step, {}).items():
-                self.client.log_image(self.run_id, image, key=tag, step=step, synchronous=True)
+            images = self.images.pop(step, {})
+            if step not in self.held_image_steps:
+                for tag, image in images.items():
+                    self.client.log_image(self.run_id, image, key=tag, step=step, synchronous=True)
             self.last_step = max(self.last_step, step)
 
     def state_dict(self):

@@ -19,11 +19,13 @@ class EventFile:
     TensorBoard reads a folder's event files in name order, and the name starts with a time in
     seconds: a resumed run that starts in the same second as the run it continues (or on a machine
     whose clock is behind) would otherwise be read first, and the old run's points would land after
-    its own. A resumed run's file starts with a SessionLog START at `purge_step`, which makes
-    TensorBoard drop whatever earlier files hold from that step on.
+    its own. Each file starts with a SessionLog START at `purge_step` (0 in a new run's), which makes
+    TensorBoard drop whatever earlier files hold from that step on. TensorBoard's Python loader
+    (`--load_fast=false`) takes the first START of a folder for the run's beginning and purges only
+    at later ones: a new run's file needs one too, else the first resume purges nothing there.
     """
 
-    def __init__(self, folder, purge_step=None):
+    def __init__(self, folder, purge_step=0):
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
         self.Event = Event
@@ -32,8 +34,7 @@ class EventFile:
         name = f'events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}.kiln'
         self.records = open(os.path.join(folder, name), 'ab')
         self._write(Event(wall_time=time.time(), file_version='brain.Event:2'))
-        if purge_step is not None:
-            self._write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        self._write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
 
     def _write(self, event):
         data = event.SerializeToString()
@@ -132,7 +133,7 @@ class TensorBoardTracker(Tracker):
 
     def __init__(self, folder, run_name, resume_step=None, state=None, options=None, metric_names=()):
         self.folder = folder
-        self.purge_step = None if resume_step is None else resume_step + 1
+        self.purge_step = 0 if resume_step is None else resume_step + 1
         self.last_step = resume_step or 0
         self.metric_names = metric_names
         self.hparams = {}
@@ -187,12 +188,12 @@ class TensorBoardTracker(Tracker):
             name: value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
             for name, value in self.hparams.items()
         }
-        # written at the last step, not step 0, so that a resume of this run purges them too
+        # written after the last step, where a resume purges them: one from the run's last checkpoint
+        # too (a run extended with a larger --max_iteration) purges from the step after it
+        end_step = self.last_step + 1
         for summary in hparams_summaries(values, declared):
-            file.add_summary(summary, self.last_step)
-        self.log_metrics(
-            {name: value for name, value in final_metrics.items() if value is not None}, self.last_step, None
-        )
+            file.add_summary(summary, end_step)
+        self.log_metrics({name: value for name, value in final_metrics.items() if value is not None}, end_step, None)
 
     def close(self):
         if self.file:

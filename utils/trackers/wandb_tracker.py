@@ -8,6 +8,7 @@ import netrc
 import os
 from urllib.parse import urlsplit
 
+from utils.errors import KilnError
 from utils.trackers import Tracker, require
 
 # W&B's service writes the run's transaction log (the .wandb file: all an offline run has, and what
@@ -53,17 +54,23 @@ class WandbTracker(Tracker):
         settings = {}  # older wandb versions have no such setting
         if 'x_transaction_log_flush_interval' in getattr(self.wandb.Settings, 'model_fields', {}):
             settings['settings'] = self.wandb.Settings(x_transaction_log_flush_interval=FLUSH_INTERVAL_S)
-        # create_new: this tracker owns its run, and never finishes or reuses another in the process
-        self.run = self.wandb.init(
-            project=options.wandb_project,
-            name=run_name,
-            dir=folder,
-            resume='allow',
-            id=(state or {}).get('run_id'),
-            mode=wandb_mode(),
-            reinit='create_new',
-            **settings,
-        )
+        try:
+            # create_new: this tracker owns its run, and never finishes or reuses another in the process
+            self.run = self.wandb.init(
+                project=options.wandb_project,
+                name=run_name,
+                dir=folder,
+                resume='allow',
+                id=(state or {}).get('run_id'),
+                mode=wandb_mode(),
+                reinit='create_new',
+                **settings,
+            )
+        except self.wandb.errors.UsageError as error:  # a bad setting: an invalid project name, WANDB_MODE, ...
+            raise KilnError(
+                f'W&B refuses to start the run: {str(error).strip().splitlines()[0]}; fix --wandb_project '
+                f'({options.wandb_project}) or the WANDB_* environment variables'
+            ) from None
         self.pending = {}  # step -> {key: value} not yet written
         self.finished = False
 
