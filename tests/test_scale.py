@@ -19,13 +19,13 @@ from conftest import REPO, run_files, run_script, timeout, tiny_run_args, tiny_s
 TORCHRUN = [sys.executable, '-m', 'utils.torchrun', '--standalone', '--nproc-per-node=2']
 
 
-def _torchrun(script, *args):
+def _torchrun(script, *args, seconds=600):
     result = subprocess.run(
         [*TORCHRUN, script, *map(str, args)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=timeout(),
+        timeout=timeout(seconds),
         env={**os.environ, 'OMP_NUM_THREADS': '1'},
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -141,6 +141,30 @@ def test_eval_under_two_processes_equals_one(one_and_two_processes):
     # the mean loss adds float32 batch means in another order: equal to float precision; the counts exactly
     assert two_json['metrics'].pop('loss') == pytest.approx(one_json['metrics'].pop('loss'), rel=1e-6)
     assert two_json == one_json
+
+
+def test_a_split_smaller_than_the_processes_is_evaluated_without_waiting_for_ever(tiny_shapes, tmp_path):
+    """Evaluation ran the DDP-wrapped model, whose every forward is a collective: a process with fewer
+    batches (none, for a split of 1 sample under 2 processes) left the other waiting in its next forward,
+    in training's validation and in eval.py alike. small_cnn: its BatchNorm buffers come from rank 0."""
+    with open(os.path.join(tiny_shapes, 'val.txt')) as f:
+        path, label = f.readline().split()
+    (tmp_path / 'val1.txt').write_text(f'{os.path.join(tiny_shapes, path)} {label}\n')
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    args[args.index('--val_list') + 1] = str(tmp_path / 'val1.txt')
+    _torchrun('train.py', *args, '--epochs', '1', '--limit_train_batches', '2', '--batch_size', '4', seconds=120)
+    checkpoint = os.path.join(_folder(args), 'last.pth')
+    for launch, name in ((_torchrun, 'two'), (run_script, 'one')):
+        evaluate = ['--load_model_path', checkpoint, '--save_prefix', name, '--no-progress_bar', '--cpu']
+        result = launch('eval.py', *evaluate, '--data_type', 'list', '--val_list', str(tmp_path / 'val1.txt'))
+        assert result.returncode == 0, result.stdout + result.stderr
+    results = os.path.join(_folder(args), 'eval')
+    for file in ('result.json', 'predictions.csv'):
+        with (
+            open(os.path.join(results, 'last_val1_one', file)) as one,
+            open(os.path.join(results, 'last_val1_two', file)) as two,
+        ):
+            assert two.read() == one.read(), file
 
 
 def test_two_processes_validate_the_weight_average_eval_py_evaluates(tiny_shapes, tmp_path):

@@ -94,6 +94,18 @@ def wrap_model(model, gpus=None, cpu=False):
     return model
 
 
+def without_ddp(model):
+    """The model to evaluate with: a DistributedDataParallel model's own module, after one broadcast of
+    rank 0's buffers (BatchNorm statistics: what DDP's next forward would send). Through DDP, every
+    forward is a collective, and evaluation gives processes unequal numbers of batches (none at all where
+    a split has fewer samples than processes): they would wait for each other for ever."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model
+    for buffer in model.module.buffers():
+        dist.broadcast(buffer, 0)
+    return model.module
+
+
 def is_distributed():
     """Whether this process is one of several in a process group."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

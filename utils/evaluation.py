@@ -11,7 +11,7 @@ import torch
 
 from metrics import BatchedUpdates, reduced
 from utils.checkpointer import Snapshot
-from utils.distributed import all_gather_objects, is_main_process
+from utils.distributed import all_gather_objects, is_main_process, without_ddp
 from utils.progress import progress
 
 
@@ -51,6 +51,7 @@ def evaluate(
     `pictures(number, source)` as soon as they are copied, so that they are drawn (see utils/logger.py)
     while the evaluation goes on; `source.get()` gives (batch, outputs) on the host once copied.
     """
+    model = without_ddp(model)
     model.eval()
     metrics = BatchedUpdates(task.metrics())  # a few kernels per 32 batches, not per batch
     losses, counts = [], []  # per batch: its mean loss and samples, added up at the end in one go
