@@ -11,7 +11,7 @@ import time
 
 STARTED = time.perf_counter()  # for the time-to-first-step figure
 
-from utils.errors import KilnError, quiet_interrupts, run_cli, run_to_exit
+from utils.errors import KilnError, is_peer_lost, quiet_interrupts, run_cli, run_to_exit
 
 quiet_interrupts()  # a Ctrl-C while torch loads: one line, exit 130
 from options import parse_args, parse_train_args
@@ -645,7 +645,9 @@ class Trainer:
             print(self.summary_line(), flush=True)
         try:
             stop = self.train()
-        except BaseException:
+        except BaseException as error:
+            if is_peer_lost(error):  # the line that says so (utils/errors.py) says what to do next
+                error.add_note('the newest checkpoint is whole: continue with --resume')
             with contextlib.suppress(Exception):  # the error to show is the first one
                 self.logger.close()  # what was logged so far is written and readable
             raise

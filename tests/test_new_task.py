@@ -400,6 +400,9 @@ def test_a_comparison_that_fails_half_way_leaves_nothing_and_runs_again(classifi
     assert failed.returncode == 2 and 'give --model_type' in failed.stderr, failed.stderr
     assert not os.path.exists(os.path.join(classified[0], 'eval', 'best_val_half'))  # evaluated, then removed
     assert not (tmp_path / 'comparisons' / 'val_half').exists()
+    # the folders made for the results go too: eval/ and --output_dir's (they stayed, empty)
+    elsewhere = run_script('eval.py', *command, '--no-progress_bar', '--output_dir', tmp_path / 'out' / 'cmp')
+    assert elsewhere.returncode == 2 and not (tmp_path / 'out').exists(), elsewhere.stderr
     _ok(run_script('eval.py', *command, '--no-progress_bar', '--model_type', 'small_cnn'))
     assert os.path.isfile(os.path.join(classified[0], 'eval', 'best_val_half', 'result.txt'))
     assert (tmp_path / 'comparisons' / 'val_half' / 'comparison.csv').is_file()

@@ -364,7 +364,15 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
             "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation"
         )
 
+    def peer_lost_in_training(argv):  # what Trainer.run adds to it
+        error = RuntimeError('Connection closed by peer [127.0.0.1]:9124')
+        error.add_note('the newest checkpoint is whole: continue with --resume')
+        raise error
+
     for main, needle, code in (
+        # eval.py's said 'continue with --resume' too
+        (peer_lost, 'Connection closed by peer [127.0.0.1]:9124); its own error says why (--debug', 1),
+        (peer_lost_in_training, '; the newest checkpoint is whole: continue with --resume (--debug', 1),
         (full_disk, 'No space left on device', 2),
         (not_deterministic, '--deterministic: upsample_bilinear2d_backward_out_cuda does not have', 2),
         (out_of_memory, 'out of memory', 2),
@@ -385,6 +393,8 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
         ({0: -15, 1: 2}, 1, 'rank 1 failed with exit code 2 (its error is above)'),
         ({0: 2, 1: 2}, 0, 'rank 0 failed with exit code 2'),
         ({0: 143, 1: 2}, 1, 'rank 1 failed with exit code 2'),  # rank 0 stopped by that SIGTERM, as Kiln exits
+        # a SIGTERM to one worker: every worker stops alike; it said 'rank 0 failed ... (its error is above)'
+        ({0: 143, 1: 143}, 0, 'ranks 0, 1 stopped on SIGTERM, exit code 143'),
     ],
 )
 def test_torchrun_names_the_worker_that_caused_the_failure(exits, blamed, line, monkeypatch, capsys):
@@ -833,3 +843,22 @@ def test_normalization_follows_the_backbone_and_old_checkpoints_keep_kiln_s():
     trained = {'model_type': 'tv_resnet18', 'task': 'classify', 'num_classes': 3}
     assert inherit(test_args, set(), trained).normalize == 'kiln'  # no 'normalize' saved: Kiln's, as it trained
     assert inherit(test_args, set(), {**trained, 'normalize': 'imagenet'}).normalize == 'imagenet'
+
+
+def test_a_training_run_whose_peer_is_gone_says_to_resume(monkeypatch):
+    """The advice to resume was in every script's line, eval.py's too; a training run's error carries it."""
+    import train
+
+    class Gone(train.Trainer):
+        def __init__(self):  # nothing built: run() only calls these
+            self.logger = train.Logger()
+
+        def summary_line(self):
+            return ''
+
+        def train(self):
+            raise RuntimeError('[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:9124')
+
+    with pytest.raises(RuntimeError) as raised:
+        Gone().run()
+    assert raised.value.__notes__ == ['the newest checkpoint is whole: continue with --resume']

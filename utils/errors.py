@@ -56,7 +56,8 @@ def _is_out_of_memory(error):
 PEER_LOST = ('Connection closed by peer', 'Connection reset by peer', 'NCCL communicator was aborted')
 
 
-def _is_peer_lost(error):
+def is_peer_lost(error):
+    """Whether `error` is a collective's failure because another process of the torchrun job is gone."""
     return isinstance(error, RuntimeError) and any(text in str(error) for text in PEER_LOST)
 
 
@@ -147,10 +148,12 @@ def _run_reporting_errors(main, argv):
             f'(--debug shows where)'
         )
     except (MemoryError, RuntimeError) as error:
-        if _is_peer_lost(error):  # the process that failed says why; this one only went down with it
+        if is_peer_lost(error):  # the process that failed says why; this one only went down with it
+            # what to do next, where the code that met the error knows (a training run's: resume)
+            advice = '; '.join(getattr(error, '__notes__', ())) or 'its own error says why'
             exit_with_error(
-                f'error: another process of this torchrun job is gone ({_one_line(error)[:160]}); the newest '
-                f'checkpoint is whole: continue with --resume (--debug shows where)',
+                f'error: another process of this torchrun job is gone ({_one_line(error)[:160]}); {advice} '
+                f'(--debug shows where)',
                 code=1,
             )
         if 'does not have a deterministic implementation' in str(error):  # torch's refusal under --deterministic

@@ -44,7 +44,6 @@ from utils.distributed import world_size
 from utils.errors import KilnError
 
 ARGS_TXT, ARGS_YAML, LOCK = 'args.txt', 'args.yaml', '.lock'
-EVAL_FOLDER, PREDICT_FOLDER = 'eval', 'predict'
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a run writes into its folder by itself: removed again when a new run fails before its first checkpoint
 RUN_FILES = (
@@ -72,12 +71,25 @@ def save_args(args, folder):
     atomic_write_bytes(saved.encode(), os.path.join(folder, ARGS_YAML))
 
 
+PARENTS_MADE = {}  # a folder create_run_folder made -> the folders above it made for it, deepest first
+
+
+def make_parents(path):
+    """Create the missing folders above `path`; return those it made, deepest first."""
+    made, parent = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(parent) and parent != os.path.dirname(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return made
+
+
 def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_dir'):
     """Create a new run folder and save the options in it; an existing one is a KilnError saying
     `what_to_change`, one that cannot be made names `where_option`. A folder whose options could not be
     written (a full disk) is removed again."""
     try:
-        os.makedirs(os.path.dirname(folder) or '.', exist_ok=True)
+        PARENTS_MADE[os.path.abspath(folder)] = make_parents(folder)
         os.mkdir(folder)  # fails if it exists: two runs never share a folder
     except FileExistsError:
         raise KilnError(f'{folder} already exists; {what_to_change}') from None
@@ -111,9 +123,10 @@ def discard_folder_if_setup_fails(folder, results=False):
                         os.remove(os.path.join(folder, name))
         with contextlib.suppress(OSError):
             os.rmdir(folder)  # only succeeds when nothing else is in it
-            parent = os.path.dirname(folder)
-            if os.path.basename(parent) in (EVAL_FOLDER, PREDICT_FOLDER):
-                os.rmdir(parent)  # only succeeds when no other result is in it
+        if not os.path.exists(folder):  # and the folders made for it (eval/, --output_dir's), while empty
+            with contextlib.suppress(OSError):
+                for parent in PARENTS_MADE.pop(os.path.abspath(folder), []):
+                    os.rmdir(parent)
         raise
 
 

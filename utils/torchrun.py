@@ -46,13 +46,18 @@ def main(argv=None):
             error.failures.items(), key=lambda item: (_blame(item[1].exitcode), item[1].timestamp, item[0])
         )
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -9: killed by SIGKILL
-        if failure.exitcode > 0:
+        who = f'rank {rank}'
+        if failure.exitcode == 128 + signal.SIGTERM:  # no worker failed (else it would be blamed): they stopped
+            stopped = sorted(r for r, f in error.failures.items() if f.exitcode == failure.exitcode)
+            who = f'rank{"s" if len(stopped) > 1 else ""} {", ".join(map(str, stopped))}'
+            how = f'stopped on SIGTERM, exit code {code} (a SIGTERM to one worker stops them all, saving first)'
+        elif failure.exitcode > 0:
             how = f'failed with exit code {failure.exitcode} (its error is above)'
         else:
             how = f'was killed by {signal.Signals(-failure.exitcode).name} (signal {-failure.exitcode})'
             if -failure.exitcode == signal.SIGKILL:
                 how += '; often the out-of-memory killer (see `dmesg`): lower --batch_size or --num_workers'
-        print(f'torchrun: rank {rank} {how}', file=sys.stderr, flush=True)
+        print(f'torchrun: {who} {how}', file=sys.stderr, flush=True)
         sys.exit(code)
 
 
