@@ -35,6 +35,18 @@ def mix(*numbers):
     return value >> 1
 
 
+def dealt(count, rank, world_size):
+    """The numbers of the evaluation batches (of `count`, as one process has them) that rank `rank` of
+    `world_size` evaluates, in its order: every world_size-th from its own rank's number."""
+    return range(rank, count, world_size)
+
+
+def in_global_order(per_rank):
+    """One item per evaluation batch in the batches' order, from `per_rank` (indexed by rank): each
+    rank's items of its `dealt` batches, in its order."""
+    return [per_rank[number % len(per_rank)][number // len(per_rank)] for number in range(sum(map(len, per_rank)))]
+
+
 class ResumableBatchSampler(Sampler):
     """Batches of one rank for the current epoch, starting at batch `start`.
 
@@ -42,9 +54,11 @@ class ResumableBatchSampler(Sampler):
     batches of `batch_size * world_size` (dropping an incomplete last one, so every rank makes
     the same number of steps) and gives rank r the r-th slice of each (data smaller than one global
     batch make one, its samples dealt out round-robin; fewer samples than ranks are refused). Evaluation
-    (`shuffle=False`) keeps the file order and deals samples out round-robin without padding,
-    so no sample is counted twice across ranks. `limit` keeps only the first batches of each
-    epoch (--limit_*_batches); `fixed_order` uses epoch 0's order every epoch (--overfit_batches).
+    (`shuffle=False`) cuts the file order into the batches one process evaluates and deals whole
+    batches out (`dealt`), without padding: each rank's batches, losses and rows are one process's,
+    so no sample is counted twice and the sums come out the same. `limit` keeps only the first
+    batches of each epoch (--limit_*_batches: of the global ones in evaluation); `fixed_order` uses
+    epoch 0's order every epoch (--overfit_batches).
     """
 
     def __init__(self, length, batch_size, shuffle, seed=0, rank=0, world_size=1, limit=None, fixed_order=False):
@@ -76,10 +90,10 @@ class ResumableBatchSampler(Sampler):
         return list(self._drawn[1])
 
     def num_batches(self):
-        """How many batches this rank gets in a whole epoch (arithmetic: no order is drawn)."""
+        """How many batches a whole epoch has (arithmetic: no order is drawn): in training, those of each
+        rank (its slices of the global batches); in evaluation, those of one process, dealt out."""
         if not self.shuffle:
-            mine = len(range(self.rank, self.length, self.world_size))
-            count = -(-mine // self.batch_size)
+            count = -(-self.length // self.batch_size)
         else:
             count = max(1, self.length // (self.batch_size * self.world_size))
         return min(count, self._limit(count))
@@ -95,12 +109,12 @@ class ResumableBatchSampler(Sampler):
         (position in the epoch's order, dataset index)."""
         order = list(enumerate(self.order(epoch)))
         if not self.shuffle:
-            mine = order[self.rank :: self.world_size]
-            batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
-        else:
-            step, first = self.batch_size * self.world_size, self.rank * self.batch_size
-            batches = [order[i * step + first : i * step + first + self.batch_size] for i in range(len(order) // step)]
-            batches = batches or [order[self.rank :: self.world_size]]  # a tiny dataset still gives one batch
+            batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+            batches = batches[: self._limit(len(batches))]
+            return [batches[number] for number in dealt(len(batches), self.rank, self.world_size)]
+        step, first = self.batch_size * self.world_size, self.rank * self.batch_size
+        batches = [order[i * step + first : i * step + first + self.batch_size] for i in range(len(order) // step)]
+        batches = batches or [order[self.rank :: self.world_size]]  # a tiny dataset still gives one batch
         return batches[: self._limit(len(batches))]
 
     def __iter__(self):
@@ -113,7 +127,9 @@ class ResumableBatchSampler(Sampler):
             )
 
     def __len__(self):
-        return max(0, self.num_batches() - self.start)
+        """This rank's batches from batch `start` on."""
+        count = self.num_batches()
+        return max(0, (count if self.shuffle else len(dealt(count, self.rank, self.world_size))) - self.start)
 
 
 class SeededDataset(Dataset):

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data.sampler import in_global_order
 from tasks.task import Task
 from utils.distributed import all_gather_objects
 from utils.viz import font_for
@@ -109,13 +110,13 @@ class DetectionMetrics:
         self.kept.append((*decode_detections(outputs), batch['boxes'], batch['box_labels']))
 
     def compute(self, class_names=None):
-        images = [
-            (boxes[i], scores[i], labels[i], true_boxes[i], true_labels[i])
+        batches = [
+            [(boxes[i], scores[i], labels[i], true_boxes[i], true_labels[i]) for i in range(len(boxes))]
             for boxes, scores, labels, true_boxes, true_labels in ([t.cpu() for t in kept] for kept in self.kept)
-            for i in range(len(boxes))
         ]
-        per_rank = all_gather_objects(images)  # every process has every world_size-th image: restore the order
-        images = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
+        # every process has every world_size-th batch (data/sampler.py): the images in the split's order,
+        # for the order decides between detections of equal score
+        images = [image for batch in in_global_order(all_gather_objects(batches)) for image in batch]
         return mean_average_precision(
             [image[:3] for image in images], [image[3:] for image in images], self.num_classes
         )

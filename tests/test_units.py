@@ -299,7 +299,7 @@ def test_sampler_counts_batches_without_drawing_an_order():
     ]:
         for rank in range(world_size):
             sampler = ResumableBatchSampler(length, batch_size, shuffle, 0, rank, world_size, limit)
-            assert sampler.num_batches() == len(sampler.batches()), (length, batch_size, shuffle, world_size, limit)
+            assert len(sampler) == len(sampler.batches()), (length, batch_size, shuffle, world_size, limit)
     sampler = ResumableBatchSampler(100, 10, True, 0, limit=0.3)
     assert [len(b) for b in sampler.batches()] == [10, 10, 10]
 

@@ -1,17 +1,19 @@
 """The one evaluation loop: validation during training and eval.py both run it.
 
-It adds up the task's metrics and the loss over the whole split (exactly, over every torchrun
-process), and can keep per-sample rows (in the split's order, gathered from every process) and
-pictures of chosen batches.
+It adds up the task's metrics and the loss over the whole split, and can keep per-sample rows and
+pictures of chosen batches. Under torchrun each process evaluates whole batches of the ones one
+process evaluates (data/sampler.py); their losses, rows and pictures are gathered and put back in
+the batches' order, so the results are one process's to the bit.
 """
 
 import dataclasses
 
 import torch
 
-from metrics import BatchedUpdates, reduced
+from data.sampler import dealt, in_global_order
+from metrics import BatchedUpdates
 from utils.checkpointer import Snapshot
-from utils.distributed import all_gather_objects, is_main_process, without_ddp
+from utils.distributed import all_gather_objects, collective_device, is_main_process, rank, without_ddp, world_size
 from utils.progress import progress
 
 
@@ -47,16 +49,19 @@ def evaluate(
     """Run `model` over every batch of `batches` (a data.loader.Batches) in eval mode.
 
     `class_names` adds per-class metrics; `keep_rows` collects `task.eval_rows`. `picture_batches` are
-    the batch numbers whose first `task.pictured` samples go to `pictures` (on rank 0), called as
-    `pictures(number, source)` as soon as they are copied, so that they are drawn (see utils/logger.py)
-    while the evaluation goes on; `source.get()` gives (batch, outputs) on the host once copied.
+    the numbers of the batches (as one process has them) whose first `task.pictured` samples go to
+    `pictures` on rank 0, called as `pictures(number, source)`: rank 0's own as soon as they are copied,
+    so that they are drawn (see utils/logger.py) while the evaluation goes on, other ranks' at the end;
+    `source.get()` gives (batch, outputs) on the host once copied.
     """
     model = without_ddp(model)
     model.eval()
     metrics = BatchedUpdates(task.metrics())  # a few kernels per 32 batches, not per batch
     losses, counts = [], []  # per batch: its mean loss and samples, added up at the end in one go
-    rows = []
-    for i, batch in enumerate(progress(batches.epoch(0), progress_bar, description, total=len(batches))):
+    rows, held = [], {}  # per batch: its rows; pictures of this process's batches for rank 0
+    numbers = dealt(len(batches), rank(), world_size())
+    evaluated = progress(batches.epoch(0), progress_bar, description, total=len(numbers))
+    for batch, number in zip(evaluated, numbers, strict=True):
         with autocast():
             outputs = task.forward(model, batch)
             loss = task.loss(outputs, batch)
@@ -65,15 +70,24 @@ def evaluate(
         counts.append(task.count(batch))
         metrics.update(outputs, batch)
         if keep_rows:
-            rows += task.eval_rows(batch, outputs)
-        if i in picture_batches and pictures is not None and is_main_process():
-            pictures(i, Snapshot((first(batch, task.pictured), first(outputs, task.pictured))))
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    if losses:
-        loss_sum = torch.stack(losses).double() @ torch.tensor(counts, dtype=torch.float64, device=losses[0].device)
-    total_loss, total = reduced(loss_sum, torch.tensor(float(sum(counts))))
-    results = {'loss': (total_loss / total.clamp(min=1)).item(), **metrics.compute(class_names)}
-    if keep_rows:  # every process has every world_size-th sample: put them back in order
-        per_rank = all_gather_objects(rows)
-        rows = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
+            rows.append(task.eval_rows(batch, outputs))
+        if number in picture_batches and pictures is not None:
+            source = Snapshot((first(batch, task.pictured), first(outputs, task.pictured)))
+            if is_main_process():
+                pictures(number, source)
+            else:
+                held[number] = source
+    device = losses[0].device if losses else collective_device()
+    own = torch.stack(losses).double().tolist() if losses else []
+    per_rank = all_gather_objects((own, counts, rows, {number: source.get() for number, source in held.items()}))
+    losses, counts, rows = (in_global_order([process[part] for process in per_rank]) for part in range(3))
+    if is_main_process():
+        for number, source in sorted(item for *_, elsewhere in per_rank for item in elsewhere.items()):
+            pictures(number, Snapshot(source))
+    # the batches' mean losses weighted by their samples, added up in the batches' order: one process's sum
+    loss_sum = torch.tensor(losses, dtype=torch.float64, device=device) @ torch.tensor(
+        counts, dtype=torch.float64, device=device
+    )
+    results = {'loss': loss_sum.item() / max(sum(counts), 1), **metrics.compute(class_names)}
+    rows = [sample_rows for batch_rows in rows for sample_rows in batch_rows]
     return Evaluation(results, metrics.metrics, rows)
