@@ -443,6 +443,7 @@ def test_weights_of_another_model_type_name_it(strict):
     from utils.checkpoint import load_weights
 
     checkpoint = {'model': _model('small_cnn').state_dict(), 'args': {'model_type': 'small_cnn'}}
-    expected = 'it is a --model_type small_cnn checkpoint and this run builds linear: give --model_type small_cnn$'
+    expected = 'it is a --model_type small_cnn checkpoint and this run builds linear: give --model_type small_cnn'
+    expected += ', or pass --load_not_strict to load only the tensors that match$' if strict else '$'
     with pytest.raises(KilnError, match=expected):
         load_weights(_model('linear', classes=5), checkpoint, strict=strict, model_type='linear')

@@ -336,6 +336,9 @@ def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None, a
         return report
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
     if not report.fits():
-        raise KilnError(f'{source} does not fit this model ({report.first_problems()}); {other_model or advice}')
+        advice = (
+            f'{other_model}, or pass --load_not_strict to load only the tensors that match' if other_model else advice
+        )
+        raise KilnError(f'{source} does not fit this model ({report.first_problems()}); {advice}')
     unwrap_model(model).load_state_dict(matched)
     return report

@@ -123,9 +123,10 @@ def discard_folder_if_setup_fails(folder, results=False):
                         os.remove(os.path.join(folder, name))
         with contextlib.suppress(OSError):
             os.rmdir(folder)  # only succeeds when nothing else is in it
-        if not os.path.exists(folder):  # and the folders made for it (eval/, --output_dir's), while empty
-            with contextlib.suppress(OSError):
-                for parent in PARENTS_MADE.pop(os.path.abspath(folder), []):
+        made = PARENTS_MADE.pop(os.path.abspath(folder), [])
+        if results and not os.path.exists(folder):  # and the folders made for it (eval/, --output_dir's)
+            with contextlib.suppress(OSError):  # while empty
+                for parent in made:
                     os.rmdir(parent)
         raise
 
