@@ -13,7 +13,7 @@ import torch
 from data.sampler import dealt, in_global_order
 from metrics import BatchedUpdates
 from utils.checkpointer import Snapshot
-from utils.distributed import all_gather_objects, collective_device, is_main_process, rank, without_ddp, world_size
+from utils.distributed import all_gather_objects, is_main_process, rank, without_ddp, world_size
 from utils.progress import progress
 
 
@@ -77,17 +77,15 @@ def evaluate(
                 pictures(number, source)
             else:
                 held[number] = source
-    device = losses[0].device if losses else collective_device()
     own = torch.stack(losses).double().tolist() if losses else []
     per_rank = all_gather_objects((own, counts, rows, {number: source.get() for number, source in held.items()}))
     losses, counts, rows = (in_global_order([process[part] for process in per_rank]) for part in range(3))
     if is_main_process():
         for number, source in sorted(item for *_, elsewhere in per_rank for item in elsewhere.items()):
             pictures(number, Snapshot(source))
-    # the batches' mean losses weighted by their samples, added up in the batches' order: one process's sum
-    loss_sum = torch.tensor(losses, dtype=torch.float64, device=device) @ torch.tensor(
-        counts, dtype=torch.float64, device=device
-    )
+    # the batches' mean losses weighted by their samples, added up in the batches' order on the host:
+    # one process's sum, on any device
+    loss_sum = torch.tensor(losses, dtype=torch.float64) @ torch.tensor(counts, dtype=torch.float64)
     results = {'loss': loss_sum.item() / max(sum(counts), 1), **metrics.compute(class_names)}
     rows = [sample_rows for batch_rows in rows for sample_rows in batch_rows]
     return Evaluation(results, metrics.metrics, rows)
