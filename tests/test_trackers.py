@@ -391,6 +391,40 @@ def test_mlflow_resume_from_an_older_checkpoint_writes_no_point_twice(tmp_path, 
     assert sorted(int(re.search(r'\Wstep\W(\d+)\W', path).group(1)) for path in images) == IMAGE_STEPS
 
 
+def test_mlflow_resume_that_changes_values_writes_the_new_ones(tmp_path, mlflow_checkpoints):
+    """A resume may change what it logs (--epochs under a cosine schedule changes the learning rate):
+    MLflow kept the first run's values at those steps, beside the other trackers' new ones."""
+    from mlflow.tracking import MlflowClient
+
+    from utils.trackers.mlflow_tracker import local_store
+
+    folder = tmp_path / 'run'
+    first = build_trackers(['mlflow'], folder, folder.name, METRIC_NAMES, options=options(mlflow_checkpoints))
+    log_step(first, RESUME_STEP)
+    saved = first.state_dict()
+    first.commit(RESUME_STEP)
+    for step in (RESUME_STEP + 1, RESUME_STEP + 2):
+        first.log_metrics({'train/lr': 0.1}, step, 1)
+    first.commit(RESUME_STEP + 2)
+    first.close()
+    resumed = build_trackers(
+        ['mlflow'],
+        folder,
+        folder.name,
+        METRIC_NAMES,
+        resume_step=RESUME_STEP,
+        states=saved,
+        options=options(mlflow_checkpoints),
+    )
+    resumed.log_metrics({'train/lr': 0.1}, RESUME_STEP + 1, 1)  # the same value: held already
+    resumed.log_metrics({'train/lr': 0.05}, RESUME_STEP + 2, 1)  # another value: written
+    resumed.commit(RESUME_STEP + 2)
+    resumed.close()
+    client = MlflowClient(tracking_uri=local_store(mlflow_checkpoints)[0])
+    points = sorted((m.step, m.value) for m in client.get_metric_history(saved['mlflow']['run_id'], 'train/lr'))
+    assert points == [(RESUME_STEP + 1, 0.1), (RESUME_STEP + 2, 0.05), (RESUME_STEP + 2, 0.1)]
+
+
 def test_mlflow_resume_needs_the_store_of_its_run(tmp_path, mlflow_checkpoints):
     with pytest.raises(KilnError, match=f'the MLflow run {"0" * 32} of this checkpoint is not in sqlite:///'):
         build_trackers(

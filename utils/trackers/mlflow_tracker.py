@@ -106,8 +106,9 @@ class MlflowTracker(Tracker):
     assembled also go into its state, so that a kill between the checkpoint's write and its commit
     loses nothing: the resumed run writes those MLflow does not have yet. A run resumed from an older
     checkpoint than its last one (or extended past its end) finds points after that checkpoint in
-    MLflow already: it writes none of those (metric, step) again, nor pictures at a step that has
-    some; Kiln's resume is exact, so they are the points it would write.
+    MLflow already: it writes no point whose (metric, step) holds that value already (Kiln's resume
+    is exact, so they are equal unless the resume changed an option such as --epochs, whose new values
+    are written beside the old), nor pictures at a step that has some.
     """
 
     name = 'mlflow'
@@ -145,7 +146,7 @@ class MlflowTracker(Tracker):
         self.last_step = resume_step or 0
         self.finished = False
         saved = [(step, name, value) for step, metrics in state.get('pending', []) for name, value in metrics.items()]
-        self.held_points, self.held_image_steps = set(), set()
+        self.held_points, self.held_image_steps = {}, set()  # (step, name) -> the values held
         if resume_step is not None:
             self._read_held(min([resume_step + 1, *(step for step, _, _ in saved)]))
         self._log_batch(saved)  # those its commit did not get to write
@@ -187,23 +188,21 @@ class MlflowTracker(Tracker):
     def _read_held(self, since):
         """Note the points and picture steps from `since` on that the run already holds."""
         for name in self.client.get_run(self.run_id).data.metrics:
-            self.held_points.update(
-                (metric.step, name)
-                for metric in self.client.get_metric_history(self.run_id, name)
-                if metric.step >= since
-            )
+            for metric in self.client.get_metric_history(self.run_id, name):
+                if metric.step >= since:
+                    self.held_points.setdefault((metric.step, name), set()).add(metric.value)
         for artifact in self.client.list_artifacts(self.run_id, 'images'):
             match = IMAGE_FILE.search(artifact.path)
             if match and int(match.group(1)) >= since:
                 self.held_image_steps.add(int(match.group(1)))
 
     def _log_batch(self, points):
-        """Write (step, name, value) points, leaving out those the run holds already."""
+        """Write (step, name, value) points, leaving out those the run holds with that value already."""
         timestamp = int(time.time() * 1000)
         metrics = [
             self.Metric(name, value, timestamp, step)
             for step, name, value in points
-            if (step, name) not in self.held_points
+            if value not in self.held_points.get((step, name), ())
         ]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
