@@ -146,6 +146,10 @@ class Batches:
         """Batches in a whole epoch."""
         return self.sampler.num_batches()
 
+    def numbers(self):
+        """The numbers of this process's batches among every process's (see ResumableBatchSampler.numbers)."""
+        return self.sampler.numbers()
+
     def order(self, epoch):
         """The sample order of `epoch` (a checkpoint keeps it, to check that a resumed run reads the same data)."""
         return self.sampler.order(epoch)

@@ -126,10 +126,17 @@ class ResumableBatchSampler(Sampler):
                 [mix(self.seed, epoch, position) for position, _ in batch],
             )
 
+    def numbers(self):
+        """The numbers of this rank's batches of a whole epoch among every rank's, as `dealt` deals them
+        (`in_global_order` puts per-batch results back in their order): in evaluation, one process's batch
+        numbers; in training (and --overfit_batches' validation), the ranks' slices of each global batch
+        numbered one after the other."""
+        count = self.num_batches()
+        return dealt(count if not self.shuffle else count * self.world_size, self.rank, self.world_size)
+
     def __len__(self):
         """This rank's batches from batch `start` on."""
-        count = self.num_batches()
-        return max(0, (count if self.shuffle else len(dealt(count, self.rank, self.world_size))) - self.start)
+        return max(0, len(self.numbers()) - self.start)
 
 
 class SeededDataset(Dataset):

@@ -166,6 +166,15 @@ def test_a_split_smaller_than_the_processes_is_evaluated_without_waiting_for_eve
             assert two.read() == one.read(), file
 
 
+def test_overfit_batches_under_two_processes_validate_on_the_batches_they_train_on(tiny_shapes, tmp_path):
+    """--overfit_batches validates on the training batches, each process its slices of them: evaluation
+    took them for whole batches dealt out, and stopped at the first validation (zip ... is shorter)."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _torchrun('train.py', *args, '--model_type', 'linear', '--batch_size', '8', '--overfit_batches', '2', seconds=120)
+    with open(os.path.join(_folder(args, 'linear'), 'history.json')) as f:
+        assert len(json.load(f)['metrics']['val/acc']) == 2
+
+
 def test_two_processes_validate_the_weight_average_eval_py_evaluates(tiny_shapes, tmp_path):
     """--ema_decay with BatchNorm under torchrun: each process averaged the running statistics of its own
     batches and validated its half of the images with them, so training's val/loss was not eval.py's on

@@ -794,8 +794,8 @@ def test_evaluation_hands_each_pictured_batch_over_as_soon_as_it_is_copied():
     ]
 
     class Split:
-        def __len__(self):
-            return len(batches)
+        def numbers(self):
+            return range(len(batches))
 
         def epoch(self, epoch):
             yield from batches
@@ -862,3 +862,17 @@ def test_a_training_run_whose_peer_is_gone_says_to_resume(monkeypatch):
     with pytest.raises(RuntimeError) as raised:
         Gone().run()
     assert raised.value.__notes__ == ['the newest checkpoint is whole: continue with --resume']
+
+
+def test_a_checkpoint_whose_optimizer_groups_differ_says_an_earlier_kiln_may_have_grouped_the_layers():
+    """Today's layer groups put a ViT's own parameters with group 0 and both heads of a distilled one
+    last: a checkpoint saved before has other optimizer groups, and 'resume with the options it was
+    trained with' was the only advice, though the options were those."""
+    from utils.checkpointer import Checkpointer
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    before = torch.optim.SGD([{'params': [*model[0].parameters(), model[1].weight]}, {'params': [model[1].bias]}])
+    now = torch.optim.SGD([{'params': list(model[0].parameters())}, {'params': list(model[1].parameters())}])
+    checkpoint = {'optimizer': before.state_dict()}
+    with pytest.raises(KilnError, match='grouped the layers otherwise: start a new run from its weights'):
+        Checkpointer({'optimizer': now}).load(checkpoint, 'old.pth')

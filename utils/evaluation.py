@@ -10,10 +10,10 @@ import dataclasses
 
 import torch
 
-from data.sampler import dealt, in_global_order
+from data.sampler import in_global_order
 from metrics import BatchedUpdates
 from utils.checkpointer import Snapshot
-from utils.distributed import all_gather_objects, is_main_process, rank, without_ddp, world_size
+from utils.distributed import all_gather_objects, is_main_process, without_ddp
 from utils.progress import progress
 
 
@@ -59,7 +59,7 @@ def evaluate(
     metrics = BatchedUpdates(task.metrics())  # a few kernels per 32 batches, not per batch
     losses, counts = [], []  # per batch: its mean loss and samples, added up at the end in one go
     rows, held = [], {}  # per batch: its rows; pictures of this process's batches for rank 0
-    numbers = dealt(len(batches), rank(), world_size())
+    numbers = batches.numbers()
     evaluated = progress(batches.epoch(0), progress_bar, description, total=len(numbers))
     for batch, number in zip(evaluated, numbers, strict=True):
         with autocast():
