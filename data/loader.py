@@ -143,7 +143,8 @@ class Batches:
             self.loader._iterator = None
 
     def __len__(self):
-        """Batches in a whole epoch."""
+        """Batches in a whole epoch: this process's in training, one process's (every process's together)
+        in evaluation, whose batches are dealt out whole (see `numbers`)."""
         return self.sampler.num_batches()
 
     def numbers(self):

@@ -192,18 +192,15 @@ class Checkpointer:
         except KeyError as error:
             raise not_a_training_checkpoint(source, error) from None
         except (ValueError, RuntimeError) as error:
-            # the optimizer's groups are the layer groups of utils/finetune.py, which an earlier Kiln drew
-            # otherwise for some timm models (their own parameters, a second head)
-            regrouped = 'parameter group' in str(error)
-            raise KilnError(
-                f'{source} does not fit the current options ({str(error).splitlines()[0]}); resume with the '
-                f'options it was trained with'
-                + (
+            advice = 'resume with the options it was trained with'
+            if 'parameter group' in str(error):  # the optimizer's groups are utils/finetune.py's layer groups,
+                # which an earlier Kiln drew otherwise for some timm models (their own parameters, a second head)
+                advice += (
                     ', or, where those are the same, it was saved by an earlier Kiln that grouped the layers '
                     'otherwise: start a new run from its weights (--load_model_path)'
-                    if regrouped
-                    else ''
                 )
+            raise KilnError(
+                f'{source} does not fit the current options ({str(error).splitlines()[0]}); {advice}'
             ) from None
 
 
