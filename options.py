@@ -780,12 +780,7 @@ def resolve(args, **changes):
     for the options left unset, what the task decides (TASK_DEFAULTS: model, dataset, loss, image size,
     monitor). The one place these defaults are decided, for train.py, eval.py, predict.py and sweep.py.
     Imports the task's module (and so torch) only when an option is unset."""
-    options = Options.of(args, **changes)
-    # list files as absolute paths: saved with the run, they still name the same files from another folder
-    list_files = {name: getattr(options, name, None) for name in ('train_list', 'val_list')}
-    options = options.replace(
-        **{name: os.path.abspath(os.path.expanduser(p)) for name, p in list_files.items() if isinstance(p, str)}
-    )
+    options = with_absolute_lists(Options.of(args, **changes))
     unset = [name for name in TASK_DEFAULTS if name in vars(options) and getattr(options, name) is None]
     options = options.replace(task=options.task or 'classify')
     if unset:
@@ -803,6 +798,15 @@ def resolve(args, **changes):
         imagenet = options.model_type.startswith(('tv_', 'timm:'))
         options = options.replace(normalize='imagenet' if imagenet else 'kiln')
     return options
+
+
+def with_absolute_lists(options):
+    """`options` (Options) with its list files as absolute paths: saved with the run, they still name the
+    same files from another folder, and `a/train.txt` and its absolute path are the same option."""
+    list_files = {name: getattr(options, name, None) for name in ('train_list', 'val_list')}
+    return options.replace(
+        **{name: os.path.abspath(os.path.expanduser(p)) for name, p in list_files.items() if isinstance(p, str)}
+    )
 
 
 def monitor_mode_of(metric, task):

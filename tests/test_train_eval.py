@@ -479,7 +479,8 @@ def test_the_default_output_folders_are_the_projects_whatever_the_working_folder
 
 def test_list_files_are_saved_as_absolute_paths(tiny_shapes, tmp_path):
     """A list given relative to another folder was saved as typed: eval.py from the project folder then
-    said 'list file L/val.txt does not exist', though training had printed the command to run."""
+    said 'list file L/val.txt does not exist', though training had printed the command to run. The same
+    command again with --resume was then refused: 'L/val.txt (the run has /.../L/val.txt)'."""
     import subprocess
     import sys
 
@@ -503,6 +504,14 @@ def test_list_files_are_saved_as_absolute_paths(tiny_shapes, tmp_path):
         assert yaml.safe_load(f)['val_list'] == str(lists / 'val.txt')
     evaluated = run_script('eval.py', '--load_model_path', folder, '--no-progress_bar')  # from the project folder
     assert evaluated.returncode == 0, evaluated.stderr
+    resumed = subprocess.run(  # the same command, as a job script repeats it, with --resume: goes on
+        [sys.executable, os.path.join(REPO, 'train.py'), *map(str, args), '--max_iteration', '2', '--resume'],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert 'resuming' in resumed.stdout, resumed.stdout
 
 
 def test_validation_folders_of_a_training_list_without_names_take_its_numbers(tiny_shapes, tmp_path):

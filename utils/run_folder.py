@@ -30,6 +30,7 @@ from options import (
     DERIVED,
     NOT_SAVED,
     RESUME_CHANGEABLE,
+    Options,
     as_trained,
     experiment_folder,
     given_options,
@@ -37,6 +38,7 @@ from options import (
     parse_train_args,
     resolve,
     saved_options,
+    with_absolute_lists,
 )
 from utils.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
@@ -312,7 +314,9 @@ def _refuse_other_world_size(checkpoint, source):
 
 
 def _refuse_changes(saved, merged, folder):
-    """A KilnError naming the options whose new values differ from the resumed run's."""
+    """A KilnError naming the options whose new values differ from the resumed run's (list files compared
+    as absolute paths: the run saved them so)."""
+    saved, merged = with_absolute_lists(Options.of(saved)), with_absolute_lists(Options.of(merged))
     changed = [
         name
         for name, value in vars(merged).items()
