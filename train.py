@@ -537,8 +537,10 @@ class Trainer:
     def record_start(self):
         """Write run_config.json, add this start to reproduce.json, write a resumed run's options (args.txt,
         args.yaml: a resume refused while the run was built changes neither) and give the trackers the
-        options (the files on the writer thread)."""
-        o = self.options
+        options (the files on the writer thread). A run resumed at its end trains nothing: its records stay."""
+        o, position = self.options, self.position
+        if self.stopper.stop is not None or (position.step >= self.max_steps and not position.validation_due):
+            return
         self.logger.log_text(
             'args', '\n'.join(f'    {k}: {v}' for k, v in sorted(saved_options(o).items())), self.position.step
         )

@@ -37,6 +37,11 @@ def _folder(args):
     return os.path.join(args[args.index('--checkpoints_dir') + 1], EXPERIMENT)
 
 
+def _read(folder, name):
+    with open(os.path.join(folder, name), 'rb') as f:
+        return f.read()
+
+
 def _load(path):
     return torch.load(path, weights_only=True, map_location='cpu')
 
@@ -369,6 +374,10 @@ def test_resume_options(tiny_shapes, tmp_path):
     assert {name: size for name, size in now.items() if 'tfevents' in name or name.endswith('.csv')} == {
         name: size for name, size in logged.items() if 'tfevents' in name or name.endswith('.csv')
     }
+    records = {name: _read(_folder(args), name) for name in ('args.yaml', 'run_config.json', 'reproduce.json')}
+    shorter = _train(args, '--resume', '--epochs', '1')  # ended before: nothing to train, its records stay
+    assert 'nothing left to train' in shorter.stdout  # (they said epochs: 1 then, though it trained 2)
+    assert {name: _read(_folder(args), name) for name in records} == records
     more = _train(args, '--resume', '--epochs', '3')  # a longer schedule continues
     assert _step(_load(os.path.join(_folder(args), 'last.pth'))) == 18 and 'epoch 3/3' in more.stdout
 
