@@ -33,7 +33,7 @@ import sys
 import torch
 
 from data.augment import BatchTransform
-from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images
+from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images, image_format
 from data.list_file import read_image_paths
 from data.loader import default_workers, init_worker
 from eval import load_for_inference
@@ -52,12 +52,12 @@ from utils.run_folder import (
 
 
 def images_to_predict(source):
-    """Image paths from a folder (its image files, sorted, subfolders and links included), one image file, a
-    quoted glob of image files (as eval.py takes checkpoints), or a list file (the first field of each entry;
-    labels, masks or boxes after it are ignored)."""
+    """Image paths from a folder (its image files, sorted, subfolders and links included), one image file (with
+    any extension or none, if Pillow reads it), a quoted glob of image files (as eval.py takes checkpoints), or
+    a list file (the first field of each entry; labels, masks or boxes after it are ignored)."""
     if os.path.isdir(source):
         paths = find_images(source)
-    elif os.path.isfile(source) and source.lower().endswith(IMAGE_EXTENSIONS):
+    elif os.path.isfile(source) and (source.lower().endswith(IMAGE_EXTENSIONS) or image_format(source)):
         paths = [source]
     elif os.path.isfile(source):
         paths = read_image_paths(source)

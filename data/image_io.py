@@ -86,6 +86,21 @@ def to_rgb(image):
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.jfif', '.bmp', '.gif', '.tif', '.tiff', '.webp')
 
 
+def image_format(path):
+    """Pillow's name of the format of the image file `path` ('JPEG', 'PNG', ...), whatever its extension, or
+    None. Only a file with a NUL byte in its first 4 KiB is tried: image headers hold one, text never does, so
+    no list file reads as an image (some of Pillow's formats start with plain text, as PPM's 'P3')."""
+    with open(path, 'rb') as f:
+        if b'\0' not in f.read(4096):
+            return None
+        f.seek(0)
+        try:
+            with Image.open(f) as image:
+                return image.format
+        except IMAGE_ERRORS:
+            return None
+
+
 def find_images(folder):
     """The image files below `folder` (any depth, symbolic links followed, each folder once), sorted;
     hidden files and folders (.DS_Store, ._photo.jpg, the thumbnails a NAS keeps in .@__thumb) left out."""
@@ -183,7 +198,7 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
             if pixels is None:
                 pixels = torch.from_numpy(_jpeg_pixels(data, box, size, width, height, transposed))
     except IMAGE_ERRORS as error:
-        raise KilnError(f'cannot read image {path}{where}: {_reason(error)}; fix or remove it') from None
+        raise KilnError(f'cannot read image {path}{where}: {_reason(error, path)}; fix or remove it') from None
     pixels = _upright(pixels, orientation)
     # the box in whole pixels of what was decoded (a reduced DCT scale rounds each side up)
     rows, columns = pixels.shape[:2]
@@ -208,12 +223,14 @@ def check_image(path):
         with Image.open(path) as image:
             image.verify()
     except IMAGE_ERRORS as error:
-        return _reason(error)
+        return _reason(error, path)
     return None
 
 
-def _reason(error):
-    """What went wrong reading an image, in one line."""
+def _reason(error, path):
+    """What went wrong reading the image file `path`, in one line."""
+    if isinstance(error, Image.UnidentifiedImageError) and os.path.getsize(path) == 0:
+        return 'the file is empty (0 bytes)'
     if isinstance(error, Image.UnidentifiedImageError):  # Pillow's text names the buffer it read, not the file
         return f'not an image in a format Pillow reads ({", ".join(IMAGE_EXTENSIONS)})'
     if isinstance(error, Image.DecompressionBombError):

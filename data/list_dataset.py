@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from data.image_io import CROP_PCT, IMAGE_EXTENSIONS, check_images, decode_image, find_images
-from data.list_file import collections_paused, missing_file_hint, read_list_file, resolve_path
+from data.list_file import collections_paused, not_a_file, read_list_file, resolve_path
 from utils.checkpoint import atomic_write_bytes
 from utils.errors import KilnError
 
@@ -234,10 +234,7 @@ class ListDataset(Dataset):
                         stat = None
                     if stat is None or not S_ISREG(stat.st_mode):
                         kind = 'image' if file == path else 'file'
-                        raise KilnError(
-                            f'{self.list_path}:{number}: {kind} {file} does not exist'
-                            f'{missing_file_hint(self.list_path, file)}'
-                        )
+                        raise KilnError(f'{self.list_path}:{number}: {kind} {file} {not_a_file(self.list_path, file)}')
                     digest.update(os.fsencode(file) + f' {stat.st_size} {stat.st_mtime_ns}'.encode())
             self._files_digest = digest.hexdigest()
         return self._files_digest
@@ -258,13 +255,21 @@ class ListDataset(Dataset):
         return largest + 1
 
     def check_targets(self):
-        """Stop with the list file line of the first label outside the class range."""
-        for _, label, number in self.samples:
+        """Stop with the list file line of the first label outside the class range, or the two lines of the
+        first image listed with two labels (listed twice with one label, it is only seen more often)."""
+        labels = {}
+        for path, label, number in self.samples:
             if label >= self.num_classes:
                 fix = 'the list or classes.txt (a name per class)' if self.class_names else 'the list or --num_classes'
                 raise KilnError(
                     f'{self.list_path}:{number}: label {label} is outside 0..{self.num_classes - 1} '
                     f'(num_classes={self.num_classes}); fix {fix}'
+                )
+            if labels.setdefault(path, label) != label:
+                first = next(line for file, _, line in self.samples if file == path)
+                raise KilnError(
+                    f'{self.list_path}:{first} and line {number} give image {path} two labels, {labels[path]} '
+                    f'and {label}; remove one of the lines'
                 )
 
     def default_list(self, args, split):

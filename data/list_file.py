@@ -15,6 +15,7 @@ import gc
 import os
 import re
 
+from data.image_io import image_format
 from utils.errors import KilnError
 
 # checked in this order: the UTF-32 LE mark starts with the UTF-16 LE one
@@ -30,7 +31,8 @@ HEADER_WORDS = {'image', 'image_path', 'path', 'file', 'filename'}
 
 def _decode(path, data):
     """The text of a list file: a byte-order mark picks the encoding, else UTF-8 with undecodable
-    bytes kept as surrogates, so non-UTF-8 file names map back to the same bytes (os.fsencode)."""
+    bytes kept as surrogates, so non-UTF-8 file names map back to the same bytes (os.fsencode). An image
+    given as the list is one line saying so."""
     for bom, encoding in BOMS:
         if data.startswith(bom):
             try:
@@ -41,6 +43,8 @@ def _decode(path, data):
                     f'{error.start + len(bom)}); save it as UTF-8'
                 ) from None
     if b'\0' in data:
+        if kind := image_format(path):
+            raise KilnError(f'{path} is an image ({kind}), not a list file: give a list file or a folder')
         raise KilnError(
             f'list file {path} looks like UTF-16 or UTF-32 text without a byte-order mark; save it as UTF-8'
         )
@@ -126,7 +130,7 @@ def _entries(path, columns=None):
     """(line_number, fields, text) of each entry of a list file; `text` is the line from its first field
     to its last, comment and surrounding quotes cut off (None for CSV files). See read_list_file."""
     if not os.path.isfile(path):
-        raise KilnError(f'list file {path} does not exist; check --train_list / --val_list / --input')
+        raise KilnError(f'{_missing_kind(path)} {path} does not exist; check --train_list / --val_list / --input')
     with open(path, 'rb') as f:
         lines = re.split(r'\r\n|\r|\n', _decode(path, f.read()))
     if path.lower().endswith('.csv'):
@@ -153,6 +157,14 @@ def _entries(path, columns=None):
     if not entries:
         raise KilnError(f'list file {path} lists no images')
     return entries
+
+
+def _missing_kind(path):
+    """What a missing list path was meant to be: a folder when it ends with a slash, either when it has no
+    extension, else a list file."""
+    if path.endswith(('/', os.sep)):
+        return 'folder'
+    return 'list file' if os.path.splitext(path)[1] else 'list file or folder'
 
 
 @collections_paused()
@@ -187,11 +199,16 @@ def read_image_paths(path):
                 image = next((name for name in starts if os.path.isfile(name)), None)
             if image is None:
                 spaces = '; put quotes around a path with spaces ("my photos/cat 1.jpg" 3)' if len(fields) > 2 else ''
-                raise KilnError(
-                    f'{path}:{number}: image {first} does not exist{missing_file_hint(path, first)}{spaces}'
-                )
+                raise KilnError(f'{path}:{number}: image {first} {not_a_file(path, first)}{spaces}')
         paths.append(image)
     return paths
+
+
+def not_a_file(list_path, file):
+    """Why the listed `file` is no file to read: it is a folder, or it does not exist (and what to check)."""
+    if os.path.isdir(file):
+        return 'is a folder, not an image file'
+    return f'does not exist{missing_file_hint(list_path, file)}'
 
 
 def missing_file_hint(list_path, file):

@@ -726,3 +726,84 @@ def test_a_list_of_another_layout_is_one_overridden_method(tiny_shapes, tmp_path
     dataset = CsvDataset(options, 'train')
     assert [int(dataset[i]['label']) for i in range(len(dataset))] == [int(label) for _, label in entries]
     assert dataset[0]['image'].shape == (3, 16, 16) and dataset.num_classes == max(int(e[1]) for e in entries) + 1
+
+
+def test_an_image_without_a_known_extension_is_predicted_and_refused_as_a_list(tmp_path):
+    """A JPEG named `photo_noext` or `img.jpe` was read as a list file: 'looks like UTF-16 or UTF-32 text
+    without a byte-order mark'. predict.py now predicts it; as a training list it is one line saying what it is."""
+    import argparse
+
+    from data.list_dataset import ListDataset
+    from data.list_file import read_image_paths
+    from predict import images_to_predict
+
+    for name in ('photo_noext', 'img.jpe'):
+        image = save(Image.new('RGB', (8, 8), 'red'), tmp_path / name, format='JPEG')
+        assert images_to_predict(image) == [image] and decode_image(image, 8).shape == (3, 8, 8)
+        options = argparse.Namespace(train_list=image, img_size=8, num_classes=None)
+        with pytest.raises(KilnError) as caught:
+            ListDataset(options, 'train')
+        assert str(caught.value) == f'{image} is an image (JPEG), not a list file: give a list file or a folder'
+    listed = list_file(tmp_path, 'photo_noext 0\n', 'list_noext')  # a list without an extension is still a list
+    assert images_to_predict(listed) == read_image_paths(listed) == [str(tmp_path / 'photo_noext')]
+    utf16 = list_file(tmp_path, 'photo_noext 0\n'.encode('utf-16-le'), 'utf16.txt')
+    with pytest.raises(KilnError, match='looks like UTF-16 or UTF-32 text without a byte-order mark'):
+        read_list_file(utf16)
+
+
+def test_an_image_listed_with_two_labels_is_refused_naming_both_lines(tmp_path):
+    """`img/0.png 0` and `img/0.png 1` in one list trained without a word; the same line twice still oversamples."""
+    import argparse
+
+    from data.list_dataset import ListDataset
+
+    (tmp_path / 'img').mkdir()
+    for index in range(2):
+        save(Image.new('RGB', (8, 8)), tmp_path / 'img' / f'{index}.png')
+    options = argparse.Namespace(train_list=list_file(tmp_path, 'img/0.png 0\nimg/1.png 1\nimg/0.png 0\n'), img_size=8)
+    assert len(ListDataset(argparse.Namespace(**vars(options), num_classes=None), 'train')) == 3
+    contradicting = list_file(tmp_path, 'img/0.png 0\nimg/1.png 1\nimg/0.png 0\nimg/0.png 1\n', 'two.txt')
+    with pytest.raises(KilnError) as caught:
+        ListDataset(argparse.Namespace(train_list=contradicting, img_size=8, num_classes=None), 'train')
+    assert str(caught.value) == (
+        f'{contradicting}:1 and line 4 give image {tmp_path / "img" / "0.png"} two labels, 0 and 1; remove one of '
+        f'the lines'
+    )
+
+
+def test_a_listed_folder_an_empty_image_and_a_missing_folder_say_what_they_are(tmp_path):
+    """A listed folder was an image that 'does not exist', a 0-byte .jpg 'not an image in a format Pillow reads',
+    and a missing folder a 'list file'."""
+    import argparse
+
+    from conftest import run_script
+    from data.list_dataset import ListDataset
+    from data.list_file import read_image_paths
+
+    for name in ('red', 'blue'):
+        (tmp_path / 'folders' / name).mkdir(parents=True)
+        save(Image.new('RGB', (8, 8)), tmp_path / 'folders' / name / 'a.png')
+    folder = tmp_path / 'folders' / 'red'
+    listed = list_file(tmp_path, 'folders/blue/a.png 0\nfolders/red 1\n')
+    with pytest.raises(KilnError) as caught:
+        ListDataset(argparse.Namespace(train_list=listed, img_size=8, num_classes=None), 'train')
+    assert str(caught.value) == f'{listed}:2: image {folder} is a folder, not an image file'
+    with pytest.raises(KilnError, match=f'^{re.escape(listed)}:2: image {re.escape(str(folder))} is a folder, not an'):
+        read_image_paths(listed)
+    (folder / 'empty.jpg').write_bytes(b'')
+    with pytest.raises(KilnError) as caught:
+        ListDataset(argparse.Namespace(train_list=str(tmp_path / 'folders'), img_size=8, num_classes=None), 'train')
+    assert str(caught.value).startswith(f'cannot read image {folder / "empty.jpg"} (')
+    assert str(caught.value).endswith('): the file is empty (0 bytes); fix or remove it')
+    with pytest.raises(KilnError, match=r'empty.jpg: the file is empty \(0 bytes\); fix or remove it$'):
+        decode_image(str(folder / 'empty.jpg'), 8)
+    check = '; check --train_list / --val_list / --input'
+    for name, kind in [('gone/', 'folder'), ('gone', 'list file or folder'), ('gone.txt', 'list file')]:
+        with pytest.raises(KilnError) as caught:
+            read_list_file(f'{tmp_path}/{name}')
+        assert str(caught.value) == f'{kind} {tmp_path}/{name} does not exist{check}'
+    result = run_script('train.py', '--data_type', 'list', '--train_list', tmp_path / 'gone', '--cpu')
+    assert (
+        result.returncode == 2
+        and result.stderr == f'error: list file or folder {tmp_path / "gone"} does not exist{check}\n'
+    )
