@@ -99,6 +99,7 @@ class Evaluator:
             strict=not options.load_not_strict,
             source=options.load_model_path,
             prefix_map=prefix_map(options),
+            inference=True,
         )
         self.logger = Logger()  # no trackers: results are files of the result folder
         self.weights = checkpoint.get('weights', 'model')  # 'ema': the average of the weights (--ema_decay)

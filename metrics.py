@@ -119,11 +119,18 @@ class ConfusionMetrics:
 
 
 class ClassificationMetrics(ConfusionMetrics):
-    """Accuracy `acc`, top-k accuracy `top<k>` and, in detail, the recall of each class."""
+    """Accuracy `acc`, top-k accuracy `top<k>` (where k < num_classes) and, in detail, the recall of each class."""
 
     def __init__(self, num_classes, topk=3, target='label'):
         self.k = topk
         super().__init__(num_classes, target)
+
+    @staticmethod
+    def names(num_classes, topk):
+        """The metrics `compute` returns (besides the recalls): 'acc', and 'top<k>' unless k >= num_classes,
+        where every label is among the k highest scores and it would always read 1 (num_classes None: not
+        known yet, so kept)."""
+        return ['acc'] + ([f'top{topk}'] if num_classes is None or topk < num_classes else [])
 
     sums = ('matrix', 'hits')
 
@@ -144,6 +151,7 @@ class ClassificationMetrics(ConfusionMetrics):
         (hits,) = self.reduce()
         accuracy, recall = accuracy_from_confusion(self.confusion)
         metrics = {'acc': accuracy.item(), f'top{self.k}': hits.item() / max(self.confusion.sum().item(), 1)}
+        metrics = {name: metrics[name] for name in self.names(self.num_classes, self.k)}
         if class_names:
             metrics.update({f'recall/{name}': value for name, value in zip(class_names, recall.tolist())})
         return metrics

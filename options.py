@@ -305,7 +305,12 @@ def parse_common_args(parser):
     parser.add_argument(
         '--seed', type=int, default=0, help='seeds python, numpy, torch, the data order and augmentation'
     )
-    parser.add_argument('--topk', type=_positive_int, default=3, help='k of the top-k accuracy (classify)')
+    parser.add_argument(
+        '--topk',
+        type=_positive_int,
+        default=3,
+        help='k of the top-k accuracy (classify; left out with k classes or fewer, where it is always 1)',
+    )
     parser.add_argument(
         '--amp',
         default='off',

@@ -170,7 +170,13 @@ def main(argv=None, args=None):
         device = select_device(options.cpu, options.gpus)
         task = task_type(options, checkpoint.get('class_names'))
         setup = setup_model(
-            options, device, checkpoint, strict=not options.load_not_strict, source=path, prefix_map=prefix_map(options)
+            options,
+            device,
+            checkpoint,
+            strict=not options.load_not_strict,
+            source=path,
+            prefix_map=prefix_map(options),
+            inference=True,
         )
         unreadable = predict(options, task, setup, device, paths, folder)
     predicted = len(paths) - len(unreadable)

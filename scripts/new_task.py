@@ -10,8 +10,10 @@ line. The new project runs and passes its tests as it is.
 
 import argparse
 import io
+import keyword
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,9 @@ TAKEN = {
 }
 INTRO = re.compile(r'<!-- intro -->.*?<!-- /intro -->', re.S)  # the README's template pitch, replaced in a project
 MEASURED = re.compile(r'<!-- measured -->.*?<!-- /measured -->', re.S)  # the template's figures: not the project's
+# a project name is written as it is into Python strings (f-strings, .format templates too) and shell text, and
+# makes the distribution's name: characters that none of them escapes, a letter or digit first
+PROJECT_NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9 ._-]*')
 
 TASK_STUB = '''"""The {name} task. Everything this kind of problem needs beyond the loop is here (see tasks/task.py).
 
@@ -52,7 +57,8 @@ class {cls}(Task):
 
     @classmethod
     def metric_names(cls, options):
-        return ['loss', 'acc', f'top{{options.topk}}']  # TODO: what metrics().compute() returns, and 'loss'
+        # TODO: what metrics().compute() returns, and 'loss'
+        return ['loss', *ClassificationMetrics.names(options.num_classes, options.topk)]
 
     def loss(self, outputs, batch):
         # TODO: the loss of one batch from the model's outputs and the batch's targets
@@ -181,11 +187,10 @@ def template_names():
 
 
 def rename(dest, name):
-    """Put `name` where the template's name stood in the text files (as written: a backslash too), and
-    replace the README's template pitch and figures and the distribution's name in pyproject.toml
-    (letters, digits, . _ -). A project made from a project renames its README alone: its name may be a
-    word its code uses ('model')."""
-    intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('._-') or 'kiln'
+    """Put `name` (a PROJECT_NAME) where the template's name stood in the text files, and replace the
+    README's template pitch and figures and the distribution's name in pyproject.toml (its spaces as -).
+    A project made from a project renames its README alone: its name may be a word its code uses ('model')."""
+    intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('._-')
     old_name, old_package = template_names()
     made_from_kiln = old_package == 'kiln'  # (lower case: the renaming leaves it as it is)
     for folder, _, files in os.walk(dest):
@@ -238,6 +243,8 @@ def main(argv=None):
         value = getattr(args, option)
         if value is not None and not re.fullmatch(r'[a-z][a-z0-9_]*', value):
             fail(f'--{option} {value!r}: use a lower-case Python name such as my_{option}')
+        if value is not None and keyword.iskeyword(value):  # `import model.class` is a SyntaxError
+            fail(f'--{option} {value}: a Python keyword cannot name a module; choose another name such as my_{value}')
     for option, (entry, places) in TAKEN.items():
         value = getattr(args, option)
         if value is None:
@@ -254,12 +261,20 @@ def main(argv=None):
                 f'--{option} {value}: the template has a {option} or file of that name already '
                 f'({taken[0]}); choose another name (nothing was written)'
             )
+    if not args.dest:
+        fail('DEST is empty; give the folder for the new project, e.g. ../my_project')
     if os.path.exists(args.dest) and (not os.path.isdir(args.dest) or os.listdir(args.dest)):
         fail(f'{args.dest} exists and is not an empty folder; choose a new DEST (nothing was written)')
     dest = os.path.abspath(args.dest)
     if dest == TEMPLATE or dest.startswith(TEMPLATE + os.sep):
         fail(f'{args.dest} is inside the template; choose a folder outside it')
-    name = args.name or os.path.basename(dest)
+    name = os.path.basename(dest) if args.name is None else args.name
+    if not PROJECT_NAME.fullmatch(name):
+        given = f'--name {name!r}' if args.name is not None else f'the folder name {name!r} (the default --name)'
+        fail(
+            f'{given}: a project name holds only ASCII letters, digits, spaces and . _ - (a letter or digit '
+            f'first), as it is written into code and is the package name; give --name with those'
+        )
 
     how = copy_template(dest)
     rename(dest, name)
@@ -294,7 +309,8 @@ def main(argv=None):
         if getattr(args, value)
     )
     lists = ' --train_list TRAIN_LIST --val_list VAL_LIST' if args.dataset else ''
-    print(f'  cd {args.dest} && python3 -m pip install -r requirements.txt && bash scripts/train.sh{flags}{lists}')
+    install = 'python3 -m pip install -r requirements.txt'
+    print(f'  cd {shlex.quote(args.dest)} && {install} && bash scripts/train.sh{flags}{lists}')
     if args.dataset:
         print(f'  (TRAIN_LIST, VAL_LIST: your list files or folders of class folders; see data/{args.dataset}.py)')
 

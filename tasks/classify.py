@@ -19,7 +19,7 @@ class ClassifyTask(Task):
 
     @classmethod
     def metric_names(cls, options):
-        return ['loss', 'acc', f'top{options.topk}']
+        return ['loss', *ClassificationMetrics.names(options.num_classes, options.topk)]
 
     def metrics(self):
         return ClassificationMetrics(self.num_classes, self.options.topk)

@@ -324,8 +324,22 @@ def test_eval_checkpoint_of_another_model(trained):
     _, folder = trained
     before = snapshot(folder)
     result = evaluate(folder / 'best.pth', '--model_type', 'resnet18', '--save_prefix', 'other_model')
-    assert_one_error_line(result, folder / 'best.pth', '--model_type', '--load_not_strict')
+    line = assert_one_error_line(result, folder / 'best.pth', 'give --model_type small_cnn')
+    assert '--load_not_strict' not in line  # an evaluation scores the weights as they are
     assert not (folder / 'eval' / 'best_val_other_model').exists()
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize('script', ['eval.py', 'predict.py'])
+def test_eval_and_predict_with_other_num_classes_say_drop_it(data, trained, script):
+    """The advice was '... or pass --load_not_strict': followed, eval.py scored a head left at its init
+    and exited 0."""
+    _, folder = trained
+    before = snapshot(folder)
+    extra = ['--input', data / 'val.txt'] if script == 'predict.py' else []
+    result = run(script, '--load_model_path', folder / 'best.pth', '--num_classes', '10', '--no-progress_bar', *extra)
+    line = assert_one_error_line(result, 'head.weight', 'the checkpoint has 6 classes: drop --num_classes')
+    assert '--load_not_strict' not in line
     assert snapshot(folder) == before
 
 

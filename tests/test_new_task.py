@@ -6,6 +6,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import subprocess
 import sys
 
@@ -93,18 +94,52 @@ def test_generator_refuses_a_non_empty_destination(tmp_path):
     assert os.listdir(tmp_path) == ['mine.txt'] and (tmp_path / 'mine.txt').read_text() == 'keep me'
 
 
-@pytest.mark.parametrize('name', [r'Proj\1', r'C:\new Lab'])
-def test_a_project_name_is_written_as_given(tmp_path, name):
+def test_a_project_name_is_written_as_given_and_its_code_compiles(tmp_path):
     """--name went into re.sub as a replacement: 'Proj\\1' failed with a traceback half-way through the
-    copy, 'C:\\new' wrote a newline into every file."""
+    copy, 'C:\\new' wrote a newline into every file (such names are refused now: see below)."""
+    name = 'Lab v2.1-beta_x'
     result = run_script('scripts/new_task.py', str(tmp_path / 'project'), '--name', name)
     assert result.returncode == 0, result.stderr
     readme = (tmp_path / 'project' / 'README.md').read_text()
     assert readme.startswith(f'# {name}\n'), readme[:80]
-    package = 'proj-1' if name.startswith('Proj') else 'c-new-lab'
     pyproject = (tmp_path / 'project' / 'pyproject.toml').read_text()
-    assert f"name = '{package}'" in pyproject
-    assert f"'{package}[trackers" in pyproject and "'kiln[" not in pyproject  # its dev extra names itself
+    assert "name = 'lab-v2.1-beta_x'" in pyproject
+    assert "'lab-v2.1-beta_x[trackers" in pyproject and "'kiln[" not in pyproject  # its dev extra names itself
+    assert name in (tmp_path / 'project' / 'utils' / 'checkpoint.py').read_text()
+    for path in (tmp_path / 'project').rglob('*.py'):
+        compile(path.read_text(), str(path), 'exec')
+
+
+@pytest.mark.parametrize('name', ["O'Brien", 'A"B', 'Lab{v2}', r'C:\new Lab', 'Ünï Cödé', '日本', '...', ''])
+def test_a_project_name_the_code_cannot_hold_is_refused(tmp_path, name):
+    """The name goes into Python strings, f-strings, .format templates and the package name unescaped:
+    "O'Brien" was a SyntaxError in utils/checkpoint.py, 'A"B' broke `train.py --help`, 'Lab{v2}' sweep.py's
+    SBATCH script, 'Ünï Cödé' became the package n-c-d, '日本' and '...' the package kiln."""
+    result = run_script('scripts/new_task.py', str(tmp_path / 'project'), '--name', name)
+    assert result.returncode == 2 and result.stderr.startswith(f'error: --name {name!r}: '), result.stderr
+    assert 'ASCII letters, digits, spaces and . _ -' in result.stderr and len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / 'project').exists()
+
+
+@pytest.mark.parametrize('option, name', [('--model', 'class'), ('--task', 'import'), ('--dataset', 'lambda')])
+def test_a_python_keyword_is_refused_as_a_stub_name(tmp_path, option, name):
+    """--model class wrote `from model.class.class import Class`: training failed with a SyntaxError."""
+    result = run_script('scripts/new_task.py', str(tmp_path / 'new'), option, name)
+    assert result.returncode == 2 and result.stderr.startswith(f'error: {option} {name}: a Python keyword'), (
+        result.stderr
+    )
+    assert not (tmp_path / 'new').exists()
+
+
+def test_an_empty_destination_is_refused_and_the_next_step_is_quoted(tmp_path):
+    """'' said 'error:  is inside the template'; `cd DEST` was printed unquoted: a folder with a space or a
+    quote could not be pasted."""
+    empty = run_script('scripts/new_task.py', '')
+    assert empty.returncode == 2 and empty.stderr.startswith('error: DEST is empty'), empty.stderr
+    dest = tmp_path / "my lab's project"
+    made = run_script('scripts/new_task.py', str(dest), '--name', 'Lab')
+    assert made.returncode == 0, made.stderr
+    assert f'  cd {shlex.quote(str(dest))} && ' in made.stdout, made.stdout
 
 
 def test_a_project_made_from_a_project_keeps_its_code(tmp_path):

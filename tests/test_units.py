@@ -192,6 +192,24 @@ def test_recorder_weighs_by_batch_size_and_keeps_no_graph():
     assert recorder.summary() == {}  # reset after summary
 
 
+def test_a_top_k_that_holds_every_class_is_left_out():
+    """--topk 3 (the default) on 2 classes printed and logged `top3 1.0000` in every run: each label is
+    among the 3 highest of 2 scores. A --monitor naming it is one line listing the metrics there are."""
+    from metrics import ClassificationMetrics
+    from tasks.classify import ClassifyTask
+    from train import check_monitor
+
+    for classes, names in ((2, ['acc']), (3, ['acc']), (4, ['acc', 'top3']), (None, ['acc', 'top3'])):
+        assert ClassifyTask.metric_names(argparse.Namespace(num_classes=classes, topk=3)) == ['loss', *names]
+        if classes:
+            metrics = ClassificationMetrics(classes, topk=3)
+            metrics.update(torch.eye(classes), {'label': torch.arange(classes)})
+            assert list(metrics.compute()) == names, classes
+    options = argparse.Namespace(task='classify', monitor='val/top3', num_classes=2, topk=3)
+    with pytest.raises(KilnError, match='^--monitor val/top3 is not a metric .*: val/loss, val/acc, train/loss, '):
+        check_monitor(options, ClassifyTask)
+
+
 def test_batched_train_metrics_and_recorder_folds_add_up_like_step_by_step_updates():
     from metrics import BatchedUpdates, ClassificationMetrics
 
@@ -241,6 +259,17 @@ def test_strict_load_explains_a_mismatch(tmp_path):
     load_weights(_Net(classes=3), path)  # fits
     with pytest.raises(KilnError, match='--load_not_strict'):
         load_weights(_Net(classes=4), path)
+
+
+def test_a_mismatch_in_inference_never_advises_loading_what_fits(tmp_path):
+    """eval.py and predict.py advised --load_not_strict: followed, they scored a head left at its init."""
+    path = str(tmp_path / 'net.pth')
+    torch.save(_Net(classes=3).state_dict(), path)  # bare weights: nothing says what they were trained as
+    with pytest.raises(KilnError, match=r'give the --model_type and --num_classes it was trained with$'):
+        load_weights(_Net(classes=4), path, inference=True)
+    checkpoint = {'model': _Net(classes=3).state_dict(), 'args': {'num_classes': None}, 'class_names': list('abc')}
+    with pytest.raises(KilnError, match=r'the checkpoint has 3 classes: drop --num_classes \(eval.py and predict'):
+        load_weights(_Net(classes=4), checkpoint, inference=True)
 
 
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):

@@ -317,13 +317,37 @@ def other_model_advice(checkpoint, model_type):
     return None
 
 
-def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None, advice=STRICT_ADVICE, model_type=None):
+def trained_options_advice(checkpoint):
+    """What to do when a checkpoint run as it is (eval.py, predict.py) does not fit: build the model it was
+    trained for. Never --load_not_strict: the layers that do not fit would be scored at their init."""
+    options = checkpoint.get('args') if isinstance(checkpoint.get('args'), dict) else {}
+    classes = len(checkpoint.get('class_names') or ()) or options.get('num_classes')
+    if classes:
+        return (
+            f'the checkpoint has {classes} classes: drop --num_classes '
+            f'(eval.py and predict.py take it from the checkpoint)'
+        )
+    return 'give the --model_type and --num_classes it was trained with'
+
+
+def load_weights(
+    model,
+    checkpoint,
+    strict=True,
+    source=None,
+    prefix_map=None,
+    advice=STRICT_ADVICE,
+    model_type=None,
+    inference=False,
+):
     """Load model weights from `checkpoint` (a path or a loaded dict): all of them when `strict`,
     else the matching ones via load_match_dict, whose report is printed. Returns a LoadReport.
 
     A strict load that does not fit raises a KilnError naming the first mismatched tensors and giving
     `advice`; `source` names the checkpoint in messages (default: its path). With `model_type` (the
     --model_type being built), a Kiln checkpoint of another model type says so in that error instead.
+    With `inference` (eval.py, predict.py: the weights are run as they are, not trained on) the error
+    says which model the checkpoint holds (trained_options_advice) instead of `advice`.
     """
     path = checkpoint if isinstance(checkpoint, str) else None
     source = source or path or 'the checkpoint'
@@ -336,9 +360,10 @@ def load_weights(model, checkpoint, strict=True, source=None, prefix_map=None, a
         return report
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
     if not report.fits():
-        advice = (
-            f'{other_model}, or pass --load_not_strict to load only the tensors that match' if other_model else advice
-        )
+        if inference:
+            advice = other_model or trained_options_advice(checkpoint)
+        elif other_model:
+            advice = f'{other_model}, or pass --load_not_strict to load only the tensors that match'
         raise KilnError(f'{source} does not fit this model ({report.first_problems()}); {advice}')
     unwrap_model(model).load_state_dict(matched)
     return report

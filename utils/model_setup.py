@@ -43,10 +43,13 @@ class CopiedOutputs(torch.nn.Module):
         )
 
 
-def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, source=None, wrap=True):
-    """Build --model_type, load `weights` (a path or a loaded checkpoint; all of them when `strict`),
-    place it on `device` (channels-last with --channels_last), compile it with --compile/--compile_mode,
-    and (with `wrap`; else call `.wrap` later) wrap it for several devices."""
+def setup_model(
+    options, device, weights=None, *, strict=True, prefix_map=None, source=None, wrap=True, inference=False
+):
+    """Build --model_type, load `weights` (a path or a loaded checkpoint; all of them when `strict`;
+    `inference`: to run as they are, see load_weights), place it on `device` (channels-last with
+    --channels_last), compile it with --compile/--compile_mode, and (with `wrap`; else call `.wrap`
+    later) wrap it for several devices."""
     graphed = options.compile and options.compile_mode != 'default' and device.type == 'cuda'  # CUDA graphs, both
     if graphed and getattr(options, 'grad_accum_steps', 1) > 1:  # pytorch/pytorch#169545: an error or wrong gradients
         raise KilnError(
@@ -57,7 +60,13 @@ def setup_model(options, device, weights=None, *, strict=True, prefix_map=None, 
     report = None
     if weights is not None:
         report = load_weights(
-            model, weights, strict=strict, source=source, prefix_map=prefix_map, model_type=options.model_type
+            model,
+            weights,
+            strict=strict,
+            source=source,
+            prefix_map=prefix_map,
+            model_type=options.model_type,
+            inference=inference,
         )
     model = model.to(device, memory_format=torch.channels_last if options.channels_last else torch.preserve_format)
     compiled = torch.compile(model, mode=options.compile_mode) if options.compile else model
