@@ -21,7 +21,8 @@ train.py, which saves; the sweep stops. Then eval.py compares the finished runs'
 
 --slurm writes <checkpoints_dir>/sweeps/<name>/sweep.sbatch, a --requeue job array with one task per
 line of combinations.txt (line $SLURM_ARRAY_TASK_ID + 1, run with --resume) and submits it with sbatch;
---sbatch='--gpus=1 --time=4:00:00' adds sbatch options. --dry_run prints the commands, writes nothing.
+--sbatch='--gpus=1 --time=4:00:00' adds sbatch options. The array's tasks read that file as they start:
+a sweep of other runs under the same --name is refused. --dry_run prints the commands, writes nothing.
 """
 
 import argparse
@@ -101,7 +102,18 @@ def sweep_args(argv):
         help='evaluate the finished runs into one comparison table',
     )
     parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
-    return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    flags = {flag for action in train_actions().values() for flag in action.option_strings}
+    if any(token.split('=')[0] in flags for token in unknown):
+        raise KilnError(
+            f'{shlex.join(unknown)}: train.py options go after `--`: sweep.py [options] -- [train.py options]'
+        )
+    return parser.parse_args(argv)  # anything else unknown: the parser's own error
+
+
+def train_actions():
+    """train.py's options: {name: argparse action}."""
+    return {action.dest: action for action in parse_train_args(KilnArgumentParser())._actions if action.option_strings}
 
 
 def load_specs(args):
@@ -124,30 +136,56 @@ def load_specs(args):
                 f'{{log_uniform|uniform|choice: [...]}}}}, and trials:, seed:, name:'
             )
     entries = dict(config.get('grid', config.get('random', {})))
+    for key in entries:
+        if not isinstance(key, str):
+            raise KilnError(f'--config {args.config}: {key!r} is not a train.py option name; write e.g. lr: [1e-3]')
+    given = set()
     for item in args.grid:  # lr=1e-3,3e-3 is a list, lr=1e-4:1e-2 a range
         name, _, values = item.partition('=')
         bounds = values.split(':')
         if not (name and values):
             raise KilnError(f'--grid {item}: expected NAME=VALUES, e.g. lr=1e-3,3e-3 or lr=1e-4:1e-2')
+        if name in given:
+            raise KilnError(f'--grid {name}= is given twice: give its values once, {name}=a,b')
+        given.add(name)
         entries[name] = (
             {'range': bounds}
             if len(bounds) == 2 and all(re.fullmatch(NUMBER, b) for b in bounds)
             else [v.strip() for v in values.split(',') if v.strip()]
         )
     sampler = args.sampler or ('random' if 'random' in config else 'grid')
-    trials = config.get('trials') if args.trials is None else args.trials
-    name = str(args.name or config.get('name', 'sweep'))
-    if sampler == 'grid' and trials is not None:
+    if sampler == 'grid' and (args.trials is not None or 'trials' in config):
         raise KilnError('--trials is for random search: add --sampler random')
-    trials = 10 if trials is None else trials
-    if not isinstance(trials, int) or trials < 1:
-        raise KilnError(f'--trials must be a positive integer, got {trials}')
+    trials = setting(args, config, 'trials', 10, lambda v: is_integer(v) and v > 0, 'a positive integer')
+    seed = setting(args, config, 'seed', 0, is_integer, 'an integer')
+    name = setting(
+        args,
+        config,
+        'name',
+        'sweep',
+        lambda v: isinstance(v, str) and re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', v),
+        'letters, digits, ".", "_" and "-"',
+    )
     if not entries:
         raise KilnError('nothing to sweep: give --grid NAME=VALUES ... or --config FILE')
-    if not re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', name):
-        raise KilnError(f'--name {name!r}: use letters, digits, ".", "_" and "-" only')
     specs = {option: parse_spec(option, value) for option, value in entries.items()}
-    return specs, sampler, trials, config.get('seed', 0) if args.seed is None else args.seed, name
+    return specs, sampler, trials, seed, name
+
+
+def is_integer(value):
+    """Whether `value` is an int (YAML's true is no number)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def setting(args, config, key, default, valid, requirement):
+    """--<key> if given, else the sweep file's <key>: (default without one), refused unless `valid`."""
+    value, where = getattr(args, key), f'--{key}'
+    if value is None:
+        value, where = config.get(key, default), f'--config {args.config}: {key}:'
+    if not valid(value):
+        text = 'the text ' if isinstance(value, str) else ''  # trials: "8" is no number
+        raise KilnError(f'{where} must be {requirement}, got {text}{value!r}')
+    return value
 
 
 def parse_spec(name, value):
@@ -196,8 +234,9 @@ def combinations(specs, sampler, trials, seed):
 
 
 def check_names(specs, actions, train_argv):
-    """One line for a swept name that is no train.py option or has no values, and for --save_prefix or
-    --resume after `--` (swept values simply override the same options there: the last flag wins)."""
+    """One line for a swept name that is no train.py option or has no values, and for --save_prefix,
+    --resume or --fast_dev_run after `--` (swept values simply override the same options there: the last
+    flag wins)."""
     given = {token.split('=')[0] for token in train_argv if token.startswith('--')}
     for name, spec in specs.items():
         if name in NOT_SWEPT:
@@ -212,13 +251,15 @@ def check_names(specs, actions, train_argv):
             raise KilnError(f'{name}: no values to sweep')
     if {'--save_prefix', '--resume'} & given:
         raise KilnError('the sweep sets --save_prefix and --resume for every run: leave them out after --')
+    if '--fast_dev_run' in given:
+        raise KilnError('--fast_dev_run trains no run to sweep: leave it out after -- (or try train.py --fast_dev_run)')
 
 
 def tokens(action, value):
     """Command-line tokens that give `action`'s option the text `value` (a switch takes true or false)."""
     flag, on = action.option_strings[0], value.lower() in ('true', 'yes', 'on', '1')
     if action.nargs != 0:
-        return [flag, *value.split()] if action.nargs in ('+', '*') else [flag, value]
+        return [flag, value] if action.nargs in (None, '?') else [flag, *value.split()]  # +, *, 2: several
     if not on and value.lower() not in ('false', 'no', 'off', '0'):
         raise KilnError(f'{flag} is a switch: sweep it over true,false, not {value!r}')
     return [flag] if on else [f'--no-{flag[2:]}'] if isinstance(action, argparse.BooleanOptionalAction) else []
@@ -267,9 +308,8 @@ def finished(run, done):
     record, config, saved = (
         read_run_file(run.folder, name) for name in ('checkpoints.json', 'run_config.json', 'args.yaml')
     )
+    step = newest_step(run.folder, record)
     with contextlib.suppress(KeyError, TypeError, AttributeError):
-        last = record['last']
-        step = record['files'][last]['step'] if os.path.isfile(os.path.join(run.folder, last)) else -1
         if step >= 0 and done.get(run.prefix) == run.argv:
             return f'train.py ended at step {step}'
         if (
@@ -279,6 +319,15 @@ def finished(run, done):
         ):
             return f'step {step}/{config["max_num_train_steps"]}'
     return None
+
+
+def newest_step(folder, record=None):
+    """The step of the run's newest checkpoint (its checkpoints.json `record`), or -1 without one."""
+    record = read_run_file(folder, 'checkpoints.json') if record is None else record
+    with contextlib.suppress(KeyError, TypeError, AttributeError):
+        last = record['last']
+        return record['files'][last]['step'] if os.path.isfile(os.path.join(folder, last)) else -1
+    return -1
 
 
 def changed_options(saved, options):
@@ -349,9 +398,10 @@ def run_all(runs, name, base, compare):
             print(f'[{index}/{len(runs)}] {run.prefix}: finished ({reason}), skipped')
             continue
         print(f'[{index}/{len(runs)}] {run.prefix}')
+        step = newest_step(run.folder)
         code, last = launch([sys.executable, TRAIN, *run.argv])
-        if code == 0:
-            trained, done[run.prefix] = trained + 1, run.argv
+        if code == 0:  # not trained: resumed with nothing left to train, still at the same checkpoint
+            trained, done[run.prefix] = trained + (step < 0 or newest_step(run.folder) != step), run.argv
             os.makedirs(os.path.dirname(done_path), exist_ok=True)
             with open(done_path + '.tmp', 'w') as f:
                 json.dump(done, f, indent=1)
@@ -426,7 +476,13 @@ SBATCH = """#!/usr/bin/env bash
 #SBATCH --chdir={cwd}
 set -euo pipefail
 PYTHON=${{PYTHON:-{python}}}
-eval "set -- $(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {combos})"
+LINE=$((SLURM_ARRAY_TASK_ID + 1))
+OPTIONS=$(sed -n "${{LINE}}p" {combos}) || true
+if [ -z "$OPTIONS" ]; then
+    echo "error: no line $LINE in {combos} (removed or changed since submission): run sweep.py --slurm again" >&2
+    exit 1
+fi
+eval "set -- $OPTIONS"
 exec "$PYTHON" {train} "$@"
 """
 
@@ -449,15 +505,26 @@ def submit(runs, name, base, sbatch_options, dry_run):
     if dry_run:
         print(f'{path}:\n{script}\n{combos}:\n{lines}\n$ {shlex.join(command)}')
         return 0
+    files = {combos: lines, path: script}
+    for file, content in files.items():  # an array submitted earlier reads them as its tasks start or requeue
+        with contextlib.suppress(FileNotFoundError), open(file) as f:
+            if f.read() != content:
+                raise KilnError(
+                    f'sweep {name} was submitted before with other runs or settings ({file} differs): '
+                    f'give this sweep its own --name (or, once that job array has ended, delete {combos} and {path})'
+                )
+    new = [file for file in files if not os.path.exists(file)]
     os.makedirs(folder, exist_ok=True)
-    for file, content in ((combos, lines), (path, script)):
+    for file, content in files.items():
         with open(file, 'w') as f:
             f.write(content)
     try:
         result = subprocess.run(command, capture_output=True, text=True)
     except FileNotFoundError:
         raise KilnError(f'sbatch not found: submit {path} from a SLURM login node') from None
-    if result.returncode:
+    if result.returncode:  # no job array reads the files written for it
+        for file in new:
+            os.remove(file)
         error = (result.stderr.strip() or '?').splitlines()[-1]
         raise KilnError(f'sbatch failed (exit code {result.returncode}): {error}')
     job = result.stdout.strip().split(';')[0]
@@ -471,22 +538,21 @@ def main(argv):
     split = argv.index('--') if '--' in argv else len(argv)
     args, train_argv = sweep_args(argv[:split]), argv[split + 1 :]
     specs, sampler, trials, seed, name = load_specs(args)
-    actions = {
-        action.dest: action for action in parse_train_args(KilnArgumentParser())._actions if action.option_strings
-    }
+    actions = train_actions()
     check_names(specs, actions, train_argv)
     base = parse_args(parse_train_args, train_argv)
     runs = plan(combinations(specs, sampler, trials, seed), name, train_argv, actions)
     print(f'{name}: {len(runs)} runs ({sampler} over {", ".join(specs)})')
+    if not args.dry_run:  # a dry run looks at nothing on disk
+        for run in runs:
+            run.folder = experiment_folder(resolve(run.options))  # loads torch only for a task's default
+        check_earlier_runs(runs, name)
     if args.slurm:
         return submit(runs, name, base, args.sbatch, args.dry_run)
     if args.dry_run:
         for index, run in enumerate(runs, 1):
             print(f'[{index}/{len(runs)}] {run.prefix}\n$ {shlex.join([sys.executable, TRAIN, *run.argv])}')
         return 0
-    for run in runs:
-        run.folder = experiment_folder(resolve(run.options))  # loads torch only for a task's default
-    check_earlier_runs(runs, name)
     return run_all(runs, name, base, args.compare)
 
 

@@ -5,6 +5,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import yaml
 
 from conftest import run_script, timeout, tiny_run_args
 from options import experiment_folder, parse_args, parse_train_args, resolve
+from utils.errors import KilnError
 
 # one epoch, a checkpoint every 2 steps and the newest 2 kept, so a run can be cut back to an earlier one;
 # the model named, so that the sweep finds the folders without loading torch for the task's default
@@ -51,6 +53,31 @@ def _last_step(folder):
 def _starts(folder):
     """How many times train.py started (or resumed) in `folder`: one reproduce.json entry each."""
     return len(_json(os.path.join(folder, 'reproduce.json')))
+
+
+def _fake_sbatch(tmp_path, answer='echo 4242'):
+    """The environment of a sweep whose `sbatch` records its arguments and answers like `sbatch --parsable`;
+    and a stand-in python in the same folder, printing its arguments, for the job script's tasks."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (
+        ('sbatch', f'printf "%s\\n" "$@" > "$SBATCH_ARGS"\n{answer}'),
+        ('echo_python', 'printf "%s\\n" "$@"'),
+    ):
+        (bin_dir / name).write_text(f'#!/bin/sh\n{text}\n')
+        (bin_dir / name).chmod(0o755)
+    return {'PATH': f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', 'SBATCH_ARGS': str(tmp_path / 'sbatch_args')}
+
+
+def _task(script, task_id, tmp_path):
+    """Array task `task_id` of the job `script`, its python the stand-in of _fake_sbatch."""
+    return subprocess.run(
+        ['bash', str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout(60),
+        env={**os.environ, 'SLURM_ARRAY_TASK_ID': str(task_id), 'PYTHON': str(tmp_path / 'bin' / 'echo_python')},
+    )
 
 
 @pytest.fixture(scope='module')
@@ -130,15 +157,18 @@ def test_rerun_skips_finished_runs(grid):
         assert sweep.finished(run, {}) == expected
 
 
-def test_a_rerun_with_other_fixed_options_is_refused_in_one_line_naming_a_new_name(grid):
+@pytest.mark.parametrize('slurm', [[], ['--slurm']])
+def test_a_rerun_with_other_fixed_options_is_refused_in_one_line_naming_a_new_name(grid, tmp_path, slurm):
     """After a change after --, every run failed: train.py refused each resume and advised --save_prefix,
-    which the sweep sets itself."""
+    which the sweep sets itself; --slurm submitted such a sweep, and every array task failed so."""
     checkpoints, train, _ = grid
     starts = {prefix: _starts(_folder(checkpoints, prefix)) for prefix in RUNS}
-    result = _sweep(*GRID, '--', *train, '--weight_decay', '0.1', code=2)
+    env = _fake_sbatch(tmp_path)
+    result = _sweep(*GRID, *slurm, '--', *train, '--weight_decay', '0.1', code=2, env=env)
     assert result.stderr.count('\n') == 1 and result.stderr.startswith('error: --weight_decay 0.1 (it has 0.0005)')
     assert 'give this sweep its own --name' in result.stderr and 'train.py --' not in result.stdout
     assert {prefix: _starts(_folder(checkpoints, prefix)) for prefix in RUNS} == starts
+    assert not os.path.exists(env['SBATCH_ARGS']) and 'sweep.sbatch' not in os.listdir(f'{checkpoints}/sweeps/sweep')
 
 
 def test_failed_run_is_reported_and_the_others_resume_and_run(grid):
@@ -208,14 +238,9 @@ def test_random_search_is_reproducible_and_stays_in_its_ranges(tiny_shapes, tmp_
 
 
 def test_slurm_writes_a_job_array_and_submits_it(tiny_shapes, tmp_path):
-    checkpoints, bin_dir = tmp_path / 'ck', tmp_path / 'bin'
-    bin_dir.mkdir()
-    stand_in = bin_dir / 'sbatch'  # records its arguments, answers like `sbatch --parsable`
-    stand_in.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SBATCH_ARGS"\necho 4242\n')
-    stand_in.chmod(0o755)
+    checkpoints, env = tmp_path / 'ck', _fake_sbatch(tmp_path)
     config = tmp_path / 'grid.yaml'
     config.write_text('grid: {lr: [1e-3, 3e-3], batch_size: [16, 32]}\n')
-    env = {'PATH': f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', 'SBATCH_ARGS': str(tmp_path / 'sbatch_args')}
     train = tiny_run_args(tiny_shapes, checkpoints)
     result = _sweep('--config', str(config), '--slurm', '--sbatch=--time=1:00:00', '--', *train, env=env)
     script = checkpoints / 'sweeps' / 'sweep' / 'sweep.sbatch'
@@ -225,16 +250,7 @@ def test_slurm_writes_a_job_array_and_submits_it(tiny_shapes, tmp_path):
     assert '#SBATCH --array=0-3\n' in text and '#SBATCH --requeue\n' in text
     assert sorted(os.listdir(checkpoints)) == ['sweeps']  # nothing ran here
     # array task 2 runs train.py with the third combination, resumable (a stand-in python prints its arguments)
-    echo = bin_dir / 'echo_python'
-    echo.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
-    echo.chmod(0o755)
-    task = subprocess.run(
-        ['bash', str(script)],
-        capture_output=True,
-        text=True,
-        timeout=timeout(60),
-        env={**os.environ, 'SLURM_ARRAY_TASK_ID': '2', 'PYTHON': str(echo)},
-    )
+    task = _task(script, 2, tmp_path)
     assert task.returncode == 0, task.stderr
     argv = task.stdout.splitlines()
     assert argv[0].endswith('train.py') and argv[1:] == [
@@ -252,12 +268,12 @@ def test_slurm_writes_a_job_array_and_submits_it(tiny_shapes, tmp_path):
     # the time-limit signal goes to the batch shell (B:), which is train.py itself: with no job step, a
     # signal without B: reached no process (train.py never saved before the kill)
     assert '#SBATCH --signal=B:TERM@120\n' in text
-    echo.write_text('#!/bin/sh\necho $$\n')
+    (tmp_path / 'bin' / 'echo_python').write_text('#!/bin/sh\necho $$\n')
     shell = subprocess.Popen(
         ['bash', str(script)],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, 'SLURM_ARRAY_TASK_ID': '0', 'PYTHON': str(echo)},
+        env={**os.environ, 'SLURM_ARRAY_TASK_ID': '0', 'PYTHON': str(tmp_path / 'bin' / 'echo_python')},
     )
     assert shell.communicate(timeout=timeout(60))[0].strip() == str(shell.pid)  # exec: the same process
 
@@ -298,3 +314,82 @@ def test_a_sweep_whose_runs_failed_to_start_runs_again_after_the_fix(tiny_shapes
     shutil.copy(os.path.join(_folder(tmp_path / 'ck', 'fixed_lr0.001'), 'args.yaml'), left)
     _sweep('--name', 'left', '--grid', 'lr=1e-3', '--', *train, '--weight_decay', '0.1')
     assert _json(os.path.join(left, 'reproduce.json'))[0]['args']['weight_decay'] == 0.1
+
+
+def test_a_second_submission_under_the_same_name_leaves_the_first_arrays_files(tiny_shapes, tmp_path):
+    """Array tasks read combinations.txt as they start or requeue: a sweep submitted again under the same
+    --name with other runs rewrote it, and the first array's tasks trained the second's runs, or train.py
+    with no options at all (into the project's checkpoints/) where a line was missing."""
+    env, train = _fake_sbatch(tmp_path), [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--model_type', 'linear']
+    folder = tmp_path / 'ck' / 'sweeps' / 'sweep'
+    _sweep(*GRID, '--slurm', '--', *train, env=env)
+    files = {name: (folder / name).read_text() for name in ('combinations.txt', 'sweep.sbatch')}
+    assert 'submitted job array 4242' in _sweep(*GRID, '--slurm', '--', *train, env=env).stdout  # the same again
+    refused = _sweep('--grid', 'lr=1e-4', '--slurm', '--', *train, code=2, env=env)
+    assert refused.stderr.count('\n') == 1 and 'give this sweep its own --name' in refused.stderr
+    assert {name: (folder / name).read_text() for name in files} == files
+    # a task whose line is gone says so and fails
+    (folder / 'combinations.txt').write_text(files['combinations.txt'].splitlines()[0] + '\n')
+    task = _task(folder / 'sweep.sbatch', 2, tmp_path)
+    assert task.returncode == 1 and task.stdout == '' and f'error: no line 3 in {folder}' in task.stderr
+    # an array sbatch did not take leaves no files behind, which would refuse the sweep corrected
+    failing = _fake_sbatch(tmp_path, answer='echo "sbatch: error: invalid partition" >&2; exit 1')
+    result = _sweep('--name', 'other', *GRID, '--slurm', '--', *train, code=2, env=failing)
+    assert result.stderr == 'error: sbatch failed (exit code 1): sbatch: error: invalid partition\n'
+    assert os.listdir(tmp_path / 'ck' / 'sweeps' / 'other') == []
+
+
+def test_options_of_two_values_are_swept(tiny_shapes, tmp_path):
+    train = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    flags = _sweep('--grid', 'crop_scale=0.08 1,0.5 1', '--dry_run', '--', *train).stdout
+    config = tmp_path / 'sweep.yaml'
+    config.write_text('grid: {crop_scale: [[0.08, 1], [0.5, 1]]}\n')
+    assert _sweep('--config', str(config), '--dry_run', '--', *train).stdout == flags
+    assert '--crop_scale 0.08 1 --save_prefix sweep_crop_scale-0.08-1 --resume' in flags
+    assert '--crop_scale 0.5 1 --save_prefix sweep_crop_scale-0.5-1 --resume' in flags
+
+
+@pytest.mark.parametrize(
+    'sweep_args, message',
+    [
+        (['--config', 'grid: {1: [2]}'], '1 is not a train.py option name'),
+        (['--config', 'grid: {null: [2]}'], 'None is not a train.py option name'),
+        (['--config', 'random: {lr: [1]}\nseed: [1]'], 'seed: must be an integer, got [1]'),
+        (['--config', 'random: {lr: [1]}\nseed: abc'], "seed: must be an integer, got the text 'abc'"),
+        (['--config', 'random: {lr: [1]}\nseed: 1.5'], 'seed: must be an integer, got 1.5'),
+        (['--config', 'random: {lr: [1]}\ntrials: true'], 'trials: must be a positive integer, got True'),
+        (['--config', 'random: {lr: [1]}\ntrials: "8"'], "trials: must be a positive integer, got the text '8'"),
+        (['--config', 'grid: {lr: [1]}\nname: null'], 'name: must be letters, digits'),
+        (['--grid', 'lr=1', '--name', ''], '--name must be letters, digits, ".", "_" and "-", got the text \'\''),
+        (['--grid', 'lr=1e-3', 'lr=2e-3'], '--grid lr= is given twice: give its values once, lr=a,b'),
+        (['--grid', 'lr=1e-3', '--epochs', '1'], '--epochs 1: train.py options go after `--`'),
+    ],
+)
+def test_sweep_settings_of_the_wrong_kind_are_refused(tmp_path, sweep_args, message):
+    """They gave tracebacks (a key not text, a seed not a number), or ran: a sweep named None."""
+    import sweep
+
+    if sweep_args[0] == '--config':
+        (tmp_path / 'sweep.yaml').write_text(sweep_args[1])
+        sweep_args = ['--config', str(tmp_path / 'sweep.yaml')]
+    with pytest.raises(KilnError, match=re.escape(message)):
+        sweep.load_specs(sweep.sweep_args(sweep_args))
+
+
+def test_fast_dev_run_after_the_separator_is_refused(tiny_shapes, tmp_path):
+    """Every run failed: train.py's --fast_dev_run refuses the --resume the sweep adds."""
+    result = _sweep('--grid', 'lr=1e-3', '--', *tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--fast_dev_run', code=2)
+    assert result.stderr.startswith('error: --fast_dev_run') and result.stderr.count('\n') == 1
+    assert result.stdout == '' and not (tmp_path / 'ck').exists()
+
+
+def test_runs_with_nothing_left_to_train_count_as_finished(tiny_shapes, tmp_path):
+    """A finished sweep run again with fewer steps said every run was "trained now" and compared them all
+    again (a comparison val_<name>_2 the same as the first), though each train.py had nothing to train."""
+    train = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), *FAST]
+    grid = ['--name', 'again', '--grid', 'lr=1e-3,3e-3']
+    _sweep(*grid, '--', *train, '--max_iteration', '2')
+    output = _sweep(*grid, '--', *train, '--max_iteration', '1').stdout
+    table = tmp_path / 'ck' / 'comparisons' / 'val_again' / 'comparison.txt'
+    assert f'again: 2 of 2 runs finished, 0 trained now; comparison: {table}' in output
+    assert os.listdir(tmp_path / 'ck' / 'comparisons') == ['val_again']
