@@ -372,16 +372,173 @@ train.Trainer.build = build
 run_to_exit(train.main)
 """
 
+TERMINATED = 'terminated (SIGTERM)'
+
+
+def _stopped_with(result_or_stderr, code, line, returncode=None):
+    """Exit code `code`, and `line` as the one line on stderr (no traceback, no other line)."""
+    stderr = getattr(result_or_stderr, 'stderr', result_or_stderr)
+    returncode = getattr(result_or_stderr, 'returncode', returncode)
+    lines = [text for text in stderr.splitlines() if text.strip()]
+    assert returncode == code and 'Traceback' not in stderr, f'exit {returncode}\n{stderr}'
+    assert lines[-1:] == [line], stderr
+
 
 def test_sigterm_during_start_up_ends_with_143_and_leaves_no_folder(tiny_shapes, tmp_path):
     """SIGTERM's default action ended the process before the new folder was removed: the same command
-    was then refused ('already exists')."""
+    was then refused ('already exists'). Then it ended with no word at all."""
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     result = subprocess.run(
         [sys.executable, '-c', SIGTERM_WHILE_BUILDING, *args], cwd=REPO, capture_output=True, text=True, timeout=60
     )
-    assert result.returncode == 128 + signal.SIGTERM and result.stderr == '', result.stderr
+    _stopped_with(result, 128 + signal.SIGTERM, TERMINATED)
+    assert result.stderr.strip() == TERMINATED
     assert os.listdir(tmp_path / 'ck') == []
+
+
+@pytest.fixture(scope='module')
+def two_checkpoints(tiny_shapes, tmp_path_factory):
+    """Two checkpoints of a 2-step run (saved at each step, both kept), for eval.py and predict.py."""
+    checkpoints = tmp_path_factory.mktemp('two') / 'ck'
+    args = tiny_run_args(tiny_shapes, checkpoints)
+    args += ['--max_iteration', '2', '--save_interval', '1', '--keep_last', '2']
+    _ok(run_script('train.py', *args))
+    folder = _folder(args)
+    return sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.startswith('epoch'))
+
+
+@pytest.mark.parametrize('script', ['train.py', 'eval.py', 'predict.py'])
+def test_sigterm_while_modules_load_is_one_line(two_checkpoints, tiny_shapes, tmp_path, script):
+    """It ended with exit code 143 and nothing said (a Ctrl-C at the same moment says `interrupted`)."""
+    args = {
+        'train.py': tiny_run_args(tiny_shapes, tmp_path / 'ck'),
+        'eval.py': ['--load_model_path', two_checkpoints[0], '--cpu'],
+        'predict.py': ['--load_model_path', two_checkpoints[0], '--input', tiny_shapes, '--cpu'],
+    }[script]
+    process = subprocess.Popen(
+        [sys.executable, script, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(0.5)  # still importing torch
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=timeout(60))
+    _stopped_with(stderr, 128 + signal.SIGTERM, TERMINATED, process.returncode)
+    assert stderr.strip() == TERMINATED
+
+
+SIGTERM_AT = """
+import os, signal, sys, time
+script, target, calls = sys.argv[1], sys.argv[2].split('.'), int(sys.argv[3])
+sys.argv = [script, *sys.argv[4:]]
+module = __import__(script[:-3])
+from utils.errors import run_to_exit
+
+owner = module
+for name in target[:-1]:
+    owner = getattr(owner, name)
+original, seen = getattr(owner, target[-1]), []
+
+def patched(*args, **kwargs):  # the first `calls` calls run; the next one is where a `kill` arrives
+    seen.append(1)
+    if len(seen) <= calls:
+        return original(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+setattr(owner, target[-1], patched)
+run_to_exit(module.main)
+"""
+
+
+@pytest.mark.parametrize(
+    'script, target, calls',
+    [
+        ('eval.py', 'Evaluator.eval', 0),  # evaluating
+        ('eval.py', 'Evaluator.write_results', 0),  # writing its files
+        ('eval.py', 'evaluate_checkpoint', 1),  # the second checkpoint of a comparison
+        ('eval.py', 'write_comparison', 0),  # the comparison's files
+        ('predict.py', 'predict', 0),  # predicting and writing
+    ],
+)
+def test_sigterm_to_eval_and_predict_is_one_line_and_leaves_no_folder(
+    two_checkpoints, tiny_shapes, script, target, calls
+):
+    """eval.py and predict.py ended on a SIGTERM with exit code 143 and no word at all (a Ctrl-C said
+    `interrupted`); the result folders they had made were removed, as they still must be."""
+    folder = os.path.dirname(two_checkpoints[0])
+    before = sorted(os.listdir(folder))
+    checkpoints = two_checkpoints if target in ('evaluate_checkpoint', 'write_comparison') else two_checkpoints[:1]
+    args = ['--load_model_path', *checkpoints, '--cpu', '--no-progress_bar']
+    if script == 'predict.py':
+        args += ['--input', os.path.join(tiny_shapes, 'val.txt')]
+    result = subprocess.run(
+        [sys.executable, '-c', SIGTERM_AT, script, target, str(calls), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(60),
+    )
+    _stopped_with(result, 128 + signal.SIGTERM, TERMINATED)
+    assert result.stderr.strip() == TERMINATED
+    assert sorted(os.listdir(folder)) == before  # no eval/, predict/ or comparisons/ left
+
+
+SECOND_SIGNAL_AT = """
+import os, sys, time
+sys.argv[0] = 'train.py'
+import train
+from utils.errors import run_to_exit
+
+where = sys.argv.pop(1)
+original = getattr(train.Trainer, where)
+
+def slow(self, *args, **kwargs):  # a save, or the last files, that take a while after the first signal
+    if self.stopper.signals.received:
+        print('slow', flush=True)
+        time.sleep(30)
+    return original(self, *args, **kwargs)
+
+setattr(train.Trainer, where, slow)
+run_to_exit(train.main)
+"""
+
+SECOND_SIGTERM = 'stopped at once on a second SIGTERM; the newest checkpoint is whole: continue with --resume'
+
+
+@pytest.mark.parametrize(
+    'where, second, code, line',
+    [
+        ('save', signal.SIGTERM, 128 + signal.SIGTERM, SECOND_SIGTERM),  # the save for the stop, in the loop
+        ('report', signal.SIGTERM, 128 + signal.SIGTERM, SECOND_SIGTERM),  # after the loop gave signals back
+        ('save', signal.SIGINT, 130, 'interrupted'),  # a Ctrl-C after the SIGTERM
+    ],
+)
+def test_a_second_sigterm_stops_at_once_with_143_and_says_so(tiny_shapes, tmp_path, where, second, code, line):
+    """A second SIGTERM said `interrupted` and exited 130, the code of a Ctrl-C: job scripts and SLURM
+    read 143 as a SIGTERM stop. A Ctrl-C stays `interrupted`, 130."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '500', '--save_interval', '2']
+    process = subprocess.Popen(
+        [sys.executable, '-c', SECOND_SIGNAL_AT, where, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )
+    try:
+        _wait_for(lambda: os.path.exists(os.path.join(_folder(args), 'last.pth')), process, seconds=120)
+        process.send_signal(signal.SIGTERM)
+        while process.stdout.readline().strip() != 'slow':  # the first one was taken up: the stop is under way
+            assert process.poll() is None, process.communicate()
+        process.send_signal(second)
+        _, stderr = process.communicate(timeout=timeout(60))
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    _stopped_with(stderr, code, line, process.returncode)
+    assert stderr.strip().splitlines()[0].startswith('SIGTERM received: finishing the current step and saving')
+    assert len(stderr.strip().splitlines()) == 2, stderr
+    _load(os.path.join(_folder(args), 'last.pth'))  # whole: the save cut short, if any, is left out
 
 
 LAUNCHER_WITH_THREADS = """

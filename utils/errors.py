@@ -68,14 +68,58 @@ def _interrupted():
     os._exit(130)
 
 
+class StoppedBySignal(SystemExit):
+    """A signal that ends the process with exit code 128 + `signum` through every `finally` (a result
+    folder just made is removed again); `run_cli` then prints `line` once and exits. `second`: a second
+    stop signal while a training run stops on the first, which stops at once (no interpreter teardown
+    to wait for, as after a second Ctrl-C).
+
+    A SystemExit, so that code that does not know it still exits with the signal's code."""
+
+    def __init__(self, signum, line, second=False):
+        super().__init__(128 + signum)
+        self.signum, self.line, self.second = signum, line, second
+
+
+def terminated(signum):
+    """What a stop signal (SIGTERM) raises in eval.py, predict.py, or train.py before its loop takes it."""
+    return StoppedBySignal(signum, f'terminated ({signal.Signals(signum).name})')
+
+
+def second_stop_signal(signum):
+    """What a second SIGTERM (or SIGUSR1) raises while a training run stops on the first. Checkpoints are
+    written to a temporary file and renamed: the one being written is left out, the newest on disk is
+    whole (and with none, --resume starts the run)."""
+    name = signal.Signals(signum).name
+    return StoppedBySignal(
+        signum, f'stopped at once on a second {name}; the newest checkpoint is whole: continue with --resume', True
+    )
+
+
+def _stopped(stop, at_once=False):
+    # Every process of a torchrun job hears a signal: one says so. For a first SIGTERM none does: the
+    # launcher itself says why its workers stopped (utils/torchrun.py), or is what stopped them.
+    first_under_torchrun = 'TORCHELASTIC_RUN_ID' in os.environ and not stop.second
+    if os.environ.get('RANK', '0') == '0' and not first_under_torchrun:
+        print(stop.line, file=sys.stderr, flush=True)
+    if sys.stdout is not None:
+        sys.stdout.flush()
+    if at_once or stop.second:
+        os._exit(stop.code)
+    raise SystemExit(stop.code) from None
+
+
 INTERRUPTED = []  # the Ctrl-Cs quiet_interrupts saw
 RUNNING = []  # the entry points run_cli is running now (none while modules load)
+STOPPING = []  # the stop signal a training run took up (utils/stopping.py): another one stops it at once
 
 
 def quiet_interrupts():
     """Make a Ctrl-C before `run_cli` takes over (while torch loads, say) print one line and exit 130, and
-    a SIGTERM before training takes it over (utils/stopping.py) end the process with 143 as its default
-    does, but through the `finally` blocks (a run folder just made is removed again).
+    a SIGTERM before training takes it over (utils/stopping.py), or in eval.py and predict.py, print one
+    line (`terminated (SIGTERM)`) and end the process with 143 as its default does, but through the
+    `finally` blocks (a run folder just made is removed again). A SIGTERM after a training run took up
+    a stop signal (while it writes its last files) is a second one: it stops at once.
 
     By the time the hook runs the stack has unwound, so every `finally` (e.g. removing a half-generated
     dataset) has already run. A Ctrl-C can also surface as another error: one that lands while a C
@@ -85,6 +129,7 @@ def quiet_interrupts():
     """
     default = sys.excepthook
     INTERRUPTED.clear()  # a new start (tests run the entry scripts in one process)
+    STOPPING.clear()
 
     def on_interrupt(signum, frame):
         INTERRUPTED.append(signum)
@@ -93,10 +138,10 @@ def quiet_interrupts():
         raise KeyboardInterrupt
 
     def on_terminate(signum, frame):
+        stop = second_stop_signal(signum) if STOPPING else terminated(signum)
         if not RUNNING:  # as above
-            sys.stdout.flush()
-            os._exit(128 + signum)
-        raise SystemExit(128 + signum)
+            _stopped(stop, at_once=True)
+        raise stop
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
         signal.signal(signal.SIGINT, on_interrupt)
@@ -121,6 +166,8 @@ def run_cli(main, argv=None):
     RUNNING.append(main)
     try:
         return _run_reporting_errors(main, argv)
+    except StoppedBySignal as stop:  # (with --debug too) every `finally` has run
+        _stopped(stop)
     finally:
         RUNNING.pop()
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed import all_reduce_max, collective_device, host_group, is_distributed
+from utils.errors import STOPPING, second_stop_signal
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ('SIGINT', 'SIGTERM', 'SIGUSR1') if hasattr(signal, name))
 
@@ -39,8 +40,11 @@ class Stop:
 class StopSignals:
     """A context manager that turns the first stop signal into a request: `received` is its number.
 
-    A second signal raises KeyboardInterrupt at once. Handlers are installed only in the main
-    thread and put back on exit.
+    A second signal stops at once: a Ctrl-C raises KeyboardInterrupt (`interrupted`, exit code 130), a
+    SIGTERM or SIGUSR1 utils.errors.StoppedBySignal (one line, exit code 128 + its number, what job
+    scripts read). The first one is noted in utils.errors.STOPPING, so that a second one that comes
+    after the loop (while the last files are written) stops at once too. Handlers are installed only in
+    the main thread and put back on exit.
     """
 
     def __init__(self):
@@ -49,8 +53,11 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         if self.received:
-            raise KeyboardInterrupt(f'second {signal.Signals(signum).name}')
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt('second SIGINT')
+            raise second_stop_signal(signum)
         self.received = signum
+        STOPPING.append(signum)
         if os.environ.get('RANK', '0') == '0':  # under torchrun every process hears it: one says so
             print(
                 ('\n' if sys.stderr.isatty() else '')  # off the progress bar's line (and the ^C) in a terminal
@@ -61,6 +68,7 @@ class StopSignals:
             )
 
     def __enter__(self):
+        STOPPING.clear()  # a new run (several can train in one process)
         try:
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
