@@ -32,15 +32,10 @@ from utils.device import select_device
 from utils.distributed import cleanup_distributed, init_distributed, is_main_process, run_on_main_process
 from utils.errors import KilnError
 from utils.evaluation import evaluate
+from utils.fault_points import fault_point
 from utils.logger import Logger
 from utils.model_setup import setup_model
-from utils.run_folder import (
-    checkpoints_to_evaluate,
-    create_run_folder,
-    discard_folder_if_setup_fails,
-    evaluated_list_name,
-    result_folder,
-)
+from utils.run_folder import StagedResults, checkpoints_to_evaluate, evaluated_list_name, result_folder
 from utils.viz import save_png
 
 
@@ -69,7 +64,8 @@ class Evaluator:
     """Evaluates one checkpoint on a list (torch_base's Evaluator): built from the resolved options and
     the loaded checkpoint, `eval()` runs the evaluation loop that validation runs (so the numbers agree
     with training's) and writes result.txt, result.json, predictions.csv and the pictures (every
-    --viz_freq batches, drawn and saved by its Logger's writer thread) into `folder`."""
+    --viz_freq batches, drawn and saved by its Logger's writer thread) into `folder` (the staged one: the
+    results name options.result_dir, the folder it becomes)."""
 
     def __init__(self, options, checkpoint, task_type, folder):
         self.folder = folder
@@ -130,7 +126,7 @@ class Evaluator:
         return (
             f'{self.options.load_model_path}: '
             + ' '.join(f'{k} {v:.4f}' for k, v in main_metrics.items())
-            + f'\n  results in {self.folder}: result.txt, result.json, predictions.csv'
+            + f'\n  results in {self.options.result_dir}: result.txt, result.json, predictions.csv'
             + (', pictures' if self.options.save_viz else '')
         )
 
@@ -153,6 +149,7 @@ class Evaluator:
             details['confusion_matrix'] = confusion.tolist()
         with open(os.path.join(folder, 'result.json'), 'w') as f:
             f.write(json_text({**header, 'metrics': evaluation.metrics, **details}))
+        fault_point('writing_results')
         with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
             writer = csv.writer(f)
             writer.writerow(task.eval_header)
@@ -163,32 +160,35 @@ class Evaluator:
             save_png(picture, os.path.join(folder, f'{name}.png'))
 
 
-def evaluate_checkpoint(args, given, path, say=print):
+def evaluate_checkpoint(args, given, path, say=print, publish_with=None):
     """Evaluate one checkpoint into its own new result folder and `say` (print) what it found once the
-    folder is whole; return (its metrics, the list evaluated, the folder)."""
+    folder is whole; return (its metrics, the list evaluated, the folder). The folder appears whole when
+    the evaluation ends, or with `publish_with` (a comparison's ExitStack) when that stack closes well."""
     options, checkpoint, task_type = load_for_inference(args, given, path)
     name = evaluated_list_name(args.val_list)  # 'val' unless given
     folder = result_folder(path, 'eval', name, options.save_prefix, options.output_dir)
     options = options.replace(result_dir=folder)
-    run_on_main_process(
-        create_run_folder, folder, options, 'choose a new --save_prefix to keep the old results', '--output_dir'
+    staged = run_on_main_process(  # rank 0 writes the results; the others only evaluate their share
+        StagedResults, folder, options, 'choose a new --save_prefix to keep the old results', '--output_dir'
     )
-    with discard_folder_if_setup_fails(folder, results=True) if is_main_process() else contextlib.nullcontext():
-        evaluator = Evaluator(options, checkpoint, task_type, folder)
+    with contextlib.ExitStack() as own:
+        if is_main_process():
+            (publish_with or own).enter_context(staged)  # published whole, or removed
+        evaluator = Evaluator(options, checkpoint, task_type, staged.path)
         try:
             metrics = evaluator.eval()
         finally:
             with contextlib.suppress(Exception):  # the error to show is the first one
-                evaluator.logger.close()  # pictures pending are written before a failed run's folder goes
+                evaluator.logger.close()  # pictures pending are written before the folder is published or goes
             evaluator.data.close()
-    if is_main_process():  # once the results are whole: a closed output cannot take them away
-        say(evaluator.report(metrics))
+    if is_main_process():  # once the results are whole (a comparison's `say` keeps it until the end)
+        say(evaluator.report(metrics))  # a closed output cannot take them away
     return metrics, getattr(evaluator.dataset, 'list_path', None), folder
 
 
 def prepare_comparison(args, checkpoints):
     """Check that every checkpoint is whole and that no two of them, and no earlier results, share a
-    result folder, then create the comparison folder; return its path."""
+    result folder, then stage the comparison folder (StagedResults)."""
     folders, name = {}, evaluated_list_name(args.val_list)
     for checkpoint in checkpoints:
         verify(checkpoint)  # a corrupt one is said now, not after the others were evaluated
@@ -205,8 +205,7 @@ def prepare_comparison(args, checkpoints):
     folder = os.path.join(  # beside the results when they go to --output_dir
         args.output_dir or args.checkpoints_dir, 'comparisons', f'{name}_{args.save_prefix}'
     )
-    create_run_folder(folder, args, 'choose a new --save_prefix to keep the old comparison')
-    return folder
+    return StagedResults(folder, args, 'choose a new --save_prefix to keep the old comparison', '--checkpoints_dir')
 
 
 def write_comparison(folder, rows):
@@ -246,22 +245,22 @@ def main(argv=None, args=None):
         checkpoints = checkpoints_to_evaluate(args.load_model_path)
         if len(checkpoints) == 1:
             return evaluate_checkpoint(args, given, checkpoints[0])[0]
-        folder = run_on_main_process(prepare_comparison, args, checkpoints)
+        comparison = run_on_main_process(prepare_comparison, args, checkpoints)
         rows, reports = [], []
-        with contextlib.ExitStack() as made:  # all or nothing: a failed or stopped comparison can be run again
+        # all or nothing: every folder is published once the comparison is written (the comparison's last), and
+        # all are removed when one fails or the run is stopped; a SIGKILL leaves none, so the command runs again
+        with contextlib.ExitStack() as made:
             if is_main_process():
-                made.enter_context(discard_folder_if_setup_fails(folder, results=True))
+                made.enter_context(comparison)
             for checkpoint in checkpoints:
-                metrics, list_path, result = evaluate_checkpoint(args, given, checkpoint, say=reports.append)
-                if is_main_process():
-                    made.enter_context(discard_folder_if_setup_fails(result, results=True))
+                metrics, list_path, _ = evaluate_checkpoint(args, given, checkpoint, reports.append, made)
                 rows.append((checkpoint, metrics, list_path))
-            several_lists = write_comparison(folder, rows) if is_main_process() else False
+            several_lists = write_comparison(comparison.path, rows) if is_main_process() else False
         if is_main_process():  # every folder whole: now printing may fail (a closed pipe) without harm
             print('\n'.join(reports))
-            with open(os.path.join(folder, 'comparison.txt')) as f:
+            with open(os.path.join(comparison.folder, 'comparison.txt')) as f:
                 print(f.read().rstrip())
-            print(f'comparison of {len(rows)} checkpoints in {folder}: comparison.txt, comparison.csv')
+            print(f'comparison of {len(rows)} checkpoints in {comparison.folder}: comparison.txt, comparison.csv')
             if several_lists:
                 print('  (each on its own validation list, in the list column: give --val_list to compare on one)')
         return rows

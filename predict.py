@@ -40,15 +40,10 @@ from eval import load_for_inference
 from options import given_options, prefix_map
 from utils.allocator import keep_freed_memory
 from utils.device import select_device
+from utils.fault_points import fault_point
 from utils.model_setup import setup_model
 from utils.progress import progress
-from utils.run_folder import (
-    checkpoint_path,
-    create_run_folder,
-    discard_folder_if_setup_fails,
-    plain_name,
-    result_folder,
-)
+from utils.run_folder import StagedResults, checkpoint_path, plain_name, result_folder
 
 
 def images_to_predict(source):
@@ -127,8 +122,9 @@ def read_batches(paths, options, unreadable):
 
 
 @torch.no_grad()
-def predict(options, task, setup, device, paths, folder):
-    """Predict every image of `paths` into `folder`/predictions.csv; return the unreadable (path, reason) pairs."""
+def predict(options, task, setup, device, paths, folder, named=None):
+    """Predict every image of `paths` into `folder`/predictions.csv; return the unreadable (path, reason) pairs.
+    The rows name the files written into `folder` (masks) as in `named` (the folder a staged one becomes)."""
     transform = BatchTransform((), options.img_size, options.channels_last, options)
     setup.wrapped.eval()
     unreadable, rows = [], []
@@ -142,7 +138,8 @@ def predict(options, task, setup, device, paths, folder):
         with setup.autocast():
             outputs = task.outputs_to_float(task.forward(setup.wrapped, inputs))
         for name, image_rows in zip(names, task.predict_rows(inputs, outputs, names, folder)):
-            rows += [[name, *row] for row in image_rows]
+            rows += [[name, *(_renamed(cell, folder, named) for cell in row)] for row in image_rows]
+    fault_point('writing_results')
     with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
         writer = csv.writer(f)
         writer.writerow(task.predict_header)
@@ -151,6 +148,12 @@ def predict(options, task, setup, device, paths, folder):
         with open(os.path.join(folder, 'unreadable.txt'), 'w') as f:
             f.writelines(f'{path}\t{reason}\n' for path, reason in unreadable)
     return unreadable
+
+
+def _renamed(cell, folder, named):
+    """`cell`, a path in `folder`, as the same path in `named`; anything else as it is."""
+    inside = isinstance(cell, str) and named and cell.startswith(os.path.join(folder, ''))
+    return os.path.join(named, cell[len(os.path.join(folder, '')) :]) if inside else cell
 
 
 def main(argv=None, args=None):
@@ -164,8 +167,8 @@ def main(argv=None, args=None):
     paths = images_to_predict(options.input)  # before the folder exists: a refused input leaves nothing
     input_name = source_name(options.input)
     folder = result_folder(path, 'predict', input_name, options.save_prefix, options.output_dir)
-    create_run_folder(folder, options, 'choose a new --save_prefix to keep the old predictions', '--output_dir')
-    with discard_folder_if_setup_fails(folder, results=True):
+    # written whole under a hidden name, then renamed to `folder`; a failure or a stop removes it
+    with StagedResults(folder, options, 'choose a new --save_prefix to keep the old predictions') as staged:
         keep_freed_memory()  # each batch reuses the last one's memory, not fresh pages
         device = select_device(options.cpu, options.gpus)
         task = task_type(options, checkpoint.get('class_names'))
@@ -178,7 +181,7 @@ def main(argv=None, args=None):
             prefix_map=prefix_map(options),
             inference=True,
         )
-        unreadable = predict(options, task, setup, device, paths, folder)
+        unreadable = predict(options, task, setup, device, paths, staged.path, named=folder)
     predicted = len(paths) - len(unreadable)
     print(f'{predicted} image{"" if predicted == 1 else "s"} predicted in {folder}/predictions.csv')
     if unreadable:

@@ -5,6 +5,8 @@ import glob
 import json
 import os
 import shutil
+import signal
+import socket
 
 import pytest
 import torch
@@ -601,3 +603,121 @@ def test_an_eval_that_fails_half_way_leaves_no_result_folder(trained, monkeypatc
     evaluation.main(command)  # the same command again
     pictures = glob.glob(os.path.join(folder, 'eval', 'last_val_halfway', '*_batch*.png'))
     assert len(pictures) == 12  # one per batch of 4
+
+
+# results appear whole or not at all ------------------------------------------------------------------
+
+
+def _staged(parent):
+    """The staged (hidden, unfinished) result folders in `parent`."""
+    return sorted(name for name in os.listdir(parent) if name.startswith('.') and '.tmp' in name)
+
+
+def _assert_whole(folder, *names):
+    """`folder` holds `names`, and no text in it names a staged folder (args.txt's result_dir, mask paths)."""
+    assert set(names) <= set(os.listdir(folder)), os.listdir(folder)
+    for name in os.listdir(folder):
+        if name.endswith(('.txt', '.yaml', '.json', '.csv')):
+            with open(os.path.join(folder, name)) as f:
+                assert '.tmp' not in f.read(), name
+
+
+def _killed_at(moment, *command):
+    killed = run_script(*command, env={'KILN_KILL_AT': moment})
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    return killed
+
+
+EVAL = ('--cpu', '--no-progress_bar', '--num_workers', '0', '--viz_freq', '1')
+
+
+@pytest.mark.parametrize('moment', ['temporary_written', 'writing_results', 'results_staged'])
+def test_an_eval_killed_while_writing_leaves_no_result_folder_and_runs_again(trained, moment):
+    """A SIGKILL while eval.py wrote predictions.csv left a result folder without it (while it wrote
+    args.txt: an empty one), which looked real, and the same command was then refused ('already exists')."""
+    experiment, _ = trained
+    parent, prefix = os.path.join(experiment, 'eval'), f'killed_{moment}'
+    folder = os.path.join(parent, f'best_val_{prefix}')
+    command = ['eval.py', '--load_model_path', experiment, '--save_prefix', prefix, *EVAL]
+    _killed_at(moment, *command)
+    assert not os.path.exists(folder) and len(_staged(parent)) == 1
+    running = os.path.join(parent, f'.best_val_other.tmp{os.getppid()}@{socket.gethostname()}')  # a live eval's
+    os.makedirs(running)
+    try:
+        again = run_script(*command)  # the same command
+        assert again.returncode == 0, again.stderr
+        assert _staged(parent) == [os.path.basename(running)]  # the killed one's is gone, not the running one's
+    finally:
+        shutil.rmtree(running)
+    assert f'results in {folder}: ' in again.stdout
+    _assert_whole(folder, 'args.txt', 'args.yaml', 'result.txt', 'result.json', 'predictions.csv')
+    assert 'predictions_batch0000.png' in os.listdir(folder) and 'confusion_matrix.png' in os.listdir(folder)
+    with open(os.path.join(folder, 'args.txt')) as f:
+        assert any(line.split() == ['result_dir', ':', folder] for line in f)
+
+
+@pytest.mark.parametrize('moment', ['temporary_written', 'writing_results'])
+def test_a_prediction_killed_while_writing_leaves_no_result_folder_and_runs_again(trained, tiny_shapes, moment):
+    """predict.py killed at predictions.csv left its folder with only the options in it, which blocked the prefix."""
+    experiment, _ = trained
+    parent, prefix = os.path.join(experiment, 'predict'), f'killed_{moment}'
+    folder = os.path.join(parent, f'best_val_{prefix}')
+    command = ['predict.py', '--load_model_path', experiment, '--input', os.path.join(tiny_shapes, 'val.txt')]
+    command += ['--save_prefix', prefix, '--cpu', '--no-progress_bar', '--num_workers', '0']
+    _killed_at(moment, *command)
+    assert not os.path.exists(folder)
+    again = run_script(*command)
+    assert again.returncode == 0, again.stderr
+    assert f'48 images predicted in {folder}/predictions.csv' in again.stdout
+    _assert_whole(folder, 'args.txt', 'args.yaml', 'predictions.csv')
+    assert _staged(parent) == []
+
+
+@pytest.mark.parametrize('moment', ['temporary_written', 'writing_results', 'writing_results:2'])
+def test_a_comparison_killed_half_way_leaves_no_result_folder_and_runs_again(trained, tmp_path, moment):
+    """A comparison killed while evaluating left an args-only comparison folder and an args-only result
+    folder (the first checkpoint's, or the second's beside the first's whole one), and was refused again."""
+    experiment, _ = trained
+    checkpoints = [os.path.join(experiment, name) for name in ('best.pth', 'last.pth')]
+    prefix = 'cmp_' + moment.replace(':', '_')
+    folders = [os.path.join(experiment, 'eval', f'{name}_val_{prefix}') for name in ('best', 'last')]
+    table = tmp_path / 'comparisons' / f'val_{prefix}'
+    command = ['eval.py', '--load_model_path', *checkpoints, '--save_prefix', prefix, '--checkpoints_dir', tmp_path]
+    _killed_at(moment, *command, *EVAL)
+    assert not any(os.path.exists(folder) for folder in folders) and not table.exists()
+    again = run_script(*command, *EVAL)
+    assert again.returncode == 0, again.stderr
+    assert f'comparison of 2 checkpoints in {table}: ' in again.stdout
+    _assert_whole(table, 'args.txt', 'comparison.csv', 'comparison.txt')
+    for folder in folders:
+        _assert_whole(folder, 'result.txt', 'predictions.csv')
+        assert f'results in {folder}: ' in again.stdout
+    assert _staged(os.path.join(experiment, 'eval')) == _staged(tmp_path / 'comparisons') == []
+
+
+def test_a_result_folder_made_while_results_are_written_is_not_replaced(tmp_path):
+    """os.rename puts a folder in place of an empty one: the results are refused in one line instead."""
+    from options import parse_args, parse_test_args
+    from utils.errors import KilnError
+    from utils.run_folder import StagedResults
+
+    folder = tmp_path / 'eval' / 'best_val_x'
+    with pytest.raises(KilnError, match=f'^{folder} appeared while this ran; choose a new --save_prefix$'):
+        with StagedResults(str(folder), parse_args(parse_test_args, []), 'choose a new --save_prefix') as staged:
+            (tmp_path / 'eval' / os.path.basename(staged.path) / 'result.txt').write_text('0.5\n')
+            folder.mkdir()  # another command's, still empty
+    assert os.listdir(tmp_path / 'eval') == ['best_val_x'] and os.listdir(folder) == []
+
+
+def test_a_staged_folder_of_this_pid_left_by_another_process_is_removed(tmp_path):
+    """In a container every start may get the same pid: a staged folder named with this process's pid that
+    it did not make is a dead one's (its own mkdir then failed 'File exists'); its own are kept."""
+    from options import parse_args, parse_test_args
+    from utils.run_folder import StagedResults
+
+    left = tmp_path / f'.best_val_x.tmp{os.getpid()}@{socket.gethostname()}'
+    (left / 'result.txt').parent.mkdir()
+    with StagedResults(str(tmp_path / 'best_val_x'), parse_args(parse_test_args, []), 'choose') as first:
+        with StagedResults(str(tmp_path / 'last_val_x'), parse_args(parse_test_args, []), 'choose'):
+            assert os.path.isdir(first.path)  # a second result folder beside it keeps this one's
+    assert sorted(os.listdir(tmp_path)) == ['best_val_x', 'last_val_x']

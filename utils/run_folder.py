@@ -40,10 +40,11 @@ from options import (
     saved_options,
     with_absolute_lists,
 )
-from utils.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint
+from utils.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.distributed import world_size
 from utils.errors import KilnError
+from utils.fault_points import fault_point
 
 ARGS_TXT, ARGS_YAML, LOCK = 'args.txt', 'args.yaml', '.lock'
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,9 +74,6 @@ def save_args(args, folder):
     atomic_write_bytes(saved.encode(), os.path.join(folder, ARGS_YAML))
 
 
-PARENTS_MADE = {}  # a folder create_run_folder made -> the folders above it made for it, deepest first
-
-
 def make_parents(path):
     """Create the missing folders above `path`; return those it made, deepest first."""
     made, parent = [], os.path.dirname(os.path.abspath(path))
@@ -91,7 +89,7 @@ def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_
     `what_to_change`, one that cannot be made names `where_option`. A folder whose options could not be
     written (a full disk) is removed again."""
     try:
-        PARENTS_MADE[os.path.abspath(folder)] = make_parents(folder)
+        make_parents(folder)
         os.mkdir(folder)  # fails if it exists: two runs never share a folder
     except FileExistsError:
         raise KilnError(f'{folder} already exists; {what_to_change}') from None
@@ -104,33 +102,141 @@ def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_
 
 
 @contextlib.contextmanager
-def discard_folder_if_setup_fails(folder, results=False):
+def discard_folder_if_setup_fails(folder):
     """Remove a just-created run folder again if what follows fails, so the same command can be re-run.
 
     Only what runs write by themselves (RUN_FILES, TensorBoard event files) is removed, and only
-    while the folder holds no checkpoint; a folder holding anything else is left alone. A `results`
-    folder (eval.py's, predict.py's: made for this command alone) goes with all it holds (pictures
-    written while it ran, masks).
+    while the folder holds no checkpoint; a folder holding anything else is left alone.
     """
     try:
         yield
     except BaseException:
         names = os.listdir(folder) if os.path.isdir(folder) else []
-        if results:
-            shutil.rmtree(folder, ignore_errors=True)
-        elif not any(step_of(name) is not None for name in names):
+        if not any(step_of(name) is not None for name in names):
             for name in names:
                 if name in RUN_FILES or name.startswith(('events.out.tfevents.', '.')):
                     with contextlib.suppress(OSError):
                         os.remove(os.path.join(folder, name))
         with contextlib.suppress(OSError):
             os.rmdir(folder)  # only succeeds when nothing else is in it
-        made = PARENTS_MADE.pop(os.path.abspath(folder), [])
-        if results and not os.path.exists(folder):  # and the folders made for it (eval/, --output_dir's)
-            with contextlib.suppress(OSError):  # while empty
-                for parent in made:
-                    os.rmdir(parent)
         raise
+
+
+# a result folder being written: .<name>.tmp<pid>@<host>, beside the name it gets once it is whole
+STAGED = re.compile(r'\.(.+)\.tmp(\d+)@(.+)')
+BEING_STAGED = set()  # this process's: a folder of its pid is another's (a container reuses pids) unless here
+
+
+class StagedResults:
+    """A new result folder (eval.py's, predict.py's, a comparison's) that appears whole or not at all.
+
+    It is written under a hidden name beside its own, `path` (`.<name>.tmp<pid>@<host>`), with the
+    options saved first, and renamed to `folder` once every file in it is written (wait for the writer
+    thread first) and fsynced: `publish`, when a `with` block on it ends well. When the block fails or
+    is stopped (Ctrl-C, SIGTERM), it is removed with the folders made for it (`discard`); one left by
+    a SIGKILL is removed by the next StagedResults beside it once its process is gone. An existing
+    `folder` is a KilnError saying `what_to_change`, up front and again at the rename (which never
+    replaces a folder); one that cannot be made names `where_option`. Whatever names the folder in the
+    results (args.txt's result_dir, printed paths) names `folder`, never `path`.
+    """
+
+    def __init__(self, folder, args, what_to_change, where_option='--output_dir'):
+        self.folder, self.what_to_change, self.made = folder, what_to_change, []
+        parent, name = os.path.split(folder)
+        self.path = os.path.join(parent, f'.{name}.tmp{os.getpid()}@{socket.gethostname()}')
+        if os.path.lexists(folder):
+            raise KilnError(f'{folder} already exists; {what_to_change}')
+        try:
+            self.made = make_parents(folder)
+            remove_stale_results(os.path.dirname(os.path.abspath(folder)))
+            os.mkdir(self.path)
+            BEING_STAGED.add(os.path.abspath(self.path))
+        except OSError as error:
+            self.discard()
+            raise KilnError(
+                f'cannot create {folder} ({error.strerror}); give a folder you can write to as {where_option}'
+            ) from None
+        with self.discarded_if_failing():
+            save_args(args, self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        if kind is not None:
+            self.discard()
+            return
+        with self.discarded_if_failing():
+            self.publish()
+
+    @contextlib.contextmanager
+    def discarded_if_failing(self):
+        """Discard the folder when the block fails (then the error goes on)."""
+        try:
+            yield
+        except BaseException:
+            self.discard()
+            raise
+
+    def publish(self):
+        """fsync every file and folder written, then rename the folder to its name."""
+        for root, _, names in os.walk(self.path):
+            for name in names:
+                descriptor = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    os.fsync(descriptor)
+                finally:
+                    os.close(descriptor)
+            sync_directory(root)
+        fault_point('results_staged')
+        # os.rename replaces an empty folder: one that appeared since the start is refused, not replaced
+        if os.path.lexists(self.folder):
+            raise KilnError(f'{self.folder} appeared while this ran; {self.what_to_change}')
+        try:
+            os.rename(self.path, self.folder)
+        except OSError as error:  # a folder that appeared and was filled in the instant between
+            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            raise KilnError(f'{self.folder} appeared while this ran; {self.what_to_change}') from None
+        BEING_STAGED.discard(os.path.abspath(self.path))
+        sync_directory(os.path.dirname(os.path.abspath(self.folder)))
+
+    def discard(self):
+        """Remove the unfinished folder and the folders made for it (eval/, --output_dir's) while empty."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        BEING_STAGED.discard(os.path.abspath(self.path))
+        with contextlib.suppress(OSError):
+            for parent in self.made:
+                os.rmdir(parent)
+
+
+def remove_stale_results(parent):
+    """Remove the staged result folders in `parent` that a SIGKILL left: this host's whose process is
+    gone (a running one's are left alone, as are other hosts': their processes cannot be seen)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        match, path = STAGED.fullmatch(name), os.path.join(parent, name)
+        if not match or match.group(3) != socket.gethostname():
+            continue
+        pid = int(match.group(2))
+        if os.path.abspath(path) in BEING_STAGED or (pid != os.getpid() and _running(pid)):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid):
+    """Whether process `pid` exists on this host (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # not ours to signal: it exists
+        return True
+    return True
 
 
 class FolderLock:
