@@ -131,6 +131,10 @@ class Batches:
                 pin_memory=device.type == 'cuda',
                 persistent_workers=workers > 0,
                 worker_init_fn=functools.partial(init_worker, os.getpid()),
+                # each iterator draws its workers' base seed from `generator` (default: the global one, whose
+                # state a checkpoint holds; with persistent workers a resumed run would draw it again, and
+                # dropout would then differ). SeededDataset and init_worker seed what the workers use.
+                generator=torch.Generator(),
             )
 
     def close(self):

@@ -44,6 +44,23 @@ def test_batches_are_the_same_from_memory_or_disk_with_any_workers(tiny_shapes):
             assert torch.equal(a['image'], b['image']) and torch.equal(a['label'], b['label'])
 
 
+@pytest.mark.parametrize('workers', [0, 1])
+def test_reading_batches_leaves_the_global_random_state_alone(tiny_shapes, workers):
+    """Each DataLoader iterator drew its workers' base seed from the global generator: with persistent
+    workers an uninterrupted run drew it once, before its first checkpoint, and a resumed run again
+    after loading that checkpoint's state, so a model with dropout resumed differently."""
+    batches = Batches(
+        ListDataset(_args(tiny_shapes), 'train'), CPU, batch_size=16, shuffle=True, seed=3, workers=workers
+    )
+    try:
+        state = torch.get_rng_state()
+        _epoch(batches, epoch=0)
+        _epoch(batches, epoch=1)
+        assert torch.equal(torch.get_rng_state(), state)
+    finally:
+        batches.close()
+
+
 def test_the_decoded_cache_follows_a_classes_file_edited_since(tmp_path):
     """A validation list renumbered to the training classes (match_classes) kept the labels of its old
     classes.txt from the cache after the file was corrected: the list and the final class order, the
