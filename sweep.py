@@ -28,7 +28,9 @@ a sweep of other runs under the same --name is refused. --dry_run prints the com
 import argparse
 import contextlib
 import difflib
+import functools
 import hashlib
+import importlib.util
 import itertools
 import json
 import math
@@ -47,10 +49,12 @@ from options import (
     NOT_SAVED,
     RESUME_CHANGEABLE,
     KilnArgumentParser,
+    Options,
     experiment_folder,
     parse_args,
     parse_train_args,
     resolve,
+    with_absolute_lists,
 )
 from utils.errors import KilnError, run_cli
 
@@ -111,6 +115,7 @@ def sweep_args(argv):
     return parser.parse_args(argv)  # anything else unknown: the parser's own error
 
 
+@functools.cache
 def train_actions():
     """train.py's options: {name: argparse action}."""
     return {action.dest: action for action in parse_train_args(KilnArgumentParser())._actions if action.option_strings}
@@ -163,9 +168,10 @@ def load_specs(args):
         config,
         'name',
         'sweep',
-        lambda v: isinstance(v, str) and re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', v),
+        lambda v: (isinstance(v, str) or is_integer(v)) and re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', str(v)),
         'letters, digits, ".", "_" and "-"',
     )
+    name = str(name)  # name: 2024 in a sweep file is a number to YAML
     if not entries:
         raise KilnError('nothing to sweep: give --grid NAME=VALUES ... or --config FILE')
     specs = {option: parse_spec(option, value) for option, value in entries.items()}
@@ -349,7 +355,8 @@ def check_earlier_runs(runs, name):
         if not any(step_of(name) is not None for name in names):
             continue
         saved = read_run_file(run.folder, 'args.yaml')
-        changed = changed_options(saved, run.options) if isinstance(saved, dict) else []
+        given = with_absolute_lists(Options.of(run.options))  # as train.py saved them: a relative list is the same
+        changed = changed_options(saved, given) if isinstance(saved, dict) else []
         if changed:
             shown = ', '.join(
                 f'--{option} {getattr(run.options, option)} (it has {saved.get(option)})' for option in changed
@@ -543,7 +550,9 @@ def main(argv):
     base = parse_args(parse_train_args, train_argv)
     runs = plan(combinations(specs, sampler, trials, seed), name, train_argv, actions)
     print(f'{name}: {len(runs)} runs ({sampler} over {", ".join(specs)})')
-    if not args.dry_run:  # a dry run looks at nothing on disk
+    if args.slurm and not args.dry_run and importlib.util.find_spec('torch') is None:  # a login node without it
+        print('note: no torch here to check the runs trained before: each task refuses a changed option as it starts')
+    elif not args.dry_run:  # a dry run looks at nothing on disk
         for run in runs:
             run.folder = experiment_folder(resolve(run.options))  # loads torch only for a task's default
         check_earlier_runs(runs, name)

@@ -393,3 +393,46 @@ def test_runs_with_nothing_left_to_train_count_as_finished(tiny_shapes, tmp_path
     table = tmp_path / 'ck' / 'comparisons' / 'val_again' / 'comparison.txt'
     assert f'again: 2 of 2 runs finished, 0 trained now; comparison: {table}' in output
     assert os.listdir(tmp_path / 'ck' / 'comparisons') == ['val_again']
+
+
+def test_list_files_given_relative_are_the_options_a_run_saved(tmp_path, monkeypatch):
+    """A sweep run again (or with --slurm) with --train_list given relative was refused: '--train_list
+    lists/train.txt (it has /.../lists/train.txt)', though train.py saves list files as absolute paths."""
+    import types
+
+    import sweep
+
+    run = tmp_path / 'ck' / 'small_cnn_list_sweep_lr0.001'
+    run.mkdir(parents=True)
+    (run / 'epoch001_step0000006.pth').write_bytes(b'')
+    (run / 'args.yaml').write_text(f'train_list: {tmp_path}/lists/train.txt\nlr: 0.001\n')
+    monkeypatch.chdir(tmp_path)
+    same = types.SimpleNamespace(folder=str(run), prefix='sweep_lr0.001')
+    same.options = argparse.Namespace(train_list='lists/train.txt', lr=0.001)
+    sweep.check_earlier_runs([same], 'sweep')
+    other = types.SimpleNamespace(folder=str(run), prefix='sweep_lr0.001')
+    other.options = argparse.Namespace(train_list='lists/other.txt', lr=0.001)
+    with pytest.raises(KilnError, match=r'^--train_list lists/other.txt \(it has .*/lists/train.txt\): sweep sweep'):
+        sweep.check_earlier_runs([other], 'sweep')
+
+
+def test_a_sweep_named_by_a_number_in_its_file_is_named_so(tmp_path):
+    """YAML reads `name: 2024` as a number: it was refused, 'must be letters, digits ... got 2024'."""
+    import sweep
+
+    (tmp_path / 'sweep.yaml').write_text('grid: {lr: [1e-3]}\nname: 2024\n')
+    assert sweep.load_specs(sweep.sweep_args(['--config', str(tmp_path / 'sweep.yaml')]))[4] == '2024'
+
+
+def test_a_slurm_sweep_submits_from_a_login_node_without_torch(monkeypatch, capsys):
+    """Checking the runs trained before needs torch: --slurm then refused to submit where it is missing."""
+    import importlib.util
+
+    import sweep
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'torch' else real(name, *a))
+    monkeypatch.setattr(sweep, 'check_earlier_runs', lambda *a: pytest.fail('needs torch'))
+    monkeypatch.setattr(sweep, 'submit', lambda runs, *a: len(runs))
+    assert sweep.main(['--slurm', '--grid', 'lr=1e-3,3e-3', '--', '--model_type', 'small_cnn']) == 2
+    assert 'note: no torch here to check the runs trained before' in capsys.readouterr().out
