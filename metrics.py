@@ -119,18 +119,19 @@ class ConfusionMetrics:
 
 
 class ClassificationMetrics(ConfusionMetrics):
-    """Accuracy `acc`, top-k accuracy `top<k>` (where k < num_classes) and, in detail, the recall of each class."""
+    """Accuracy `acc`, top-k accuracy `top<k>` (see `names`) and, in detail, the recall of each class."""
 
-    def __init__(self, num_classes, topk=3, target='label'):
-        self.k = topk
+    def __init__(self, num_classes, topk=3, target='label', monitor=None):
+        self.k, self.monitor = topk, monitor
         super().__init__(num_classes, target)
 
     @staticmethod
-    def names(num_classes, topk):
+    def names(num_classes, topk, monitor=None):
         """The metrics `compute` returns (besides the recalls): 'acc', and 'top<k>' unless k >= num_classes,
         where every label is among the k highest scores and it would always read 1 (num_classes None: not
-        known yet, so kept)."""
-        return ['acc'] + ([f'top{topk}'] if num_classes is None or topk < num_classes else [])
+        known yet, so kept; kept too where `monitor`, the run's --monitor, names it: the run chose it)."""
+        kept = num_classes is None or topk < num_classes or str(monitor).endswith(f'/top{topk}')
+        return ['acc'] + ([f'top{topk}'] if kept else [])
 
     sums = ('matrix', 'hits')
 
@@ -151,7 +152,7 @@ class ClassificationMetrics(ConfusionMetrics):
         (hits,) = self.reduce()
         accuracy, recall = accuracy_from_confusion(self.confusion)
         metrics = {'acc': accuracy.item(), f'top{self.k}': hits.item() / max(self.confusion.sum().item(), 1)}
-        metrics = {name: metrics[name] for name in self.names(self.num_classes, self.k)}
+        metrics = {name: metrics[name] for name in self.names(self.num_classes, self.k, self.monitor)}
         if class_names:
             metrics.update({f'recall/{name}': value for name, value in zip(class_names, recall.tolist())})
         return metrics

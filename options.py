@@ -19,6 +19,7 @@ PROJECT = os.path.dirname(os.path.abspath(__file__))  # the defaults' outputs st
 NOT_SAVED = ('config', 'debug', 'resume')  # how a run was started, not what it is
 DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: in args.txt, not args.yaml
 RESUME_LATEST = 'last'  # --resume without a path
+NONE = 'none'  # the value that turns off an option that is off unless given (--ema_decay none)
 # what a resumed run may change: how long it runs and how it reports, not what it computes
 RESUME_CHANGEABLE = (
     'epochs',
@@ -69,6 +70,7 @@ INHERITED = (
     'normalize',
     'loss',
     'topk',
+    'monitor',  # a top-k that holds every class is computed only where it is monitored (metrics.py)
     'amp',
     'channels_last',
 )
@@ -101,15 +103,41 @@ class KilnArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register('action', 'store_true', Switch)  # argument groups share the registry
+        self.register('action', None, Store)
+        self.register('action', 'store', Store)
+
+    def _get_values(self, action, arg_strings):
+        """An option's value from its words; `none` turns off an option that is off unless given."""
+        if getattr(action, 'turns_off', False) and arg_strings == [NONE]:
+            return None
+        try:
+            return super()._get_values(action, arg_strings)
+        except argparse.ArgumentError as error:
+            if getattr(action, 'turns_off', False):
+                error.message += f', or {NONE} to turn it off'
+            raise
 
     def error(self, message):
         if message.startswith('unrecognized arguments:'):
-            flags = [flag for action in self._actions for flag in action.option_strings]
-            unknown = next((token for token in message.split()[2:] if token.startswith('--')), '')
-            message += did_you_mean(unknown.split('=')[0], flags)
+            flags = {flag: action for action in self._actions for flag in action.option_strings}
+            unknown = next((token for token in message.split()[2:] if token.startswith('--')), '').split('=')[0]
+            meant = flags.get(unknown.replace('--no-', '--', 1))
+            if unknown.startswith('--no-') and getattr(meant, 'turns_off', False):
+                message += f' (use {meant.option_strings[0]} {NONE} to turn it off)'
+            else:
+                message += did_you_mean(unknown, flags)
         from utils.errors import exit_with_error
 
         exit_with_error(f'error: {message} (see --help)')  # every torchrun rank parses the same line
+
+
+class Store(argparse._StoreAction):
+    """What an option that takes a value makes in Kiln's parsers: one that is off unless given (default
+    None) also takes `none`, so that the command line can turn off what a config or a resumed run set."""
+
+    def __init__(self, option_strings, dest, default=None, required=False, **kwargs):
+        super().__init__(option_strings, dest, default=default, required=required, **kwargs)
+        self.turns_off = default is None and not required and bool(option_strings)
 
 
 class Switch(argparse.BooleanOptionalAction):
@@ -658,8 +686,7 @@ def _config_to_argv(parser, path):
             parser.error(f'--config {path}: {key!r} cannot be set in a config file; give --{key} on the command line')
         if action is None:
             parser.error(f'--config {path}: unknown option {key!r}{did_you_mean(key, actions)}')
-        if value is not None:
-            argv += _config_tokens(parser, action, value, f'--config {path}: {key}')
+        argv += _config_tokens(parser, action, value, f'--config {path}: {key}')
     return argv
 
 
@@ -678,6 +705,9 @@ def _config_tokens(parser, action, value, where):
     """The command-line tokens that give `action`'s option the config value `value`, checked as argparse
     would check them (a mistake is one line starting with `where`)."""
     flag = action.option_strings[0]
+    turns_off = getattr(action, 'turns_off', False)
+    if value is None or (turns_off and value == NONE):  # null (a saved args.yaml's None) or none: off
+        return [f'{flag}={NONE}'] if turns_off else []
     if isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
             parser.error(f'{where}: expected true or false, got {value!r}')
@@ -691,13 +721,14 @@ def _config_tokens(parser, action, value, where):
         parser.error(f'{where}: expected one value, got {value!r}')
     if isinstance(action.nargs, int) and len(values) != action.nargs:
         parser.error(f'{where}: expected a list of {action.nargs} values (e.g. [0.5, 1]), got {value!r}')
+    off = f', or {NONE} to turn it off' if turns_off else ''
     for item in values:
         try:
             converted = action.type(str(item)) if action.type else str(item)
         except (argparse.ArgumentTypeError, TypeError, ValueError) as error:
-            parser.error(f'{where}: {error or "invalid value"} ({item!r})')
+            parser.error(f'{where}: {error or "invalid value"} ({item!r}){off}')
         if action.choices is not None and converted not in action.choices:
-            parser.error(f'{where}: {item!r} is not one of {", ".join(map(str, action.choices))}')
+            parser.error(f'{where}: {item!r} is not one of {", ".join(map(str, action.choices))}{off}')
     if action.nargs in (None, '?'):
         return [f'{flag}={values[0]}']  # one token: a value starting with '-' is not read as a flag
     return [flag, *map(str, values)]
@@ -731,12 +762,17 @@ def _check_names(args):
                 )
 
 
-def _config_and_flags(parser, argv, base_config):
-    """The tokens `parser` reads: the `base_config` file's (or mapping's), the --config file's, then `argv`."""
+def _config_path(argv):
+    """The --config file that `argv` names, or None."""
     config_parser = KilnArgumentParser(add_help=False)
     config_parser.add_argument('--config')
-    config_path = config_parser.parse_known_args(argv)[0].config
-    return [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)] + argv
+    return config_parser.parse_known_args(argv)[0].config
+
+
+def _config_and_flags(parser, argv, base_config):
+    """The tokens `parser` reads: the `base_config` file's (or mapping's), the --config file's, then `argv`."""
+    paths = (base_config, _config_path(argv))
+    return [token for path in paths if path for token in _config_to_argv(parser, path)] + argv
 
 
 _PARSERS = {}  # add_args -> the parser parse_args built with it last (building one takes milliseconds)
@@ -746,7 +782,7 @@ def parse_args(add_args, argv=None, base_config=None):
     """Parse `argv` with the options added by `add_args`, applying `--config FILE` first.
 
     `base_config` (a resumed run's options: its checkpoint's, or its args.yaml) comes before even that.
-    Registered names are checked.
+    Registered names are checked, and options the user set that the run would ignore are refused.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _PARSERS[add_args] = add_args(KilnArgumentParser(description=add_args.__doc__))
@@ -760,8 +796,83 @@ def parse_args(add_args, argv=None, base_config=None):
             f'argument --warmup_steps: warms up --scheduler cosine only, not {args.scheduler}; '
             f'use --scheduler cosine, or --warmup_steps 0'
         )
+    _refuse_ignored(parser, args, _set_by_user(add_args, argv, parser))
     _check_names(args)
     return args
+
+
+# option -> (the option that decides whether it acts, the values of that one it acts with; 'a and b': both)
+ACTS_ONLY_WITH = {
+    'lr_step_epochs': ('scheduler', ('step',)),
+    'lr_gamma': ('scheduler', ('step', 'plateau')),
+    'lr_patience': ('scheduler', ('plateau',)),
+    'momentum': ('optimizer', ('sgd',)),
+    'crop_pct': ('resize', ('crop',)),
+    'crop_scale': ('augment', ('resized_crop',)),
+    'crop_ratio': ('augment', ('resized_crop',)),
+    'color_jitter': ('augment', ('color',)),
+    'erase_prob': ('augment', ('erase',)),
+    'mixup_alpha': ('augment', ('mixup',)),
+    'cutmix_alpha': ('augment', ('cutmix',)),
+    'mix_prob': ('augment', ('mixup', 'cutmix')),
+    'mix_switch_prob': ('augment', ('mixup and cutmix',)),
+}
+MIX_NAMES = ('mixup', 'cutmix')  # data/augment.py's MIXES: they mix pairs of samples in a batch
+
+
+def _refuse_ignored(parser, args, given):
+    """One line for an option the user set (`given`: {name: the config file that set it, or None for the
+    command line}) that the run would ignore: ACTS_ONLY_WITH, an augmentation named twice, or mixing in
+    batches of one. An --augment default or an unset --resize is the dataset's (in eval.py and predict.py,
+    the checkpoint's): not known here, so not judged."""
+    for name, (setting, needs) in ACTS_ONLY_WITH.items():
+        value = getattr(args, setting, None)
+        if name not in given or value in (None, 'default'):
+            continue
+        current = set(_augment_names(value)) if setting == 'augment' else {value}
+        if any(set(need.split(' and ')) <= current for need in needs):
+            continue
+        need = ' or '.join(needs)
+        where, fix = (
+            (f'{need} in --augment', f'add {need} to --augment')
+            if setting == 'augment'
+            else (f'--{setting} {need}', f'use --{setting} {need}')
+        )
+        drop = f'drop {name} from {given[name]}' if given[name] else f'drop --{name}'
+        parser.error(f'argument --{name}: acts with {where} only, not {value}; {fix}, or {drop}')
+    names = _augment_names(getattr(args, 'augment', 'default'))
+    twice = [name for index, name in enumerate(names) if name in names[:index]]
+    if twice and 'augment' in given:
+        parser.error(f'argument --augment: {twice[0]} is named twice (it would be applied twice); name it once')
+    mixes = ' and '.join(name for name in names if name in MIX_NAMES)
+    if mixes and args.batch_size == 1 and given.keys() & {'augment', 'batch_size'}:
+        parser.error(
+            f'argument --batch_size: batches of 1 leave {mixes} nothing to mix (a sample is mixed with its '
+            f'neighbour in the batch); use --batch_size 2 or more, or --augment without {mixes}'
+        )
+
+
+def _augment_names(value):
+    """The augmentation names of an --augment value ('none', 'default' and the dataset's: none known)."""
+    return [] if value in ('none', 'default') else value.split(',')
+
+
+def _quiet_parser(add_args):
+    """A parser of `add_args`'s options that records only the options its words set: no defaults."""
+    parser = add_args(KilnArgumentParser(add_help=False))
+    parser._defaults.clear()
+    for action in parser._actions:
+        action.default, action.required = argparse.SUPPRESS, False
+    return parser
+
+
+def _set_by_user(add_args, argv, parser):
+    """{name: None} for the options `argv` sets, and {name: its --config file} for those the file sets to
+    other than their default (a saved args.yaml holds every option); a resumed run's are not among them."""
+    quiet, path = _quiet_parser(add_args), _config_path(argv)
+    in_config = vars(quiet.parse_args(_config_to_argv(quiet, path))) if path else {}
+    given = {name: path for name, value in in_config.items() if value != parser.get_default(name)}
+    return given | dict.fromkeys(vars(quiet.parse_args(argv)))
 
 
 def option_defaults(add_args):
@@ -773,10 +884,7 @@ def option_defaults(add_args):
 def given_options(add_args, argv):
     """The names of the options that `argv` sets, by a flag or through its --config file (a value that
     equals the default counts as given: it was asked for)."""
-    parser = add_args(KilnArgumentParser(add_help=False))
-    parser._defaults.clear()
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
+    parser = _quiet_parser(add_args)
     return set(vars(parser.parse_args(_config_and_flags(parser, list(argv), None))))
 
 

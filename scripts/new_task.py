@@ -58,7 +58,8 @@ class {cls}(Task):
     @classmethod
     def metric_names(cls, options):
         # TODO: what metrics().compute() returns, and 'loss'
-        return ['loss', *ClassificationMetrics.names(options.num_classes, options.topk)]
+        monitor = getattr(options, 'monitor', None)  # a top-k that holds every class: kept where monitored
+        return ['loss', *ClassificationMetrics.names(options.num_classes, options.topk, monitor)]
 
     def loss(self, outputs, batch):
         # TODO: the loss of one batch from the model's outputs and the batch's targets
@@ -67,7 +68,8 @@ class {cls}(Task):
     def metrics(self):
         # TODO: an object with update(outputs, batch), compute(class_names=None), reset(), state_dict() and
         # load_state_dict(state) (see tasks/task.py's metrics and metrics.py)
-        return ClassificationMetrics(self.num_classes, self.options.topk)
+        monitor = getattr(self.options, 'monitor', None)
+        return ClassificationMetrics(self.num_classes, self.options.topk, monitor=monitor)
 
     def pictures(self, batch, outputs):
         # TODO: what to look at in TensorBoard and eval's pictures

@@ -19,10 +19,12 @@ class ClassifyTask(Task):
 
     @classmethod
     def metric_names(cls, options):
-        return ['loss', *ClassificationMetrics.names(options.num_classes, options.topk)]
+        monitor = getattr(options, 'monitor', None)  # a top-k that holds every class: kept where monitored
+        return ['loss', *ClassificationMetrics.names(options.num_classes, options.topk, monitor)]
 
     def metrics(self):
-        return ClassificationMetrics(self.num_classes, self.options.topk)
+        monitor = getattr(self.options, 'monitor', None)
+        return ClassificationMetrics(self.num_classes, self.options.topk, monitor=monitor)
 
     def mixed_targets(self, batch):
         """Class probabilities, as timm mixes them: share `mix_lam` of the sample's own label, the rest its

@@ -194,19 +194,25 @@ def test_recorder_weighs_by_batch_size_and_keeps_no_graph():
 
 def test_a_top_k_that_holds_every_class_is_left_out():
     """--topk 3 (the default) on 2 classes printed and logged `top3 1.0000` in every run: each label is
-    among the 3 highest of 2 scores. A --monitor naming it is one line listing the metrics there are."""
+    among the 3 highest of 2 scores. A run that monitors it keeps it (one trained so before could not
+    resume: its --monitor was no metric, and a resume may not change it)."""
     from metrics import ClassificationMetrics
     from tasks.classify import ClassifyTask
     from train import check_monitor
 
     for classes, names in ((2, ['acc']), (3, ['acc']), (4, ['acc', 'top3']), (None, ['acc', 'top3'])):
-        assert ClassifyTask.metric_names(argparse.Namespace(num_classes=classes, topk=3)) == ['loss', *names]
+        options = argparse.Namespace(num_classes=classes, topk=3, monitor='val/acc')
+        assert ClassifyTask.metric_names(options) == ['loss', *names]
+        monitored = argparse.Namespace(num_classes=classes, topk=3, monitor='val/top3')
+        assert ClassifyTask.metric_names(monitored) == ['loss', 'acc', 'top3']
         if classes:
-            metrics = ClassificationMetrics(classes, topk=3)
-            metrics.update(torch.eye(classes), {'label': torch.arange(classes)})
-            assert list(metrics.compute()) == names, classes
-    options = argparse.Namespace(task='classify', monitor='val/top3', num_classes=2, topk=3)
-    with pytest.raises(KilnError, match='^--monitor val/top3 is not a metric .*: val/loss, val/acc, train/loss, '):
+            for monitor, expected in (('val/acc', names), ('val/top3', ['acc', 'top3'])):
+                metrics = ClassificationMetrics(classes, topk=3, monitor=monitor)
+                metrics.update(torch.eye(classes), {'label': torch.arange(classes)})
+                assert list(metrics.compute()) == expected, (classes, monitor)
+    check_monitor(argparse.Namespace(task='classify', monitor='val/top3', num_classes=2, topk=3), ClassifyTask)
+    options = argparse.Namespace(task='classify', monitor='val/top2', num_classes=2, topk=3)
+    with pytest.raises(KilnError, match='^--monitor val/top2 is not a metric .*: val/loss, val/acc, train/loss, '):
         check_monitor(options, ClassifyTask)
 
 
