@@ -161,9 +161,10 @@ class Evaluator:
 
 
 def evaluate_checkpoint(args, given, path, say=print, publish_with=None):
-    """Evaluate one checkpoint into its own new result folder and `say` (print) what it found once the
-    folder is whole; return (its metrics, the list evaluated, the folder). The folder appears whole when
-    the evaluation ends, or with `publish_with` (a comparison's ExitStack) when that stack closes well."""
+    """Evaluate one checkpoint into its own new result folder and `say` (print) what it found; return (its
+    metrics, the list evaluated). The folder appears whole when the evaluation ends (and is said then), or
+    with `publish_with` (a comparison's ExitStack) when that stack closes well (a comparison's `say` keeps
+    the report until then)."""
     options, checkpoint, task_type = load_for_inference(args, given, path)
     name = evaluated_list_name(args.val_list)  # 'val' unless given
     folder = result_folder(path, 'eval', name, options.save_prefix, options.output_dir)
@@ -183,7 +184,7 @@ def evaluate_checkpoint(args, given, path, say=print, publish_with=None):
             evaluator.data.close()
     if is_main_process():  # once the results are whole (a comparison's `say` keeps it until the end)
         say(evaluator.report(metrics))  # a closed output cannot take them away
-    return metrics, getattr(evaluator.dataset, 'list_path', None), folder
+    return metrics, getattr(evaluator.dataset, 'list_path', None)
 
 
 def prepare_comparison(args, checkpoints):
@@ -253,7 +254,7 @@ def main(argv=None, args=None):
             if is_main_process():
                 made.enter_context(comparison)
             for checkpoint in checkpoints:
-                metrics, list_path, _ = evaluate_checkpoint(args, given, checkpoint, reports.append, made)
+                metrics, list_path = evaluate_checkpoint(args, given, checkpoint, reports.append, made)
                 rows.append((checkpoint, metrics, list_path))
             several_lists = write_comparison(comparison.path, rows) if is_main_process() else False
         if is_main_process():  # every folder whole: now printing may fail (a closed pipe) without harm

@@ -207,7 +207,7 @@ def read_image_paths(path):
 def not_a_file(list_path, file):
     """Why the listed `file` is no file to read: it is a folder, or it does not exist (and what to check)."""
     if os.path.isdir(file):
-        return 'is a folder, not an image file'
+        return 'is a folder, not a file'
     return f'does not exist{missing_file_hint(list_path, file)}'
 
 

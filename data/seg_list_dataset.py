@@ -12,7 +12,7 @@ import torch
 from PIL import Image, ImageChops
 
 from data.list_dataset import ListDataset
-from data.list_file import missing_file_hint, resolve_path
+from data.list_file import not_a_file, resolve_path
 from utils.errors import KilnError
 
 
@@ -28,9 +28,7 @@ class SegListDataset(ListDataset):
     def parse_target(self, fields, number):
         path = resolve_path(self.list_path, fields[0])
         if not os.path.isfile(path):
-            raise KilnError(
-                f'{self.list_path}:{number}: mask {path} does not exist{missing_file_hint(self.list_path, path)}'
-            )
+            raise KilnError(f'{self.list_path}:{number}: mask {path} {not_a_file(self.list_path, path)}')
         return path
 
     def count_classes(self):

@@ -70,7 +70,8 @@ def _interrupted():
 
 class StoppedBySignal(SystemExit):
     """A signal that ends the process with exit code 128 + `signum` through every `finally` (a result
-    folder just made is removed again); `run_cli` then prints `line` once and exits. `second`: a second
+    folder just made is removed again); `run_cli` then prints `line` once (under torchrun, for a first
+    SIGTERM, only the launcher says why its workers stopped) and exits. `second`: a second
     stop signal while a training run stops on the first, which stops at once (no interpreter teardown
     to wait for, as after a second Ctrl-C).
 
