@@ -785,7 +785,8 @@ def parse_args(add_args, argv=None, base_config=None):
     Registered names are checked, and options the user set that the run would ignore are refused.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = _PARSERS[add_args] = add_args(KilnArgumentParser(description=add_args.__doc__))
+    epilog = f'An option that is off unless given takes {NONE}: it turns off what a --config set.'
+    parser = _PARSERS[add_args] = add_args(KilnArgumentParser(description=add_args.__doc__, epilog=epilog))
     args = parser.parse_args(_config_and_flags(parser, argv, base_config))
     for name in ('crop_scale', 'crop_ratio'):
         low, high = getattr(args, name, None) or (0, 0)

@@ -249,12 +249,14 @@ class Mix:
     are mixed with each other (both with the pair's share), so a sample's mix is the same whatever the
     (even) batch size, workers or processes; a sample whose partner is not in its batch is left alone.
     Mixup blends the two images (share lam ~ Beta(alpha, alpha)); CutMix pastes a box of the partner
-    covering 1 - lam of the image (lam then the area actually kept). With both, each pair takes one of
-    them at random (`switch_prob` CutMix). The batch gets `mix_partner` (the partner's index in the batch)
-    and `mix_lam` (the share of the sample's own target), for the task's loss and train metrics."""
+    covering 1 - lam of the image, in whole pixels of `image_size` squares (lam then the share of pixels
+    actually kept). With both, each pair takes one of them at random (`switch_prob` CutMix). The batch gets
+    `mix_partner` (the partner's index in the batch) and `mix_lam` (the share of the sample's own target),
+    for the task's loss and train metrics."""
 
-    def __init__(self, mixup_alpha=0.0, cutmix_alpha=0.0, prob=1.0, switch_prob=0.5):
+    def __init__(self, mixup_alpha=0.0, cutmix_alpha=0.0, prob=1.0, switch_prob=0.5, image_size=None):
         self.mixup_alpha, self.cutmix_alpha, self.prob, self.switch_prob = mixup_alpha, cutmix_alpha, prob, switch_prob
+        self.side = image_size  # None: a box of any size (its area then only nearly the pixels pasted)
 
     def draw(self, count, generator):
         pairs = (count + 1) // 2
@@ -271,7 +273,12 @@ class Mix:
             cut = torch.full((pairs,), self.cutmix_alpha > 0)
         side, centre = (1 - cutmix).sqrt(), torch.from_numpy(rng.random((pairs, 2))).float()
         box = torch.cat([(centre - side[:, None] / 2).clamp(0, 1), (centre + side[:, None] / 2).clamp(0, 1)], dim=1)
-        kept = 1 - (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
+        if self.side:  # on pixel edges: `apply` pastes the pixels whose centres lie in the box, all of it
+            box = (box * self.side).round()
+            kept = 1 - (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1]) / self.side**2
+            box = box / self.side
+        else:
+            kept = 1 - (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
         mixed = torch.from_numpy(rng.random(pairs) < self.prob)
         lam = torch.where(mixed, torch.where(cut, kept, mixup), torch.ones(pairs))
         per_position = {'lam': lam, 'cut': cut & mixed, 'box': box}
@@ -326,6 +333,7 @@ class BatchTransform:
                 getattr(options, 'cutmix_alpha', 1.0) if 'cutmix' in self.names else 0.0,
                 getattr(options, 'mix_prob', 1.0),
                 getattr(options, 'mix_switch_prob', 0.5),
+                image_size,
             )
         self.random = [*self.augmentations, *([self.mix] if self.mix else [])]  # what draws parameters
         self.channels_last = channels_last

@@ -158,6 +158,146 @@ def test_a_warmup_that_the_schedule_would_ignore_is_refused(data, tmp_path, sche
     assert leftovers(tmp_path / 'ck') == []
 
 
+@pytest.mark.parametrize(
+    'argv, needles',
+    [
+        (
+            ['--augment', 'crop,hflip', '--mixup_alpha', '0.5'],
+            ['--mixup_alpha', 'mixup in --augment', 'not crop,hflip'],
+        ),
+        (['--augment', 'mixup', '--cutmix_alpha', '0.5'], ['--cutmix_alpha', 'add cutmix to --augment']),
+        (['--augment', 'cutmix', '--mix_switch_prob', '0.2'], ['--mix_switch_prob', 'mixup and cutmix in --augment']),
+        (['--augment', 'hflip', '--mix_prob', '0.5'], ['--mix_prob', 'mixup or cutmix in --augment']),
+        (['--augment', 'crop', '--crop_scale', '0.5', '1'], ['--crop_scale', 'resized_crop in --augment']),
+        (['--augment', 'none', '--crop_ratio', '0.5', '2'], ['--crop_ratio', 'resized_crop in --augment', 'not none']),
+        (['--augment', 'crop', '--color_jitter', '0.1'], ['--color_jitter', 'add color to --augment']),
+        (['--augment', 'crop', '--erase_prob', '0.9'], ['--erase_prob', 'add erase to --augment']),
+        (['--resize', 'squash', '--crop_pct', '0.5'], ['--crop_pct', '--resize crop', 'not squash']),
+        (['--lr_gamma', '0.5'], ['--lr_gamma', '--scheduler step or plateau', 'not cosine']),
+        (['--scheduler', 'plateau', '--lr_step_epochs', '3'], ['--lr_step_epochs', '--scheduler step', 'not plateau']),
+        (['--scheduler', 'step', '--lr_patience', '1'], ['--lr_patience', '--scheduler plateau', 'drop --lr_patience']),
+        (['--momentum', '0.5'], ['--momentum', '--optimizer sgd', 'not adamw']),
+        (['--optimizer', 'adam', '--momentum', '0.9'], ['--momentum', 'not adam']),  # the default, but given
+        (['--augment', 'hflip,crop,hflip'], ['--augment', 'hflip is named twice']),
+        (['--augment', 'mixup,cutmix', '--batch_size', '1'], ['--batch_size', 'mixup and cutmix nothing to mix']),
+    ],
+    ids=[
+        'mixup_alpha',
+        'cutmix_alpha',
+        'mix_switch_prob',
+        'mix_prob',
+        'crop_scale',
+        'crop_ratio',
+        'color_jitter',
+        'erase_prob',
+        'crop_pct',
+        'lr_gamma',
+        'lr_step_epochs',
+        'lr_patience',
+        'momentum',
+        'momentum_default',
+        'augment_twice',
+        'mix_batch_of_one',
+    ],
+)
+def test_an_option_the_run_would_ignore_is_refused(data, tmp_path, argv, needles):
+    """Recipe options that do nothing in the chosen setup were accepted without a word (exit 0)."""
+    assert_one_error_line(train(tmp_path / 'ck', data, *argv), *needles)
+    assert leftovers(tmp_path / 'ck') == []
+
+
+def test_only_what_the_user_sets_is_refused_as_ignored(tmp_path):
+    """Defaults, a saved args.yaml's unchanged values and a resumed run's own options are not the user's
+    doing; an --augment default or unset --resize is the dataset's (or the checkpoint's), not judged here."""
+    import yaml
+
+    from options import parse_args, parse_test_args, parse_train_args, saved_options
+
+    def parses(argv, add_args=parse_train_args, base_config=None):
+        try:
+            parse_args(add_args, argv, base_config)
+        except SystemExit as error:
+            pytest.fail(f'{argv} (base {base_config}) refused: exit {error.code}')
+
+    parses([])
+    parses(['--augment', 'crop', '--optimizer', 'adam', '--scheduler', 'none', '--resize', 'squash'])
+    parses(['--crop_scale', '0.5', '1', '--color_jitter', '0.1', '--crop_pct', '0.5'])  # the dataset's augment
+    parses(['--crop_pct', '0.5'], parse_test_args)  # eval.py: the checkpoint's --resize
+    with pytest.raises(SystemExit):
+        parse_args(parse_test_args, ['--resize', 'squash', '--crop_pct', '0.5'])
+    parses(['--optimizer', 'sgd', '--momentum', '0', '--scheduler', 'step', '--lr_step_epochs', '2', '--lr_gamma', '1'])
+    everything = tmp_path / 'args.yaml'  # a default run's whole record, given back with other choices
+    everything.write_text(yaml.safe_dump(saved_options(parse_args(parse_train_args, []))))
+    parses(['--config', str(everything), '--augment', 'hflip', '--optimizer', 'adam', '--resize', 'squash'])
+    inconsistent = {'augment': 'hflip', 'mixup_alpha': 0.5, 'momentum': 0.5, 'lr_gamma': 0.5}
+    parses([], base_config=inconsistent)  # a run saved before these checks still resumes
+    parses(['--epochs', '3'], base_config={**inconsistent, 'augment': 'hflip,hflip'})
+    config = tmp_path / 'mine.yaml'
+    config.write_text('augment: hflip\nmixup_alpha: 0.5\n')
+    with pytest.raises(SystemExit):
+        parse_args(parse_train_args, ['--config', str(config)])
+
+
+def test_a_config_value_refused_as_ignored_names_its_file(data, tmp_path):
+    config = tmp_path / 'old_run.yaml'
+    config.write_text('augment: crop,mixup\nmixup_alpha: 0.2\n')
+    result = train(tmp_path / 'ck', data, '--config', config, '--augment', 'crop')
+    assert_one_error_line(result, '--mixup_alpha', f'drop mixup_alpha from {config}')
+
+
+@pytest.mark.parametrize(
+    'argv, needles',
+    [
+        (['--ema_decay', '0'], ['--ema_decay', 'got 0', 'or none to turn it off']),
+        (['--clip_grad_norm', '0'], ['--clip_grad_norm', 'got 0', 'or none to turn it off']),
+        (['--freeze_to', 'all'], ['--freeze_to', "'all'", 'or none to turn it off']),
+        (['--monitor_mode', 'up'], ['--monitor_mode', "'up'", 'or none to turn it off']),
+        (['--no-ema_decay'], ['--no-ema_decay', 'use --ema_decay none to turn it off']),
+    ],
+    ids=['ema_decay', 'clip_grad_norm', 'freeze_to', 'monitor_mode', 'no_ema_decay'],
+)
+def test_an_option_that_is_off_unless_given_says_none_turns_it_off(data, tmp_path, argv, needles):
+    assert_one_error_line(train(tmp_path / 'ck', data, *argv), *needles)
+    assert leftovers(tmp_path / 'ck') == []
+
+
+def test_none_turns_off_what_a_config_or_a_resumed_run_turned_on(data, tmp_path):
+    """A config's (or a previous run's args.yaml's) --ema_decay, --clip_grad_norm or --freeze_to could not
+    be turned off: 0 and none were refused, and --no-ema_decay is no flag."""
+    import yaml
+
+    from options import parse_args, parse_train_args, saved_options
+
+    config = tmp_path / 'config.yaml'
+    config.write_text('ema_decay: 0.99\nclip_grad_norm: 1.0\nfreeze_to: 2\nload_prefix_map: {net.: ""}\n')
+    on = parse_args(parse_train_args, ['--config', str(config)])
+    assert (on.ema_decay, on.clip_grad_norm, on.freeze_to, on.load_prefix_map) == (0.99, 1.0, 2, ['net.='])
+    flags = ['--ema_decay', 'none', '--clip_grad_norm', 'none', '--freeze_to', 'none', '--load_prefix_map', 'none']
+    off = parse_args(parse_train_args, ['--config', str(config), *flags])
+    assert (off.ema_decay, off.clip_grad_norm, off.freeze_to, off.load_prefix_map) == (None, None, None, None)
+    overridden = tmp_path / 'over.yaml'  # none in a config too
+    overridden.write_text('ema_decay: none\nclip_grad_norm: null\n')
+    assert parse_args(parse_train_args, ['--config', str(overridden)], base_config=str(config)).ema_decay is None
+    assert parse_args(parse_train_args, ['--config', str(overridden)], base_config=str(config)).clip_grad_norm is None
+    # what a run saves reads back the same, from args.yaml and from a checkpoint's options (a resume)
+    saved = tmp_path / 'args.yaml'
+    saved.write_text(yaml.safe_dump(saved_options(off)))
+    assert saved_options(parse_args(parse_train_args, ['--config', str(saved)])) == saved_options(off)
+    assert saved_options(parse_args(parse_train_args, [], base_config=saved_options(off))) == saved_options(off)
+
+    # a real run: the config's EMA and clipping turned off, saved so, and resumed
+    checkpoints_dir = tmp_path / 'ck'
+    ema_config = tmp_path / 'ema.yaml'
+    ema_config.write_text('ema_decay: 0.99\nclip_grad_norm: 1.0\n')
+    argv = ['--config', ema_config, '--ema_decay', 'none', '--clip_grad_norm', 'none', '--save_prefix', 'off']
+    assert_succeeded(train(checkpoints_dir, data, *argv))
+    folder = checkpoints_dir / 'small_cnn_list_off'
+    recorded = yaml.safe_load((folder / 'args.yaml').read_text())
+    assert recorded['ema_decay'] is None and recorded['clip_grad_norm'] is None, recorded
+    assert_succeeded(train(checkpoints_dir, data, '--save_prefix', 'off', '--resume', '--epochs', '2'))
+    assert_succeeded(train(checkpoints_dir, data, '--config', folder / 'args.yaml', '--save_prefix', 'again'))
+
+
 def test_the_summary_line_says_when_the_warmup_outlasts_the_run(data, tmp_path):
     """A warm-up as long as the run never reaches --lr: the line printed at the start says so."""
     long_warmup = train(tmp_path / 'ck', data, '--warmup_steps', '3', '--save_prefix', 'long')  # 3 steps of 8 of 24

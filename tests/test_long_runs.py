@@ -497,7 +497,9 @@ def test_schedulers_by_name():
     assert lrs[9] == pytest.approx(0.5) and optimizer.param_groups[0]['lr'] == pytest.approx(0.0)
 
     optimizer = torch.optim.SGD(model.parameters(), 1.0)
-    args = parse_args(parse_train_args, ['--lr_patience', '0', '--lr_gamma', '0.5', '--monitor_mode', 'max'])
+    args = parse_args(
+        parse_train_args, ['--scheduler', 'plateau', '--lr_patience', '0', '--lr_gamma', '0.5', '--monitor_mode', 'max']
+    )
     plateau = SCHEDULERS['plateau'](optimizer, args, 10, 5)
     for value in (0.5, 0.6, 0.6):  # --monitor_mode max: the second 0.6 is no improvement
         plateau.step(value)
