@@ -706,8 +706,10 @@ def _config_tokens(parser, action, value, where):
     would check them (a mistake is one line starting with `where`)."""
     flag = action.option_strings[0]
     turns_off = getattr(action, 'turns_off', False)
-    if value is None or (turns_off and value == NONE):  # null (a saved args.yaml's None) or none: off
-        return [f'{flag}={NONE}'] if turns_off else []
+    if value is None:  # null (a saved args.yaml's None): left to the command line and the defaults
+        return []
+    if turns_off and value == NONE:  # none: turns off what a resumed run (or an earlier file) set
+        return [f'{flag}={NONE}']
     if isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
             parser.error(f'{where}: expected true or false, got {value!r}')
@@ -782,10 +784,13 @@ def parse_args(add_args, argv=None, base_config=None):
     """Parse `argv` with the options added by `add_args`, applying `--config FILE` first.
 
     `base_config` (a resumed run's options: its checkpoint's, or its args.yaml) comes before even that.
-    Registered names are checked, and options the user set that the run would ignore are refused.
+    Registered names are checked.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    epilog = f'An option that is off unless given takes {NONE}: it turns off what a --config set.'
+    epilog = (
+        f"An option whose default is unset takes {NONE}: back to that default (off, or the task's choice), "
+        f'e.g. to undo what a --config set.'
+    )
     parser = _PARSERS[add_args] = add_args(KilnArgumentParser(description=add_args.__doc__, epilog=epilog))
     args = parser.parse_args(_config_and_flags(parser, argv, base_config))
     for name in ('crop_scale', 'crop_ratio'):
@@ -797,7 +802,6 @@ def parse_args(add_args, argv=None, base_config=None):
             f'argument --warmup_steps: warms up --scheduler cosine only, not {args.scheduler}; '
             f'use --scheduler cosine, or --warmup_steps 0'
         )
-    _refuse_ignored(parser, args, _set_by_user(add_args, argv, parser))
     _check_names(args)
     return args
 
@@ -821,36 +825,29 @@ ACTS_ONLY_WITH = {
 MIX_NAMES = ('mixup', 'cutmix')  # data/augment.py's MIXES: they mix pairs of samples in a batch
 
 
-def _refuse_ignored(parser, args, given):
-    """One line for an option the user set (`given`: {name: the config file that set it, or None for the
-    command line}) that the run would ignore: ACTS_ONLY_WITH, an augmentation named twice, or mixing in
-    batches of one. An --augment default or an unset --resize is the dataset's (in eval.py and predict.py,
-    the checkpoint's): not known here, so not judged."""
+def ignored_options(options, argv):
+    """Notes, one line each, on the options given on the command line (`argv`) that this run (`options`)
+    ignores: ACTS_ONLY_WITH, an augmentation named twice, mixing in batches of one. Notes, not errors: a
+    --config or a sweep's grid may set them for runs they do not act in. An --augment default or an unset
+    --resize is the dataset's: not judged."""
+    given, notes = set(vars(_quiet_parser(parse_train_args).parse_args(argv))), []
     for name, (setting, needs) in ACTS_ONLY_WITH.items():
-        value = getattr(args, setting, None)
+        value = getattr(options, setting, None)
         if name not in given or value in (None, 'default'):
             continue
         current = set(_augment_names(value)) if setting == 'augment' else {value}
-        if any(set(need.split(' and ')) <= current for need in needs):
-            continue
-        need = ' or '.join(needs)
-        where, fix = (
-            (f'{need} in --augment', f'add {need} to --augment')
-            if setting == 'augment'
-            else (f'--{setting} {need}', f'use --{setting} {need}')
-        )
-        drop = f'drop {name} from {given[name]}' if given[name] else f'drop --{name}'
-        parser.error(f'argument --{name}: acts with {where} only, not {value}; {fix}, or {drop}')
-    names = _augment_names(getattr(args, 'augment', 'default'))
+        if not any(set(need.split(' and ')) <= current for need in needs):
+            need = ' or '.join(needs)
+            where = f'{need} in --augment' if setting == 'augment' else f'--{setting} {need}'
+            notes.append(f'--{name} acts with {where} only, not {value}: this run ignores it')
+    names = _augment_names(getattr(options, 'augment', 'default'))
     twice = [name for index, name in enumerate(names) if name in names[:index]]
     if twice and 'augment' in given:
-        parser.error(f'argument --augment: {twice[0]} is named twice (it would be applied twice); name it once')
+        notes.append(f'--augment names {twice[0]} twice: it is applied twice')
     mixes = ' and '.join(name for name in names if name in MIX_NAMES)
-    if mixes and args.batch_size == 1 and given.keys() & {'augment', 'batch_size'}:
-        parser.error(
-            f'argument --batch_size: batches of 1 leave {mixes} nothing to mix (a sample is mixed with its '
-            f'neighbour in the batch); use --batch_size 2 or more, or --augment without {mixes}'
-        )
+    if mixes and options.batch_size == 1 and given & {'augment', 'batch_size'}:
+        notes.append(f'batches of 1 leave {mixes} nothing to mix (a sample is mixed with another of its batch)')
+    return notes
 
 
 def _augment_names(value):
@@ -865,15 +862,6 @@ def _quiet_parser(add_args):
     for action in parser._actions:
         action.default, action.required = argparse.SUPPRESS, False
     return parser
-
-
-def _set_by_user(add_args, argv, parser):
-    """{name: None} for the options `argv` sets, and {name: its --config file} for those the file sets to
-    other than their default (a saved args.yaml holds every option); a resumed run's are not among them."""
-    quiet, path = _quiet_parser(add_args), _config_path(argv)
-    in_config = vars(quiet.parse_args(_config_to_argv(quiet, path))) if path else {}
-    given = {name: path for name, value in in_config.items() if value != parser.get_default(name)}
-    return given | dict.fromkeys(vars(quiet.parse_args(argv)))
 
 
 def option_defaults(add_args):

@@ -168,10 +168,9 @@ def load_specs(args):
         config,
         'name',
         'sweep',
-        lambda v: (isinstance(v, str) or is_integer(v)) and re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', str(v)),
-        'letters, digits, ".", "_" and "-"',
+        lambda v: isinstance(v, str) and re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', v),
+        'text of letters, digits, ".", "_" and "-" (YAML reads name: 2024_01 as a number: quote it)',
     )
-    name = str(name)  # name: 2024 in a sweep file is a number to YAML
     if not entries:
         raise KilnError('nothing to sweep: give --grid NAME=VALUES ... or --config FILE')
     specs = {option: parse_spec(option, value) for option, value in entries.items()}

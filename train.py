@@ -32,7 +32,7 @@ from data.augment import AUGMENTATIONS, MIXES, augmentation_names
 from data.data_entry import select_dataset
 from data.list_dataset import match_classes
 from data.loader import Batches
-from options import as_trained, option_defaults, prefix_map, resolve, saved_options
+from options import as_trained, ignored_options, option_defaults, prefix_map, resolve, saved_options
 from tasks.task_entry import TASKS, task_class
 from utils.allocator import keep_freed_memory
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
@@ -777,6 +777,9 @@ def train_in_group(argv, args, trainer_type=Trainer):
     """Open the experiment folder, build the Trainer (or `trainer_type`) and run it, in the process
     group already joined; returns (the Trainer, its Stop or None)."""
     options, lock = open_run(argv, resolve(args))
+    if is_main_process():
+        for note in ignored_options(options, argv):  # a flag that does nothing here: said, not refused
+            print(f'note: {note}')
     # a failed start removes a folder it just made, never one that --resume reopened
     fresh = is_main_process() and options.resume_from is None and not options.resume
     try:

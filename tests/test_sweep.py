@@ -359,8 +359,11 @@ def test_options_of_two_values_are_swept(tiny_shapes, tmp_path):
         (['--config', 'random: {lr: [1]}\nseed: 1.5'], 'seed: must be an integer, got 1.5'),
         (['--config', 'random: {lr: [1]}\ntrials: true'], 'trials: must be a positive integer, got True'),
         (['--config', 'random: {lr: [1]}\ntrials: "8"'], "trials: must be a positive integer, got the text '8'"),
-        (['--config', 'grid: {lr: [1]}\nname: null'], 'name: must be letters, digits'),
-        (['--grid', 'lr=1', '--name', ''], '--name must be letters, digits, ".", "_" and "-", got the text \'\''),
+        (['--config', 'grid: {lr: [1]}\nname: null'], 'name: must be text of letters, digits'),
+        (
+            ['--grid', 'lr=1', '--name', ''],
+            "quote it), got the text ''",
+        ),
         (['--grid', 'lr=1e-3', 'lr=2e-3'], '--grid lr= is given twice: give its values once, lr=a,b'),
         (['--grid', 'lr=1e-3', '--epochs', '1'], '--epochs 1: train.py options go after `--`'),
     ],
@@ -416,12 +419,16 @@ def test_list_files_given_relative_are_the_options_a_run_saved(tmp_path, monkeyp
         sweep.check_earlier_runs([other], 'sweep')
 
 
-def test_a_sweep_named_by_a_number_in_its_file_is_named_so(tmp_path):
-    """YAML reads `name: 2024` as a number: it was refused, 'must be letters, digits ... got 2024'."""
+def test_a_sweep_named_by_a_number_in_its_file_is_told_to_quote_it(tmp_path):
+    """YAML reads `name: 2024_01` as the number 202401: it was refused, 'must be letters, digits ... got
+    2024', which it is; taken as a number it would have been named 202401."""
     import sweep
 
-    (tmp_path / 'sweep.yaml').write_text('grid: {lr: [1e-3]}\nname: 2024\n')
-    assert sweep.load_specs(sweep.sweep_args(['--config', str(tmp_path / 'sweep.yaml')]))[4] == '2024'
+    (tmp_path / 'sweep.yaml').write_text('grid: {lr: [1e-3]}\nname: 2024_01\n')
+    with pytest.raises(KilnError, match=r'name: must be text .* quote it\), got 202401$'):
+        sweep.load_specs(sweep.sweep_args(['--config', str(tmp_path / 'sweep.yaml')]))
+    (tmp_path / 'sweep.yaml').write_text('grid: {lr: [1e-3]}\nname: "2024_01"\n')
+    assert sweep.load_specs(sweep.sweep_args(['--config', str(tmp_path / 'sweep.yaml')]))[4] == '2024_01'
 
 
 def test_a_slurm_sweep_submits_from_a_login_node_without_torch(monkeypatch, capsys):

@@ -721,3 +721,15 @@ def test_a_staged_folder_of_this_pid_left_by_another_process_is_removed(tmp_path
         with StagedResults(str(tmp_path / 'last_val_x'), parse_args(parse_test_args, []), 'choose'):
             assert os.path.isdir(first.path)  # a second result folder beside it keeps this one's
     assert sorted(os.listdir(tmp_path)) == ['best_val_x', 'last_val_x']
+
+
+def test_a_result_folder_with_a_name_near_the_limit_is_staged_and_named_so(tmp_path):
+    """The hidden name adds '.', '.tmp<pid>@<host>': a --save_prefix near the file system's 255 bytes, which
+    an eval folder could take before, failed with 'File name too long'."""
+    from options import parse_args, parse_test_args
+    from utils.run_folder import StagedResults
+
+    folder = tmp_path / ('best_val_' + 'p' * 240)
+    with StagedResults(str(folder), parse_args(parse_test_args, []), 'choose') as staged:
+        assert os.path.isdir(staged.path) and os.path.basename(staged.path).startswith('.')
+    assert os.listdir(tmp_path) == [folder.name] and os.path.isfile(folder / 'args.yaml')

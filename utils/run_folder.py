@@ -13,6 +13,7 @@ import errno
 import fcntl
 import filecmp
 import glob
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -143,7 +144,10 @@ class StagedResults:
     def __init__(self, folder, args, what_to_change, where_option='--output_dir'):
         self.folder, self.what_to_change, self.made = folder, what_to_change, []
         parent, name = os.path.split(folder)
-        self.path = os.path.join(parent, f'.{name}.tmp{os.getpid()}@{socket.gethostname()}')
+        staged = f'.{name}.tmp{os.getpid()}@{socket.gethostname()}'
+        if len(os.fsencode(staged)) > 255:  # a name near the file system's limit: its digest stands for it
+            staged = f'.{hashlib.sha256(os.fsencode(name)).hexdigest()[:16]}.tmp{os.getpid()}@{socket.gethostname()}'
+        self.path = os.path.join(parent, staged)
         if os.path.lexists(folder):
             raise KilnError(f'{folder} already exists; {what_to_change}')
         try:
