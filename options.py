@@ -19,7 +19,7 @@ PROJECT = os.path.dirname(os.path.abspath(__file__))  # the defaults' outputs st
 NOT_SAVED = ('config', 'debug', 'resume')  # how a run was started, not what it is
 DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: in args.txt, not args.yaml
 RESUME_LATEST = 'last'  # --resume without a path
-NONE = 'none'  # the value that turns off an option that is off unless given (--ema_decay none)
+NONE = 'none'  # the value that puts an option whose default is unset back to it (--ema_decay none: off)
 # what a resumed run may change: how long it runs and how it reports, not what it computes
 RESUME_CHANGEABLE = (
     'epochs',
@@ -686,7 +686,8 @@ def _config_to_argv(parser, path):
             parser.error(f'--config {path}: {key!r} cannot be set in a config file; give --{key} on the command line')
         if action is None:
             parser.error(f'--config {path}: unknown option {key!r}{did_you_mean(key, actions)}')
-        argv += _config_tokens(parser, action, value, f'--config {path}: {key}')
+        if value is not None:  # null (a saved args.yaml's None): left to the command line and the defaults
+            argv += _config_tokens(parser, action, value, f'--config {path}: {key}')
     return argv
 
 
@@ -706,8 +707,6 @@ def _config_tokens(parser, action, value, where):
     would check them (a mistake is one line starting with `where`)."""
     flag = action.option_strings[0]
     turns_off = getattr(action, 'turns_off', False)
-    if value is None:  # null (a saved args.yaml's None): left to the command line and the defaults
-        return []
     if turns_off and value == NONE:  # none: turns off what a resumed run (or an earlier file) set
         return [f'{flag}={NONE}']
     if isinstance(action, argparse.BooleanOptionalAction):
@@ -764,17 +763,12 @@ def _check_names(args):
                 )
 
 
-def _config_path(argv):
-    """The --config file that `argv` names, or None."""
-    config_parser = KilnArgumentParser(add_help=False)
-    config_parser.add_argument('--config')
-    return config_parser.parse_known_args(argv)[0].config
-
-
 def _config_and_flags(parser, argv, base_config):
     """The tokens `parser` reads: the `base_config` file's (or mapping's), the --config file's, then `argv`."""
-    paths = (base_config, _config_path(argv))
-    return [token for path in paths if path for token in _config_to_argv(parser, path)] + argv
+    config_parser = KilnArgumentParser(add_help=False)
+    config_parser.add_argument('--config')
+    config_path = config_parser.parse_known_args(argv)[0].config
+    return [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)] + argv
 
 
 _PARSERS = {}  # add_args -> the parser parse_args built with it last (building one takes milliseconds)

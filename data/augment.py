@@ -274,11 +274,8 @@ class Mix:
         side, centre = (1 - cutmix).sqrt(), torch.from_numpy(rng.random((pairs, 2))).float()
         box = torch.cat([(centre - side[:, None] / 2).clamp(0, 1), (centre + side[:, None] / 2).clamp(0, 1)], dim=1)
         if self.side:  # on pixel edges: `apply` pastes the pixels whose centres lie in the box, all of it
-            box = (box * self.side).round()
-            kept = 1 - (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1]) / self.side**2
-            box = box / self.side
-        else:
-            kept = 1 - (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
+            box = (box * self.side).round() / self.side
+        kept = 1 - (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
         mixed = torch.from_numpy(rng.random(pairs) < self.prob)
         lam = torch.where(mixed, torch.where(cut, kept, mixup), torch.ones(pairs))
         per_position = {'lam': lam, 'cut': cut & mixed, 'box': box}
