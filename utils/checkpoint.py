@@ -46,7 +46,7 @@ def atomic_write_bytes(data, path, sync_folder=True):
 
 
 def sync_directory(folder):
-    """fsync `folder`: the renames and links made in it survive a power cut."""
+    """fsync `folder`: the renames and links made in it survive a power cut (given a file, its bytes do)."""
     directory = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(directory)

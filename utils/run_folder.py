@@ -185,13 +185,8 @@ class StagedResults:
     def publish(self):
         """fsync every file and folder written, then rename the folder to its name."""
         for root, _, names in os.walk(self.path):
-            for name in names:
-                descriptor = os.open(os.path.join(root, name), os.O_RDONLY)
-                try:
-                    os.fsync(descriptor)
-                finally:
-                    os.close(descriptor)
-            sync_directory(root)
+            for name in [*names, '']:  # its files, then the folder itself
+                sync_directory(os.path.join(root, name))
         fault_point('results_staged')
         # os.rename replaces an empty folder: one that appeared since the start is refused, not replaced
         if os.path.lexists(self.folder):
