@@ -379,6 +379,8 @@ def normalization(options):
 
 
 def denormalize(images, normalize='kiln'):
-    """Map images (N, 3, H, W) normalized as --normalize `normalize` says back to [0, 1] for display."""
-    mean, std = (images.new_tensor(values).view(1, -1, 1, 1) for values in NORMALIZATIONS[normalize])
-    return images.float().mul(std).add_(mean).clamp_(0, 1)  # one new tensor, changed in place
+    """Map images (N, 3, H, W) normalized as --normalize `normalize` says back to [0, 1] for display: a
+    float32 tensor on the CPU, computed in numpy (one thread: see utils/viz.py's `tiles`)."""
+    mean, std = (np.asarray(values, np.float32).reshape(1, -1, 1, 1) for values in NORMALIZATIONS[normalize])
+    pixels = images.detach().cpu().float().numpy() * std + mean
+    return torch.from_numpy(np.clip(pixels, 0, 1, out=pixels))

@@ -571,6 +571,21 @@ def test_picture_tiles_enlarge_small_images_sharply_and_shrink_large_ones_by_ave
     assert (torch.from_numpy(shrunk).permute(0, 3, 1, 2).int() - (means * 255).round().int()).abs().max() <= 1
 
 
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_picture_shrinking_averages_what_torch_area_interpolation_averages(seed):
+    """tiles shrinks in numpy (pictures are drawn beside the training step's torch threads): for every
+    ratio, whole or not, each pixel is the mean torch's interpolate(mode='area') gives."""
+    from utils.viz import area_resize
+
+    generator = torch.Generator().manual_seed(seed)
+    for height, width, size in [(224, 224, 96), (100, 97, 96), (150, 301, 64), (97, 97, 1)]:
+        images = torch.rand(2, 3, height, width, generator=generator)
+        expected = torch.nn.functional.interpolate(images, size=(size, size), mode='area')
+        got = torch.from_numpy(area_resize(images.numpy(), size))
+        assert got.shape == expected.shape, f'seed {seed}, {height}x{width} to {size}'
+        assert torch.allclose(got, expected, atol=1e-5), f'seed {seed}, {height}x{width} to {size}'
+
+
 def test_pictures_draw_class_names_with_a_font_that_has_their_letters():
     """Pillow's own font has ASCII only: 'élan' came out as '□lan'. A name it cannot draw is drawn with
     a system font that can (where the system has one)."""

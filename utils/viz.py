@@ -63,17 +63,33 @@ def font_for(text, size=11):
 
 
 def tiles(images, tile):
-    """Float images (N, 3, H, W) in [0, 1] as uint8 tiles (N, T, T, 3) of side about `tile`: small
-    images enlarged by a whole factor (pixels stay sharp), larger ones shrunk by averaging."""
-    images = images.detach().float().cpu().clamp(0, 1)  # a copy: changed in place below
-    side = images.shape[-1]
+    """Float images (N, 3, H, W) in [0, 1] (a tensor or array) as uint8 tiles (N, T, T, 3) of side about `tile`: small
+    images enlarged by a whole factor (pixels stay sharp), larger ones shrunk by averaging. In numpy,
+    on one thread: pictures are drawn on the writer thread beside the training step, whose torch ops
+    would wait for a second team of torch threads on the same cores."""
+    pixels = np.clip(images.detach().cpu().float().numpy() if torch.is_tensor(images) else images, 0, 1)
+    side = pixels.shape[-1]
     if side > tile:
-        images = torch.nn.functional.interpolate(images, size=(tile, tile), mode='area')
-    pixels = images.mul_(255).round_().byte().permute(0, 2, 3, 1).numpy()
+        pixels = area_resize(pixels, tile)
+    pixels = np.rint(pixels * 255).astype(np.uint8).transpose(0, 2, 3, 1)
     factor = tile // side
     if factor > 1:  # enlarged as bytes after rounding: a ninth of the work of enlarging the floats
         pixels = pixels.repeat(factor, axis=1).repeat(factor, axis=2)
     return pixels
+
+
+def area_resize(images, size):
+    """Images (N, C, H, W) shrunk to (N, C, size, size): each new pixel the mean of the old pixels its
+    area covers, as torch's interpolate(mode='area') computes it (window [floor(i*H/size), ceil((i+1)*H/size)))."""
+    for axis in (2, 3):
+        length = images.shape[axis]
+        starts = np.arange(size) * length // size
+        ends = -(-np.arange(1, size + 1) * length // size)
+        sums = np.cumsum(images, axis=axis, dtype=np.float64)
+        sums = np.concatenate([np.zeros_like(sums.take([0], axis)), sums], axis)
+        widths = (ends - starts).reshape([-1 if dim == axis else 1 for dim in range(4)])
+        images = (sums.take(ends, axis) - sums.take(starts, axis)) / widths
+    return images.astype(np.float32)
 
 
 def labeled_grid(images, predicted, true, class_names=None, columns=8, tile=96):
@@ -141,8 +157,8 @@ def mask_colours(num_classes):
 def segmentation_grid(images, predicted, true, num_classes, tile=96):
     """Rows of image | predicted mask | true mask under a header naming the columns (HxWx3 uint8);
     `images` in [0, 1], masks (N, H, W)."""
-    colours = torch.from_numpy(mask_colours(num_classes)).float() / 255
-    masks = [colours[m.cpu().long().clip(0, num_classes - 1)].permute(0, 3, 1, 2) for m in (predicted, true)]
+    colours = mask_colours(num_classes).astype(np.float32) / 255  # numpy: see `tiles`
+    masks = [colours[m.cpu().numpy().clip(0, num_classes - 1)].transpose(0, 3, 1, 2) for m in (predicted, true)]
     pixels = [tiles(picture, tile) for picture in (images, *masks)]  # (N, T, T, 3) each
     side = pixels[0].shape[2]
     header = np.concatenate([caption(name, (0, 0, 0), side) for name in ('image', 'predicted', 'true')], axis=1)
