@@ -106,6 +106,13 @@ class KilnArgumentParser(argparse.ArgumentParser):
         self.register('action', None, Store)
         self.register('action', 'store', Store)
 
+    def set_defaults(self, **kwargs):
+        """Change defaults; an option whose default becomes None takes `none` (see Store)."""
+        super().set_defaults(**kwargs)
+        for action in self._actions:
+            if action.dest in kwargs and isinstance(action, Store):
+                action.turns_off = Store.takes_none(action)
+
     def _get_values(self, action, arg_strings):
         """An option's value from its words; `none` turns off an option that is off unless given."""
         if getattr(action, 'turns_off', False) and arg_strings == [NONE]:
@@ -137,7 +144,12 @@ class Store(argparse._StoreAction):
 
     def __init__(self, option_strings, dest, default=None, required=False, **kwargs):
         super().__init__(option_strings, dest, default=default, required=required, **kwargs)
-        self.turns_off = default is None and not required and bool(option_strings)
+        self.turns_off = self.takes_none(self)
+
+    @staticmethod
+    def takes_none(action):
+        """Whether `action` is an optional flag that is off (None) unless given."""
+        return action.default is None and not action.required and bool(action.option_strings)
 
 
 class Switch(argparse.BooleanOptionalAction):
@@ -691,6 +703,9 @@ def _config_to_argv(parser, path):
     return argv
 
 
+YAML_BOOLEANS = {False: ('off', 'no', 'false', 'n'), True: ('on', 'yes', 'true', 'y')}  # YAML 1.1's spellings
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last without a word)."""
 
@@ -715,6 +730,14 @@ def _config_tokens(parser, action, value, where):
         return [flag if value else f'--no-{flag[2:]}']
     if action.nargs == '?' and isinstance(value, bool):  # --resume: true is the flag alone
         return [flag] if value else []
+    if isinstance(value, bool):  # YAML 1.1 reads an unquoted off/no/on/yes as a bool: --amp off is meant
+        spelled = [choice for choice in action.choices or () if str(choice).lower() in YAML_BOOLEANS[value]]
+        if len(spelled) != 1:
+            parser.error(
+                f'{where}: YAML read this value as {str(value).lower()} (unquoted yes, no, on and off are '
+                f"true or false); quote the text, e.g. '{YAML_BOOLEANS[value][0]}'"
+            )
+        value = spelled[0]
     if isinstance(value, dict) and action.nargs in ('+', '*'):  # {old: new} for --load_prefix_map
         value = [f'{old}={new}' for old, new in value.items()]
     values = value if isinstance(value, list) else [value]
@@ -782,8 +805,8 @@ def parse_args(add_args, argv=None, base_config=None):
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     epilog = (
-        f"An option whose default is unset takes {NONE}: back to that default (off, or the task's choice), "
-        f'e.g. to undo what a --config set.'
+        f'An option that takes a value and whose default is unset takes {NONE}: back to that default (off, '
+        f"the task's choice, or in eval.py and predict.py the checkpoint's), e.g. to undo what a --config set."
     )
     parser = _PARSERS[add_args] = add_args(KilnArgumentParser(description=add_args.__doc__, epilog=epilog))
     args = parser.parse_args(_config_and_flags(parser, argv, base_config))
@@ -791,20 +814,18 @@ def parse_args(add_args, argv=None, base_config=None):
         low, high = getattr(args, name, None) or (0, 0)
         if low > high:
             parser.error(f'argument --{name}: MIN {low:g} is above MAX {high:g}')
-    if getattr(args, 'warmup_steps', 0) and args.scheduler != 'cosine':  # it would be ignored without a word
-        parser.error(
-            f'argument --warmup_steps: warms up --scheduler cosine only, not {args.scheduler}; '
-            f'use --scheduler cosine, or --warmup_steps 0'
-        )
     _check_names(args)
     return args
 
 
-# option -> (the option that decides whether it acts, the values of that one it acts with; 'a and b': both)
+SET = 'set'  # in ACTS_ONLY_WITH: the deciding option acts when it is set at all (not None)
+# option -> (the option that decides whether it acts, the values of that one it acts with; 'a and b': both;
+# an on/off option: True; a list option (--loggers): a value it must hold)
 ACTS_ONLY_WITH = {
     'lr_step_epochs': ('scheduler', ('step',)),
     'lr_gamma': ('scheduler', ('step', 'plateau')),
     'lr_patience': ('scheduler', ('plateau',)),
+    'warmup_steps': ('scheduler', ('cosine',)),
     'momentum': ('optimizer', ('sgd',)),
     'crop_pct': ('resize', ('crop',)),
     'crop_scale': ('augment', ('resized_crop',)),
@@ -815,7 +836,16 @@ ACTS_ONLY_WITH = {
     'cutmix_alpha': ('augment', ('cutmix',)),
     'mix_prob': ('augment', ('mixup', 'cutmix')),
     'mix_switch_prob': ('augment', ('mixup and cutmix',)),
+    'compile_mode': ('compile', (True,)),
+    'freeze_batch_norms': ('freeze_to', (SET,)),
+    'unfreeze_at_epoch': ('freeze_to', (SET,)),
+    'unfrozen_lr_scale': ('freeze_to', (SET,)),
+    'early_stop_min_delta': ('early_stop_patience', (SET,)),
+    'image_interval': ('log_images', (True,)),
+    'mlflow_uri': ('loggers', ('mlflow',)),
+    'wandb_project': ('loggers', ('wandb',)),
 }
+DATASET_DECIDES = ('augment', 'resize')  # unset or 'default': the dataset's choice, not judged
 MIX_NAMES = ('mixup', 'cutmix')  # data/augment.py's MIXES: they mix pairs of samples in a batch
 
 
@@ -827,13 +857,10 @@ def ignored_options(options, argv):
     given, notes = set(vars(_quiet_parser(parse_train_args).parse_args(argv))), []
     for name, (setting, needs) in ACTS_ONLY_WITH.items():
         value = getattr(options, setting, None)
-        if name not in given or value in (None, 'default'):
+        if name not in given or (setting in DATASET_DECIDES and value in (None, 'default')):
             continue
-        current = set(_augment_names(value)) if setting == 'augment' else {value}
-        if not any(set(need.split(' and ')) <= current for need in needs):
-            need = ' or '.join(needs)
-            where = f'{need} in --augment' if setting == 'augment' else f'--{setting} {need}'
-            notes.append(f'--{name} acts with {where} only, not {value}: this run ignores it')
+        if not any(_acts_with(setting, value, need) for need in needs):
+            notes.append(f'--{name} acts with {_needed(setting, needs, value)}: this run ignores it')
     names = _augment_names(getattr(options, 'augment', 'default'))
     twice = [name for index, name in enumerate(names) if name in names[:index]]
     if twice and 'augment' in given:
@@ -842,6 +869,25 @@ def ignored_options(options, argv):
     if mixes and options.batch_size == 1 and given & {'augment', 'batch_size'}:
         notes.append(f'batches of 1 leave {mixes} nothing to mix (a sample is mixed with another of its batch)')
     return notes
+
+
+def _acts_with(setting, value, need):
+    """Whether option `setting`, at `value`, is as an ACTS_ONLY_WITH `need` asks."""
+    if need == SET:
+        return value is not None
+    if setting == 'augment':
+        return set(need.split(' and ')) <= set(_augment_names(value))
+    return need in value if isinstance(value, (list, tuple)) else value == need
+
+
+def _needed(setting, needs, value):
+    """What an ACTS_ONLY_WITH option needs, and what this run has instead, in words."""
+    if needs in ((SET,), (True,)):
+        return f'--{setting} only'
+    shown = ' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    need = ' or '.join(needs)
+    where = f'{need} in --{setting}' if setting in ('augment', 'loggers') else f'--{setting} {need}'
+    return f'{where} only, not {shown}'
 
 
 def _augment_names(value):
@@ -922,11 +968,13 @@ def experiment_folder(options):
 
 
 def inherit(args, given, trained_with):
-    """eval.py's and predict.py's options: those of INHERITED not `given` come from the checkpoint's
-    training run (`trained_with`, its saved options), then from the task (see resolve)."""
+    """eval.py's and predict.py's options: those of INHERITED not `given` (or given as none) come from the
+    checkpoint's training run (`trained_with`, its saved options), then from the task (see resolve)."""
     trained_with = as_trained(trained_with)
-    inherited = {
-        name: trained_with[name] if name not in given and name in trained_with else getattr(args, name, None)
+    inherited = {  # `--X none` is back to the default, which for these is the checkpoint's value
+        name: trained_with[name]
+        if name in trained_with and (name not in given or getattr(args, name, None) is None)
+        else getattr(args, name, None)
         for name in INHERITED
     }
     return resolve(args, **inherited)

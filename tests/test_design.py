@@ -275,6 +275,13 @@ def test_eval_reproduces_the_validation_numbers_of_training(tiny_shapes, tmp_pat
         'eval.py', '--load_model_path', folder, '--topk', '2', '--save_prefix', 'top2', '--cpu', '--no-progress_bar'
     )
     assert 'top2' in result.stdout and 'top5' not in result.stdout, result.stdout + result.stderr
+    # `none` puts an option back to its default, which in eval.py is the checkpoint's (it was the parser's:
+    # --normalize none evaluated Kiln's normalization, silently other numbers)
+    from options import given_options, inherit, parse_args, parse_test_args
+
+    argv = ['--load_model_path', folder, '--normalize', 'none', '--img_size', 'none', '--topk', '2', '--task', 'none']
+    options = inherit(parse_args(parse_test_args, argv), given_options(parse_test_args, argv), trained)
+    assert (options.normalize, options.img_size, options.topk, options.task) == ('imagenet', 24, 2, 'classify')
 
 
 # --- state_dict() talks to no other process ----------------------------------------------------------

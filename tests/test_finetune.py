@@ -302,16 +302,20 @@ def test_fine_tuning_a_checkpoint_of_another_task_says_which_options_to_give(tin
 @pytest.mark.parametrize(
     'given', [['--freeze_batch_norms'], ['--unfreeze_at_epoch', '2'], ['--unfrozen_lr_scale', '0.5']]
 )
-def test_freezing_options_without_freeze_to_are_refused(given):
-    """They were accepted and did nothing: nothing is frozen without --freeze_to."""
-    from utils.errors import KilnError
+def test_freezing_options_without_freeze_to_change_nothing(given):
+    """Nothing is frozen without --freeze_to: every parameter trains, nothing unfreezes later, and train.py
+    says that the option is ignored (a note: a config or a sweep may set it for runs it does not act in)."""
+    from options import ignored_options, parse_args, parse_train_args
     from utils.finetune import FineTuning
 
     name = given[0].removeprefix('--')
     options = {name: True if len(given) == 1 else float(given[1]) if '.' in given[1] else int(given[1])}
-    with pytest.raises(KilnError, match=f'^{" ".join(given)} acts on the layers --freeze_to freezes'):
-        FineTuning(_model(), **options)
-    FineTuning(_model(), freeze_to=0, **options)  # with it, fine
+    model = _model()
+    tuning = FineTuning(model, **options)
+    assert all(p.requires_grad for p in model.parameters()) and not tuning.frozen
+    assert not any(tuning.unfreezes_at(epoch, 0) for epoch in range(5))
+    notes = ignored_options(parse_args(parse_train_args, given), given)
+    assert notes == [f'{given[0]} acts with --freeze_to only: this run ignores it'], notes
 
 
 def test_freezing_every_parameter_is_one_line(tiny_shapes, tmp_path):

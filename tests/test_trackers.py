@@ -626,6 +626,35 @@ def test_wandb_offline_resume_has_every_point_once_in_one_run(tmp_path, wandb_mo
     assert summary['final/val/acc'] == acc(LAST_STEP) and summary['args'] == '    lr: 0.01'
 
 
+def test_wandb_resume_from_an_older_checkpoint_logs_to_a_new_run(tmp_path, wandb_module, capsys):
+    """W&B cannot take back steps: a resume from the checkpoint of step 5 of a run that wrote steps up to
+    10 logged 6..10 into the same run again, where W&B keeps the first values. It goes to a new run."""
+    folder = tmp_path / 'run'
+    first = build_trackers(['wandb'], folder, folder.name, METRIC_NAMES, options=options(tmp_path))
+    for step in range(1, LAST_STEP + 1):
+        log_step(first, step)
+        if step == RESUME_STEP:
+            saved = first.state_dict()
+            first.commit(step)
+    first.commit(LAST_STEP)
+    first.finish(final_metrics(LAST_STEP))
+    first.close()
+    old_id = saved['wandb']['run_id']
+    last = resume_to_the_end(['wandb'], folder, options(tmp_path), RESUME_STEP, saved)
+    new_id = last['wandb']['run_id']
+    assert new_id != old_id
+    assert f'note: W&B run {old_id} has points after step {RESUME_STEP}' in capsys.readouterr().out
+    runs = {run.name.split('-')[-1]: run for run in (folder / 'wandb').glob('offline-run-*')}
+    wandb_module.teardown()  # the service writes what it holds
+    for run_id, steps in ((old_id, range(1, LAST_STEP + 1)), (new_id, range(RESUME_STEP + 1, LAST_STEP + 1))):
+        history, _, _ = wandb_logged([runs[run_id] / f'run-{run_id}.wandb'])
+        assert [step for step, _ in history['train/loss']] == list(steps), run_id
+    # the new run's own resume from its newest checkpoint continues it
+    again = build_trackers(['wandb'], folder, 'run', resume_step=LAST_STEP, states=last, options=options(tmp_path))
+    assert again.state_dict()['wandb']['run_id'] == new_id
+    again.close()
+
+
 def test_wandb_setting_it_refuses_is_one_line(tmp_path, wandb_module):
     with pytest.raises(KilnError) as error:
         build_trackers(['wandb'], tmp_path / 'run', 'run', options=SimpleNamespace(wandb_project='a/b'))

@@ -616,7 +616,7 @@ def test_a_monitored_loss_is_minimized(argv, mode):
     assert resolve(parse_args(parse_train_args, argv)).monitor_mode == mode
 
 
-def test_config_values_are_read_as_their_options_take_them(tmp_path):
+def test_config_values_are_read_as_their_options_take_them(tmp_path, capsys):
     """A config can be overridden both ways, a value may start with '-', `resume: true` is --resume alone,
     a prefix map may be a YAML mapping, and eval.py takes a training run's args.yaml."""
     from options import RESUME_LATEST, parse_args, parse_test_args, parse_train_args
@@ -629,6 +629,16 @@ def test_config_values_are_read_as_their_options_take_them(tmp_path):
     training = tmp_path / 'args.yaml'
     training.write_text('augment: [crop, hflip]\nloss: ce\nlr: 0.01\nviz_freq: 3\n')  # train's keys and eval's
     assert parse_args(parse_test_args, ['--config', str(training)]).viz_freq == 3
+    # YAML 1.1 reads an unquoted off as false: `amp: off` means --amp off; a bool where no choice is
+    # spelled so is one line that says to quote the text
+    written = tmp_path / 'written.yaml'
+    written.write_text('amp: off\n')
+    assert parse_args(parse_train_args, ['--config', str(written)]).amp == 'off'
+    for text in ('save_prefix: no\n', 'normalize: yes\n', 'lr: on\n'):
+        written.write_text(text)
+        with pytest.raises(SystemExit):
+            parse_args(parse_train_args, ['--config', str(written)])
+        assert f'{text.split(":")[0]}: YAML read this value as' in capsys.readouterr().err, text
 
 
 def test_a_folder_without_best_pth_points_at_its_last_pth(tmp_path):

@@ -122,16 +122,9 @@ class FineTuning:
     """
 
     def __init__(self, model, freeze_to=None, freeze_batch_norms=False, unfreeze_at_epoch=None, unfrozen_lr_scale=None):
-        acting = {
-            '--freeze_batch_norms': freeze_batch_norms,
-            f'--unfreeze_at_epoch {unfreeze_at_epoch}': unfreeze_at_epoch is not None,
-            f'--unfrozen_lr_scale {unfrozen_lr_scale}': unfrozen_lr_scale not in (None, 1.0),  # 1.0: runs saved before
-        }
-        given = [option for option, is_given in acting.items() if is_given]
-        if freeze_to is None and given:  # they would do nothing
-            raise KilnError(f'{given[0]} acts on the layers --freeze_to freezes, and none are: add --freeze_to INDEX')
         self.freezer = ModelFreezer(model, freeze_batch_norms)
-        self.unfreeze_at_epoch = unfreeze_at_epoch
+        # without --freeze_to nothing is frozen, and the options about unfreezing do nothing (train.py says so)
+        self.unfreeze_at_epoch = unfreeze_at_epoch if freeze_to is not None else None
         self.unfrozen_lr_scale = 1.0 if unfrozen_lr_scale is None else unfrozen_lr_scale
         self.frozen = set()
         if freeze_to is not None:

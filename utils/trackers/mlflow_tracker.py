@@ -181,8 +181,9 @@ class MlflowTracker(Tracker):
             if error.error_code != 'RESOURCE_DOES_NOT_EXIST':
                 raise
             raise KilnError(
-                f'the MLflow run {self.run_id} of this checkpoint is not in {uri}; resume with the '
-                f'--mlflow_uri or --checkpoints_dir it started with'
+                f'the MLflow run {self.run_id} of this checkpoint is not in {uri} (moved or deleted?); resume '
+                f'with the --mlflow_uri or --checkpoints_dir it started with, or leave mlflow out of --loggers '
+                f'to go on without it'
             ) from None
 
     def _read_held(self, since):

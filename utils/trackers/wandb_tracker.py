@@ -4,10 +4,12 @@ Without a W&B login the run is written offline under `<folder>/wandb/` (upload i
 `wandb sync <folder>/wandb/offline-run-*`); set WANDB_MODE to choose yourself.
 """
 
+import json
 import netrc
 import os
 from urllib.parse import urlsplit
 
+from utils.checkpoint import atomic_write_json
 from utils.errors import KilnError
 from utils.trackers import Tracker, require
 
@@ -37,6 +39,19 @@ def wandb_mode():
     return 'online' if logged_in() else 'offline'
 
 
+WRITTEN_STEPS = 'kiln_written_steps.json'  # in <folder>/wandb/: {run id: the last step written to it}
+
+
+def written_steps(folder):
+    """{W&B run id: the last step written to it} of the runs of the experiment folder `folder`."""
+    try:
+        with open(os.path.join(folder, 'wandb', WRITTEN_STEPS)) as f:
+            steps = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return steps if isinstance(steps, dict) else {}
+
+
 class WandbTracker(Tracker):
     """Logs to a W&B run; points wait in memory until the checkpoint that covers them is saved.
 
@@ -44,7 +59,9 @@ class WandbTracker(Tracker):
     `commit(step)` and `finish` write the waiting points, one history row per step. A kill in the
     moment between a checkpoint's write and its commit, or in the FLUSH_INTERVAL_S after the commit
     (while W&B's service still holds the points in memory), loses that checkpoint's points (W&B
-    cannot be asked offline what it already has).
+    cannot be asked offline what it already has). A resume from an older checkpoint than the last
+    one whose points were written (WRITTEN_STEPS says) continues in a new W&B run: W&B would keep
+    the first values of the steps it has, and show the resumed run's only after them.
     """
 
     name = 'wandb'
@@ -54,6 +71,13 @@ class WandbTracker(Tracker):
         settings = {}  # older wandb versions have no such setting
         if 'x_transaction_log_flush_interval' in getattr(self.wandb.Settings, 'model_fields', {}):
             settings['settings'] = self.wandb.Settings(x_transaction_log_flush_interval=FLUSH_INTERVAL_S)
+        run_id, self.folder = (state or {}).get('run_id'), folder
+        if run_id is not None and resume_step is not None and written_steps(folder).get(run_id, 0) > resume_step:
+            print(
+                f'note: W&B run {run_id} has points after step {resume_step}, which W&B cannot take back: '
+                f'this resume logs to a new W&B run, {run_name}-from-step{resume_step}'
+            )
+            run_id, run_name = None, f'{run_name}-from-step{resume_step}'
         try:
             # create_new: this tracker owns its run, and never finishes or reuses another in the process
             self.run = self.wandb.init(
@@ -61,7 +85,7 @@ class WandbTracker(Tracker):
                 name=run_name,
                 dir=folder,
                 resume='allow',
-                id=(state or {}).get('run_id'),
+                id=run_id,
                 mode=wandb_mode(),
                 reinit='create_new',
                 **settings,
@@ -91,11 +115,14 @@ class WandbTracker(Tracker):
         self.run.summary[tag] = text
 
     def _write(self, up_to=None):
-        for step in sorted(self.pending):
-            if up_to is not None and step > up_to:
-                break
+        written = [step for step in sorted(self.pending) if up_to is None or step <= up_to]
+        for step in written:
             # commit=True: the row is written now, not when a later step comes
             self.run.log(self.pending.pop(step), step=step, commit=True)
+        if written:  # after the rows (a kill between the two: a resume from before them logs them again)
+            steps = written_steps(self.folder)
+            steps[self.run.id] = max(written[-1], steps.get(self.run.id, 0))
+            atomic_write_json(steps, os.path.join(self.folder, 'wandb', WRITTEN_STEPS))
 
     def state_dict(self):
         return {'run_id': self.run.id}
