@@ -90,6 +90,19 @@ def add_up(states):
     return sum(states[1:], first)
 
 
+def zeroed(state):
+    """`state` with every count and sum at zero (tensors, ints and floats; the keys, shapes and other
+    values kept): what a process other than rank 0 loads of the summed parts, so that its names and
+    shapes are the ones rank 0 adds up with in the next collective."""
+    if isinstance(state, dict):
+        return {key: zeroed(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(zeroed(value) for value in state)
+    if torch.is_tensor(state):
+        return torch.zeros_like(state)
+    return type(state)(0) if type(state) in (int, float) else state
+
+
 PLAIN = {int, float, str, bool, type(None)}  # values host_copy hands over as they are
 
 
@@ -187,7 +200,9 @@ class Checkpointer:
                     states = state['per_rank']
                     state = states[rank()] if len(states) == world_size() else states[0]
                 elif name in self.summed and not is_main_process():
-                    continue  # rank 0 holds everyone's sums; the others count from zero
+                    # rank 0 holds everyone's sums; the others count from zero, under the same names (a
+                    # validation before any step, left due by a stop signal, adds up recorder names at once)
+                    state = zeroed(state)
                 part.load_state_dict(state)
         except KeyError as error:
             raise not_a_training_checkpoint(source, error) from None

@@ -60,8 +60,8 @@ class Recorder:
         return {name: (host[i], host[len(names) + i]) for i, name in enumerate(names)}
 
     def means(self, all_ranks=False):
-        """The weighted mean of every recorded name, without resetting."""
-        return {name: total / count for name, (total, count) in self.totals(all_ranks).items()}
+        """The weighted mean of every recorded name, without resetting (a name with no samples yet: none)."""
+        return {name: total / count for name, (total, count) in self.totals(all_ranks).items() if count}
 
     def state_dict(self):
         """This process's running sums and counts as plain numbers, for checkpoints (one host read and no
