@@ -184,7 +184,10 @@ _fraction = _number(float, lambda v: 0 < v <= 1, 'a fraction in (0, 1]')
 
 def _count_or_fraction(text):
     """--limit_*_batches: a number of batches (an integer >= 1) or a fraction of them (0 < f <= 1)."""
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan  # not a number: said below, as for one out of range
     if not math.isfinite(value) or not (0 < value <= 1 or value == int(value) > 1):
         raise argparse.ArgumentTypeError(
             f'must be a count of batches (1, 2, ...) or a fraction (0 < f <= 1), got {text}'
@@ -853,7 +856,7 @@ def ignored_options(options, argv):
     """Notes, one line each, on the options given on the command line (`argv`) that this run (`options`)
     ignores: ACTS_ONLY_WITH, an augmentation named twice, mixing in batches of one. Notes, not errors: a
     --config or a sweep's grid may set them for runs they do not act in. An --augment default or an unset
-    --resize is the dataset's: not judged."""
+    --resize is the dataset's: not judged here (train.py gives the dataset's, see Trainer.judged_options)."""
     given, notes = set(vars(_quiet_parser(parse_train_args).parse_args(argv))), []
     for name, (setting, needs) in ACTS_ONLY_WITH.items():
         value = getattr(options, setting, None)

@@ -509,6 +509,13 @@ class Trainer:
         """A path in the experiment folder."""
         return os.path.join(self.options.model_dir, name)
 
+    def judged_options(self):
+        """The options as this run acts on them, for the notes on flags it ignores: with the dataset's
+        own augmentations and resize mode where the options left them to it."""
+        o = self.options
+        dataset = getattr(self.train_data.dataset, 'augment', ())
+        return o.replace(augment=','.join(augmentation_names(o.augment, dataset)) or 'none')
+
     def position_text(self):
         """Where the run is, for printed lines: `epoch 3/12 step 5/46`, `epoch 3/12`, or `step 40/100`."""
         o, position = self.options, self.position
@@ -607,7 +614,12 @@ class Trainer:
             f'best {o.monitor} {best}'
         ]
         if stop is None and self.first_step_seconds is None:  # resumed at its end
-            lines[0] += ' (nothing left to train: give more --epochs or --max_iteration to go on)'
+            more = (  # --max_iteration ends the run whatever --epochs says
+                f'a --max_iteration above {self.position.step} (or --max_iteration none and more --epochs)'
+                if o.max_iteration
+                else 'more --epochs'
+            )
+            lines[0] += f' (nothing left to train: give {more} to go on)'
         elif stop is not None and stop.reason == StopReason.EARLY_STOP and self.first_step_seconds is None:
             lines[0] += ' (when it was saved: nothing left to train)'
 
@@ -777,14 +789,14 @@ def train_in_group(argv, args, trainer_type=Trainer):
     """Open the experiment folder, build the Trainer (or `trainer_type`) and run it, in the process
     group already joined; returns (the Trainer, its Stop or None)."""
     options, lock = open_run(argv, resolve(args))
-    if is_main_process():
-        for note in ignored_options(options, argv):  # a flag that does nothing here: said, not refused
-            print(f'note: {note}')
     # a failed start removes a folder it just made, never one that --resume reopened
     fresh = is_main_process() and options.resume_from is None and not options.resume
     try:
         with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
             trainer = trainer_type.build(options, lock)
+            if is_main_process():
+                for note in ignored_options(trainer.judged_options(), argv):  # does nothing here: said, not refused
+                    print(f'note: {note}')
             try:
                 stop = trainer.run()
                 barrier()  # each process returns once rank 0's files are written (--fast_dev_run reads them next)

@@ -360,6 +360,18 @@ def test_iteration_mode_validates_and_saves_on_its_intervals(tiny_shapes, tmp_pa
     assert config['per_device_batch_size'] == 16 and config['world_size'] == 1
 
 
+def test_a_run_ended_by_max_iteration_says_how_to_go_on(tiny_shapes, tmp_path):
+    """It said to give more --epochs, which --max_iteration overrides: the resumed run did nothing again."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--max_iteration', '3')
+    done = _train(['--resume', _folder(args), '--epochs', '5'])
+    assert 'nothing left to train: give a --max_iteration above 3 (or --max_iteration none' in done.stdout, done.stdout
+    more = _train(['--resume', _folder(args), '--max_iteration', 'none', '--epochs', '2'])
+    assert _step(_load(os.path.join(_folder(args), 'last.pth'))) == 12, more.stdout
+    again = _train(['--resume', _folder(args)])
+    assert 'nothing left to train: give more --epochs to go on' in again.stdout, again.stdout
+
+
 def test_resume_options(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     fresh = _train(args, '--resume')  # nothing to continue: starts the run
