@@ -101,7 +101,8 @@ class KilnArgumentParser(argparse.ArgumentParser):
     resumed run's options may turn one on, and the command line must be able to turn it off)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # no abbreviations: --epoch was taken for --epochs, and a later option can change what one means
+        super().__init__(*args, allow_abbrev=False, **kwargs)
         self.register('action', 'store_true', Switch)  # argument groups share the registry
         self.register('action', None, Store)
         self.register('action', 'store', Store)

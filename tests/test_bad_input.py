@@ -143,6 +143,7 @@ def test_unknown_name_lists_the_valid_ones_and_leaves_no_folder(data, tmp_path, 
         (['--batchsize', '8'], '--batchsize 8 (did you mean --batch_size?)'),
         (['--save_prefx', 'x'], '(did you mean --save_prefix?)'),
         (['--loggers', 'csv,tensorbord'], "unknown logger 'tensorbord' (did you mean tensorboard?)"),
+        (['--epoch', '1'], '--epoch 1 (did you mean --epochs?)'),  # an abbreviation was taken without a word
     ],
 )
 def test_a_mistyped_name_or_flag_comes_with_the_one_meant(data, tmp_path, argv, suggestion):
