@@ -11,15 +11,19 @@ scikit-image).
 """
 
 import argparse
+import contextlib
+import errno
 import json
 import os
 import random
 import shutil
+import tempfile
 
 from PIL import Image
 
-from utils.errors import KilnError, run_cli
+from utils.errors import KilnError, file_in_the_way, run_cli
 
+MANIFEST = 'photo_set.json'  # the settings a set was made with: what marks a folder as one this command made
 SOURCES = {  # class -> the photographs of scikit-image's data folder it is cut from
     'astronaut': ('astronaut.png',),
     'cat': ('chelsea.png',),
@@ -82,41 +86,89 @@ def _save(image, path, rng):
     return path + '.jpg'
 
 
+def _read_settings(root):
+    """The settings in `root`'s manifest (photo_set.json) when this command made it, else None."""
+    try:
+        with open(os.path.join(root, MANIFEST)) as f:
+            settings = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return settings if isinstance(settings, dict) else None
+
+
 def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0):
     """Write the photo set into `root` (train/ and val/, a folder per class) unless a complete copy with
-    these settings is there; returns `root`. Written into a temporary folder and renamed, so an
-    interrupted run leaves no half set."""
+    these settings is there; returns `root`. Written into a temporary folder beside it and renamed, so an
+    interrupted run leaves no half set. Only a photo set this made (its manifest) is replaced: anything
+    else there but an empty folder is refused before anything is written, and never touched."""
     settings = {'per_class': per_class, 'val_per_class': val_per_class, 'sizes': list(sizes), 'seed': seed}
-    manifest = os.path.join(root, 'photo_set.json')
-    if os.path.isfile(manifest):
-        with open(manifest) as f:
-            if json.load(f) == settings:
-                return root
-    partial = f'{root}.partial{os.getpid()}'
-    shutil.rmtree(partial, ignore_errors=True)
-    rng = random.Random(seed)
-    for name, photos in _photographs().items():
-        for split, count in (('train', per_class), ('val', val_per_class)):
-            folder = os.path.join(partial, split, name)
-            os.makedirs(folder)
-            for index in range(count):
-                photo = _region(rng.choice(photos), split)
-                _save(_sample(photo, rng, sizes), os.path.join(folder, f'{index:04d}'), rng)
-    with open(os.path.join(partial, 'photo_set.json'), 'w') as f:
-        json.dump(settings, f)
-    shutil.rmtree(root, ignore_errors=True)
-    os.replace(partial, root)
+    found = _read_settings(root)
+    if found == settings:
+        return root
+    if found is None and os.path.lexists(root) and not (os.path.isdir(root) and not os.listdir(root)):
+        raise KilnError(_not_a_photo_set(root))
+    blocker = file_in_the_way(root)
+    if blocker is not None:
+        raise KilnError(f'{blocker} is a file, not a folder; give a folder as DEST')
+    photographs = _photographs()
+    parent = os.path.dirname(os.path.abspath(root))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix='.photo_set-', dir=parent)
+    try:
+        rng = random.Random(seed)
+        for name, photos in photographs.items():
+            for split, count in (('train', per_class), ('val', val_per_class)):
+                folder = os.path.join(staging, split, name)
+                os.makedirs(folder)
+                for index in range(count):
+                    photo = _region(rng.choice(photos), split)
+                    _save(_sample(photo, rng, sizes), os.path.join(folder, f'{index:04d}'), rng)
+        with open(os.path.join(staging, MANIFEST), 'w') as f:
+            json.dump(settings, f)
+        _move_into_place(staging, root)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return root
+
+
+def _not_a_photo_set(root):
+    return (
+        f'{root} exists and is not a photo set made by this command (no {MANIFEST}); '
+        f'move it away or choose another DEST'
+    )
+
+
+def _move_into_place(staging, root):
+    """Rename `staging` to `root`; an older photo set there (its manifest) is moved aside first and
+    removed once the new one is in place. Anything else that appeared there meanwhile is refused (a
+    rename replaces only an empty folder)."""
+    aside = None
+    if _read_settings(root) is not None:
+        aside = tempfile.mkdtemp(prefix='.photo_set-old-', dir=os.path.dirname(os.path.abspath(root)))
+        os.rename(root, os.path.join(aside, 'set'))
+    try:
+        os.rename(staging, root)
+    except OSError as error:
+        if aside is not None:  # the older set goes back where it was, if that is still free
+            with contextlib.suppress(OSError):
+                os.rename(os.path.join(aside, 'set'), root)
+                os.rmdir(aside)
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+            raise
+        raise KilnError(_not_a_photo_set(root)) from None
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def main(argv=None):
     """Command line: write the photo set into DEST."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('dest')
+    parser.add_argument('dest', metavar='DEST', help='folder to create')
     parser.add_argument('--per_class', type=int, default=60, help='training images per class')
     parser.add_argument('--val_per_class', type=int, default=20, help='validation images per class')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--sizes', type=int, nargs=2, default=(64, 320), metavar=('MIN', 'MAX'), help='sides in pixels')
+    parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
     args = parser.parse_args(argv)
     root = make_photo_set(args.dest, args.per_class, args.val_per_class, tuple(args.sizes), args.seed)
     print(f'{root}: train/ and val/ with {len(SOURCES)} class folders ({", ".join(SOURCES)})')

@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from utils.errors import KilnError
+from utils.errors import KilnError, file_in_the_way, run_cli
 
 CLASS_NAMES = ('circle', 'square', 'triangle', 'star', 'cross', 'ring')
 GENERATOR_VERSION = 2
@@ -214,20 +214,31 @@ def _read_manifest(path):
         return None
 
 
-def _generate(root, manifest, write, total):
+def _not_ours(root, where_option):
+    """The KilnError for a `root` that exists and is no generated shapes dataset."""
+    return KilnError(
+        f'{root} exists and is not a generated shapes dataset (no manifest.json); '
+        f'move it away or choose another {where_option}'
+    )
+
+
+def _generate(root, manifest, write, total, where_option):
     """Run `write(folder, progress)` to generate a dataset into `root` unless a complete copy with
     this `manifest` is there; `total` is the number of images, for the progress bar.
 
     Files are written into a temporary sibling folder and renamed into place at the end, so an
     interrupted generation never leaves a half-written dataset, and concurrent processes (one
     per DDP rank) simply keep whichever copy finished first. A copy made by another generator
-    version or with other settings (its manifest.json says so) is replaced; a folder without a
-    manifest is never touched. Returns `root`.
+    version or with other settings (its manifest.json says so) is replaced; anything else there
+    but an empty folder is refused before generating (a KilnError naming `where_option`, the
+    option or argument that named `root`) and never touched. Returns `root`.
     """
     manifest_path = os.path.join(root, 'manifest.json')
     found = _read_manifest(manifest_path)
     if found == manifest:
         return root
+    if found is None and os.path.lexists(root) and not (os.path.isdir(root) and not os.listdir(root)):
+        raise _not_ours(root, where_option)
     if found is not None:  # made by another generator version or with other settings: replace it
         print(f'{root} was generated with other settings; generating it again', flush=True)
         stale = f'{root}.stale-{os.getpid()}'
@@ -235,6 +246,9 @@ def _generate(root, manifest, write, total):
             os.rename(root, stale)
         shutil.rmtree(stale, ignore_errors=True)
     parent = os.path.dirname(os.path.abspath(root))
+    blocker = file_in_the_way(root)
+    if blocker is not None:
+        raise KilnError(f'{blocker} is a file, not a folder; give a folder as {where_option}')
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix='.shapes-', dir=parent)
     try:
@@ -253,10 +267,7 @@ def _generate(root, manifest, write, total):
             os.rename(staging, root)
         except OSError:
             if _read_manifest(manifest_path) != manifest:  # not a concurrent writer that won the race
-                raise KilnError(
-                    f'{root} exists and is not a generated shapes dataset (no manifest.json); '
-                    f'move it away or choose another --data_root'
-                ) from None
+                raise _not_ours(root, where_option) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return root
@@ -267,9 +278,10 @@ def _write_classes(folder, file_name, names):
         f.write('\n'.join(names) + '\n')
 
 
-def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
+def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32, where_option='--data_root'):
     """Write the shapes dataset (one shape per image, with masks) into `root` unless a complete
-    copy with these settings is there; see `_generate` for how copies are made safely. Returns `root`."""
+    copy with these settings is there; see `_generate` for how copies are made safely (`where_option`:
+    what named `root`, for its errors). Returns `root`."""
     manifest = {
         'version': GENERATOR_VERSION,
         'train_size': train_size,
@@ -285,13 +297,14 @@ def generate_shapes(root, train_size=6000, val_size=1200, seed=0, size=32):
         _write_classes(folder, 'classes.txt', CLASS_NAMES)
         _write_classes(folder, 'seg_classes.txt', ('background',) + CLASS_NAMES)
 
-    return _generate(root, manifest, write, train_size + val_size)
+    return _generate(root, manifest, write, train_size + val_size, where_option)
 
 
-def generate_shape_boxes(root, train_size=4000, val_size=800, seed=0, size=64):
+def generate_shape_boxes(root, train_size=4000, val_size=800, seed=0, size=64, where_option='--data_root'):
     """Write the detection variant into `root` unless a complete copy with these settings is there:
     images with 1 to 4 shapes and `train.txt`/`val.txt` lines of `image_path x1,y1,x2,y2,class ...`
-    (pixels, x2/y2 exclusive; class indexes classes.txt). Returns `root`."""
+    (pixels, x2/y2 exclusive; class indexes classes.txt); `where_option` as in `generate_shapes`.
+    Returns `root`."""
     manifest = {
         'version': GENERATOR_VERSION,
         'task': 'detection',
@@ -307,12 +320,13 @@ def generate_shape_boxes(root, train_size=4000, val_size=800, seed=0, size=64):
         _write_box_split(folder, 'val', val_size, seed, size, progress)
         _write_classes(folder, 'classes.txt', CLASS_NAMES)
 
-    return _generate(root, manifest, write, train_size + val_size)
+    return _generate(root, manifest, write, train_size + val_size, where_option)
 
 
 def main(argv=None):
+    """Command line: generate the shapes dataset into DEST."""
     parser = argparse.ArgumentParser(description='Generate the shapes dataset as PNG files and list files.')
-    parser.add_argument('root', help='folder to create')
+    parser.add_argument('root', metavar='DEST', help='folder to create')
     parser.add_argument(
         '--detection',
         action='store_true',
@@ -322,14 +336,15 @@ def main(argv=None):
     parser.add_argument('--val_size', type=int, help='default 1200 (800 with --detection)')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--size', type=int, help='image side in pixels, default 32 (64 with --detection)')
+    parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
     args = parser.parse_args(argv)
     generate = generate_shape_boxes if args.detection else generate_shapes
     options = {
         name: value for name in ('train_size', 'val_size', 'size') if (value := getattr(args, name)) is not None
     }  # the rest: the generator's defaults
-    generate(args.root, seed=args.seed, **options)
+    generate(args.root, seed=args.seed, where_option='DEST', **options)
     print(f'shapes dataset in {args.root}: train.txt, val.txt, classes.txt')
 
 
 if __name__ == '__main__':
-    main()
+    run_cli(main)

@@ -8,8 +8,19 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 CHECKPOINTS_DIR=${CHECKPOINTS_DIR:-checkpoints}
 NEWEST=$(ls -t "$CHECKPOINTS_DIR"/*/best.pth 2>/dev/null | head -n 1 || true)
-CHECKPOINT=${CHECKPOINT:-${NEWEST:-$CHECKPOINTS_DIR/small_cnn_shapes_default/best.pth}}
+CHECKPOINT=${CHECKPOINT:-$NEWEST}
 SAVE_PREFIX=${SAVE_PREFIX:-default}
 VIZ_FREQ=${VIZ_FREQ:-5}
 
-"$PYTHON" eval.py --load_model_path "$CHECKPOINT" --save_prefix "$SAVE_PREFIX" --viz_freq "$VIZ_FREQ" "$@"
+LOAD=(--load_model_path "$CHECKPOINT")
+if [ -z "$CHECKPOINT" ]; then
+    for arg in "$@"; do  # the arguments name a checkpoint themselves, or ask for the help
+        case $arg in --load_model_path* | -h | --help) LOAD=() ;; esac
+    done
+    if [ ${#LOAD[@]} -gt 0 ]; then  # eval.py would blame --load_model_path, which was never given
+        echo "error: nothing trained in $CHECKPOINTS_DIR yet (no $CHECKPOINTS_DIR/*/best.pth); run bash scripts/train.sh first, or set CHECKPOINT=path/to/best.pth" >&2
+        exit 2
+    fi
+fi
+
+"$PYTHON" eval.py "${LOAD[@]}" --save_prefix "$SAVE_PREFIX" --viz_freq "$VIZ_FREQ" "$@"

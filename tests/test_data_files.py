@@ -807,3 +807,72 @@ def test_a_listed_folder_an_empty_image_and_a_missing_folder_say_what_they_are(t
         result.returncode == 2
         and result.stderr == f'error: list file or folder {tmp_path / "gone"} does not exist{check}\n'
     )
+
+
+def test_the_photo_set_command_refuses_a_folder_it_did_not_make_and_leaves_it_whole(tmp_path):
+    """`python3 -m data.photo_set DEST` deleted an existing DEST and everything in it: one that is not a
+    photo set it made (no photo_set.json) is now refused in one line, before anything is written."""
+    import sys
+
+    from conftest import run_script
+    from data.photo_set import make_photo_set
+
+    dest = tmp_path / 'mine'
+    (dest / 'keep').mkdir(parents=True)
+    (dest / 'keep' / 'a.txt').write_text('hi')
+    result = run_script(sys.executable, '-m', 'data.photo_set', dest)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == (
+        f'error: {dest} exists and is not a photo set made by this command (no photo_set.json); '
+        f'move it away or choose another DEST\n'
+    )
+    assert (dest / 'keep' / 'a.txt').read_text() == 'hi' and os.listdir(tmp_path) == ['mine']  # nothing staged
+    (tmp_path / 'file.txt').write_text('x')
+    with pytest.raises(KilnError, match=f'^{re.escape(str(tmp_path / "file.txt"))} is a file, not a folder; give'):
+        make_photo_set(str(tmp_path / 'file.txt' / 'set'), 1, 1)
+
+
+def test_the_photo_set_fills_an_empty_folder_and_replaces_only_its_own_older_set(tmp_path):
+    """What the refusal above leaves alone: an empty DEST is filled, and a set this command made with other
+    settings is replaced, with no staging folder left beside it."""
+    pytest.importorskip('skimage', reason="the photo set needs scikit-image (python3 -m pip install -e '.[dev]')")
+    from data.photo_set import make_photo_set
+
+    dest = tmp_path / 'set'
+    dest.mkdir()
+    make_photo_set(str(dest), 1, 1, sizes=(16, 24))
+    make_photo_set(str(dest), 1, 1, sizes=(16, 24), seed=1)
+    assert (dest / 'photo_set.json').read_text() == '{"per_class": 1, "val_per_class": 1, "sizes": [16, 24], "seed": 1}'
+    assert sorted(os.listdir(dest)) == ['photo_set.json', 'train', 'val'] and os.listdir(tmp_path) == ['set']
+
+
+def test_the_shapes_command_refuses_a_folder_it_did_not_make_in_one_line_before_generating(tmp_path, monkeypatch):
+    """`python3 -m data.shapes DEST` into a folder that is no shapes dataset generated all 7,200 images, then
+    printed a traceback naming --data_root, an option it does not have: now one line naming DEST, up front;
+    train.py's own default copy still names --data_root."""
+    import sys
+
+    import data.shapes
+    from conftest import run_script
+
+    dest = tmp_path / 'x'
+    (dest / 'mine').mkdir(parents=True)
+    result = run_script(sys.executable, '-m', 'data.shapes', dest)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == (
+        f'error: {dest} exists and is not a generated shapes dataset (no manifest.json); '
+        f'move it away or choose another DEST\n'
+    )
+    assert os.listdir(dest) == ['mine'] and os.listdir(tmp_path) == ['x']
+
+    def no_images(*args):
+        raise AssertionError('generated images before refusing')
+
+    monkeypatch.setattr(data.shapes, '_write_split', no_images)
+    with pytest.raises(KilnError, match='choose another DEST$'):
+        data.shapes.main([str(dest)])
+    with pytest.raises(KilnError, match='choose another --data_root$'):
+        data.shapes.generate_shapes(str(dest))
+    (tmp_path / 'file.txt').write_text('x')
+    with pytest.raises(KilnError, match=f'^{re.escape(str(tmp_path / "file.txt"))} is a file, not a folder; give a'):
+        data.shapes.generate_shapes(str(tmp_path / 'file.txt' / 'shapes'))

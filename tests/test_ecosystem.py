@@ -664,3 +664,54 @@ def test_hparams_rows_of_a_classify_and_a_segment_run_in_one_logdir(tiny_shapes,
     assert set(rows) == {'classify', 'segment'}
     assert {'final/val/miou', 'final/val/pixel_acc', 'best/val/miou'} <= rows['segment']
     assert 'final/val/acc' in rows['classify'] and not rows['segment'] & {'final/val/acc', 'best/val/acc'}
+
+
+# --- 4. paths that name a file where a folder is wanted, and nothing trained yet -----------------
+
+
+def test_a_file_given_as_a_folder_option_says_it_is_a_file(tmp_path):
+    """--checkpoints_dir FILE said `FILE/<experiment> already exists; choose a new --save_prefix`, and
+    --data_root FILE `cannot use FILE: File exists; free disk space or fix the permissions`: both say what
+    FILE is now."""
+    file = tmp_path / 'notes.txt'
+    file.write_text('x')
+    result = run_script('train.py', '--checkpoints_dir', file, '--save_prefix', 'zz', '--cpu', '--no-progress_bar')
+    assert (result.returncode, result.stderr) == (
+        2,
+        f'error: {file} is a file, not a folder; give a folder you can write to as --checkpoints_dir\n',
+    )
+    result = run_script('train.py', '--data_root', file, '--checkpoints_dir', tmp_path / 'ck', '--cpu')
+    assert (result.returncode, result.stderr) == (
+        2,
+        f'error: {file} is a file, not a folder; give a folder as --data_root\n',
+    )
+    assert os.listdir(tmp_path / 'ck') == []  # the run folder made before the data is gone again
+
+
+def test_making_a_folder_where_a_file_is_is_one_line_saying_so_wherever_it_is_made(tmp_path, capsys):
+    """run_cli said "File exists"/"Not a directory" from making a folder meant "free disk space or fix the
+    permissions"; it now says which path on the way is a file."""
+    from utils.errors import run_cli
+
+    file = tmp_path / 'notes.txt'
+    file.write_text('x')
+    for folder, start in [
+        (file, f'{file} is a file'),
+        (file / 'a' / 'b', f'cannot make the folder {file / "a"}: {file} is a file'),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(lambda argv, folder=folder: os.makedirs(folder, exist_ok=True), [])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == (
+            f'error: {start}, not a folder; name a folder there instead, or move the file away (--debug shows where)\n'
+        )
+
+
+def test_the_eval_script_with_nothing_trained_says_to_train_first(tmp_path):
+    """scripts/eval.sh on a fresh clone blamed --load_model_path, which the user never gave."""
+    result = run_script('bash', 'scripts/eval.sh', '--cpu', env={'CHECKPOINTS_DIR': str(tmp_path / 'ck')})
+    assert result.returncode == 2
+    assert result.stderr == (
+        f'error: nothing trained in {tmp_path / "ck"} yet (no {tmp_path / "ck"}/*/best.pth); run bash '
+        f'scripts/train.sh first, or set CHECKPOINT=path/to/best.pth\n'
+    )

@@ -1,6 +1,7 @@
 """User-facing errors: one clear line and a non-zero exit instead of a traceback (imports no torch)."""
 
 import atexit
+import errno
 import os
 import select
 import signal
@@ -14,6 +15,23 @@ class KilnError(Exception):
 
     The message says what is wrong and how to fix it; entry scripts print it as one line.
     """
+
+
+def file_in_the_way(path):
+    """The first path from the top down to `path` (itself included) that exists but is not a folder, or
+    None: why making the folder `path` fails with "File exists" or "Not a directory"."""
+    on_the_way, path = [], os.path.normpath(path)  # named as given (relative stays relative)
+    while path and path not in on_the_way:
+        on_the_way.append(path)
+        path = os.path.dirname(path)
+    return next((p for p in reversed(on_the_way) if os.path.lexists(p) and not os.path.isdir(p)), None)
+
+
+def not_a_folder(path, blocker):
+    """The start of a message saying that the folder `path` cannot be made because of the file `blocker`."""
+    if os.path.normpath(path) == blocker:
+        return f'{path} is a file, not a folder'
+    return f'cannot make the folder {path}: {blocker} is a file, not a folder'
 
 
 SHARED_ERROR_WAIT = 30.0  # seconds a rank other than 0 gives rank 0 to say the same error first
@@ -190,6 +208,14 @@ def _run_reporting_errors(main, argv):
             # the reader of the output left (`| head -1`): stop quietly with SIGPIPE's status, as tools do
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush must not fail
             raise SystemExit(128 + signal.SIGPIPE) from None
+        # a folder to be made where a file is (a path option naming a file): the disk and permissions are fine
+        made = error.errno in (errno.EEXIST, errno.ENOTDIR) and isinstance(error.filename, str)
+        blocker = file_in_the_way(error.filename) if made else None
+        if blocker is not None:
+            exit_with_error(
+                f'error: {not_a_folder(error.filename, blocker)}; name a folder there instead, or move the file '
+                f'away (--debug shows where)'
+            )
         where = f' {error.filename}' if error.filename else ''
         exit_with_error(
             f'error: cannot use{where}: {error.strerror or error}; free disk space or fix the permissions '

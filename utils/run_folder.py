@@ -44,7 +44,7 @@ from options import (
 from utils.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.distributed import world_size
-from utils.errors import KilnError
+from utils.errors import KilnError, file_in_the_way
 from utils.fault_points import fault_point
 
 ARGS_TXT, ARGS_YAML, LOCK = 'args.txt', 'args.yaml', '.lock'
@@ -92,14 +92,21 @@ def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_
     try:
         make_parents(folder)
         os.mkdir(folder)  # fails if it exists: two runs never share a folder
-    except FileExistsError:
-        raise KilnError(f'{folder} already exists; {what_to_change}') from None
     except OSError as error:
-        raise KilnError(
-            f'cannot create {folder} ({error.strerror}); give a folder you can write to as {where_option}'
-        ) from None
+        raise cannot_create(folder, error, what_to_change, where_option) from None
     with discard_folder_if_setup_fails(folder):
         save_args(args, folder)
+
+
+def cannot_create(folder, error, what_to_change, where_option):
+    """The KilnError for an OSError making the folder `folder` or its parents: one that exists is
+    `what_to_change`, a file on the way (a parent, or `folder` itself) names `where_option`."""
+    blocker = file_in_the_way(folder) if error.errno in (errno.EEXIST, errno.ENOTDIR) else None
+    if blocker is not None and blocker != os.path.normpath(folder):  # a parent is a file: not "already exists"
+        return KilnError(f'{blocker} is a file, not a folder; give a folder you can write to as {where_option}')
+    if isinstance(error, FileExistsError) and os.path.lexists(folder):
+        return KilnError(f'{folder} already exists; {what_to_change}')
+    return KilnError(f'cannot create {folder} ({error.strerror}); give a folder you can write to as {where_option}')
 
 
 @contextlib.contextmanager
@@ -157,9 +164,7 @@ class StagedResults:
             BEING_STAGED.add(os.path.abspath(self.path))
         except OSError as error:
             self.discard()
-            raise KilnError(
-                f'cannot create {folder} ({error.strerror}); give a folder you can write to as {where_option}'
-            ) from None
+            raise cannot_create(folder, error, what_to_change, where_option) from None
         with self.discarded_if_failing():
             save_args(args, self.path)
 
