@@ -22,7 +22,8 @@ train.py, which saves; the sweep stops. Then eval.py compares the finished runs'
 --slurm writes <checkpoints_dir>/sweeps/<name>/sweep.sbatch, a --requeue job array with one task per
 line of combinations.txt (line $SLURM_ARRAY_TASK_ID + 1, run with --resume) and submits it with sbatch;
 --sbatch='--gpus=1 --time=4:00:00' adds sbatch options. The array's tasks read that file as they start:
-a sweep of other runs under the same --name is refused. --dry_run prints the commands, writes nothing.
+a sweep of other runs under the same --name is refused once its array was submitted (submitted.txt holds
+the job ids; files that sbatch never took are replaced). --dry_run prints the commands, writes nothing.
 """
 
 import argparse
@@ -481,6 +482,9 @@ SBATCH = """#!/usr/bin/env bash
 #SBATCH --output={folder}/slurm-%A_%a.out
 #SBATCH --chdir={cwd}
 set -euo pipefail
+# an array submitted by hand (sbatch was missing where sweep.py ran) is recorded too, once a task starts
+JOB=${{SLURM_ARRAY_JOB_ID:-?}}
+grep -qx "$JOB" {submitted} 2>/dev/null || echo "$JOB" >> {submitted}
 PYTHON=${{PYTHON:-{python}}}
 LINE=$((SLURM_ARRAY_TASK_ID + 1))
 OPTIONS=$(sed -n "${{LINE}}p" {combos}) || true
@@ -497,9 +501,11 @@ def submit(runs, name, base, sbatch_options, dry_run):
     """Write the job-array script and its combinations, and submit it with sbatch (print them with dry_run)."""
     folder = os.path.abspath(os.path.join(base.checkpoints_dir, 'sweeps', name))
     combos, path = os.path.join(folder, 'combinations.txt'), os.path.join(folder, 'sweep.sbatch')
+    submitted = os.path.join(folder, 'submitted.txt')  # job ids of the arrays sbatch took: they read the files
     script = SBATCH.format(
         name=name,
         combos=shlex.quote(combos),
+        submitted=shlex.quote(submitted),
         last=len(runs) - 1,
         folder=folder,
         cwd=os.getcwd(),
@@ -512,13 +518,19 @@ def submit(runs, name, base, sbatch_options, dry_run):
         print(f'{path}:\n{script}\n{combos}:\n{lines}\n$ {shlex.join(command)}')
         return 0
     files = {combos: lines, path: script}
+    jobs = list(dict.fromkeys(read_lines(submitted)))  # (tasks starting together may record a job twice)
     for file, content in files.items():  # an array submitted earlier reads them as its tasks start or requeue
         with contextlib.suppress(FileNotFoundError), open(file) as f:
-            if f.read() != content:
+            if f.read() == content:
+                continue
+            if jobs:
                 raise KilnError(
-                    f'sweep {name} was submitted before with other runs or settings ({file} differs): '
-                    f'give this sweep its own --name (or, once that job array has ended, delete {combos} and {path})'
+                    f'sweep {name} was submitted before (job {", ".join(jobs)}) with other runs or settings '
+                    f'({file} differs): give this sweep its own --name (or, once that job array has ended, '
+                    f'delete {combos} and {path})'
                 )
+            print(f'note: sweep {name} was written before but never submitted: replacing {combos} and {path}')
+            break
     new = [file for file in files if not os.path.exists(file)]
     os.makedirs(folder, exist_ok=True)
     for file, content in files.items():
@@ -534,8 +546,17 @@ def submit(runs, name, base, sbatch_options, dry_run):
         error = (result.stderr.strip() or '?').splitlines()[-1]
         raise KilnError(f'sbatch failed (exit code {result.returncode}): {error}')
     job = result.stdout.strip().split(';')[0]
+    with open(submitted, 'a') as f:
+        f.write(f'{job}\n')
     print(f'submitted job array {job}: {len(runs)} tasks of {path}; logs in {folder}/slurm-{job}_<task>.out')
     return 0
+
+
+def read_lines(path):
+    """The non-empty lines of the text file `path`, [] where there is none."""
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        return [line.strip() for line in f if line.strip()]
+    return []
 
 
 def main(argv):

@@ -13,8 +13,14 @@ import math
 import numpy as np
 import torch
 
+from data.image_io import IMAGE_EXTENSIONS
 from data.list_dataset import ListDataset
 from utils.errors import KilnError
+
+
+def _looks_like_path(field):
+    """Whether a list line's `field` looks like a piece of a file path: it has a slash or an image extension."""
+    return '/' in field or '\\' in field or field.lower().endswith(IMAGE_EXTENSIONS)
 
 
 class DetListDataset(ListDataset):
@@ -40,16 +46,23 @@ class DetListDataset(ListDataset):
                 box, label = None, -1
             finite = box is not None and all(math.isfinite(value) for value in box)  # inf would clip to an edge
             if not finite or label < 0 or not (box[2] > box[0] and box[3] > box[1]):
-                spaces = (
-                    ' (a path with spaces must be quoted: "my images/a.png" 1,2,30,40,0)' if ',' not in field else ''
-                )
                 raise KilnError(
                     f'{self.list_path}:{number}: expected boxes as "x1,y1,x2,y2,class" of finite numbers with '
-                    f'x2 > x1, y2 > y1 and a class >= 0, got {field!r}{spaces}'
+                    f'x2 > x1, y2 > y1 and a class >= 0, got {field!r}{self.box_hint(field, fields)}'
                 )
             boxes.append(box)
             labels.append(label)
         return np.array(boxes, dtype=np.float32).reshape(-1, 4), np.array(labels, dtype=np.int64)
+
+    @staticmethod
+    def box_hint(field, fields):
+        """What likely went wrong with the box `field` (one of the line's `fields`), as a parenthesis, or ''."""
+        if ',' in field:
+            return ''  # a box with the wrong values: the message says what a box must be
+        if any(_looks_like_path(f) for f in fields if ',' not in f):
+            # the image path was cut at a space: its pieces were read as boxes
+            return ' (a path with spaces must be quoted: "my images/a.png" 1,2,30,40,0)'
+        return ' (separate the five values of a box with commas: 1,2,30,40,0)'
 
     def count_classes(self):
         if self.class_names:

@@ -209,6 +209,84 @@ def test_torchrun_workers_end_with_their_status_and_never_abort(ending, tmp_path
             process.wait()
 
 
+@pytest.mark.parametrize(
+    'exits, blamed',
+    [
+        ({0: 1, 1: 2}, 1),  # rank 0 went down with rank 1 (exit 1 after "another process ... is gone")
+        ({0: 2, 1: 1}, 0),
+        ({0: 1, 1: 1, 2: 143}, 0),  # no error of their own to tell apart: the lowest rank
+    ],
+)
+def test_torchrun_blames_a_workers_own_error_before_one_that_lost_its_peer(exits, blamed, monkeypatch, capsys):
+    """torchrun records failures in whole seconds: a worker that exited because another was gone must not
+    win the tie against the worker whose error caused it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    import utils.torchrun
+
+    failures = {
+        rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file='')
+        for rank, code in exits.items()
+    }
+    for failure in failures.values():
+        failure.timestamp = 1  # the same second
+
+    def failed_job(options):
+        raise ChildFailedError('eval.py', failures)
+
+    monkeypatch.setattr(utils.torchrun.torchrun, 'run', failed_job)
+    with pytest.raises(SystemExit) as exit_info:
+        utils.torchrun.main(['eval.py'])
+    assert exit_info.value.code == exits[blamed]
+    assert f'torchrun: rank {blamed} failed with exit code {exits[blamed]}' in capsys.readouterr().err
+
+
+# rank 1 fails with an error of its own; rank 0 then goes down with it through run_cli, as a collective on
+# the closed connection does, a moment later: torchrun's next check sees both
+PEER_LOST_WORKER = """
+import os, sys, time
+from utils.errors import run_cli
+
+marker = sys.argv[1]
+if os.environ['RANK'] == '1':
+    print('rank 1: error: a data error of its own', file=sys.stderr, flush=True)
+    open(marker, 'w').close()
+    os._exit(2)
+
+def main(argv):
+    while not os.path.exists(marker):
+        time.sleep(0.01)
+    time.sleep(0.05)
+    raise RuntimeError('[gloo] Connection closed by peer [127.0.0.1]:1234')
+
+run_cli(main, [])
+"""
+
+
+def test_torchrun_names_the_failed_rank_not_the_one_that_lost_it(tmp_path):
+    """The job ends with rank 1's exit code and names it, though rank 0 failed (with exit code 1) too."""
+    script = tmp_path / 'worker.py'
+    script.write_text(PEER_LOST_WORKER)
+    result = subprocess.run(
+        [
+            *TORCHRUN,
+            '--standalone',
+            '--nproc-per-node=2',
+            '--monitor-interval=1',  # both workers are gone by torchrun's next look
+            str(script),
+            str(tmp_path / 'rank1_failed'),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO)},
+        timeout=timeout(120),
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert lines[-1] == 'torchrun: rank 1 failed with exit code 2 (its error is above)', result.stderr[-3000:]
+
+
 # --- scripts/slurm_train.sh under stand-in SLURM commands -------------------------------------------
 
 STANDINS = {

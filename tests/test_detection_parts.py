@@ -162,6 +162,13 @@ def test_boxes_dataset_generates_its_default_copy_and_checks_lines(tmp_path, mon
         listing.write_text(f'{image}\n{image} {bad}\n')
         with pytest.raises(KilnError, match='mine.txt:2: expected boxes'):
             DetListDataset(_args(train_list=str(listing)), 'train')
+    # a box with another separator is told to use commas; the quoting hint is for a path cut at a space
+    listing.write_text(f'{image}\n{image} 24;18;36;28;0\n')
+    with pytest.raises(KilnError, match=r"got '24;18;36;28;0' \(separate the five values of a box with commas"):
+        DetListDataset(_args(train_list=str(listing)), 'train')
+    listing.write_text(f'{image}\nmy images/a.png 1,2,30,40,0\n')
+    with pytest.raises(KilnError, match=r"got 'images/a.png' \(a path with spaces must be quoted"):
+        DetListDataset(_args(train_list=str(listing)), 'train')
     listing.write_text(f'{image} 1,2,30,40,9\n')
     with pytest.raises(KilnError, match='class 9 is outside 0..5'):
         DetListDataset(_args(train_list=str(listing), num_classes=6), 'train')

@@ -607,6 +607,43 @@ def test_profile_writes_a_trace_and_prints_the_top_operators(tiny_shapes, tmp_pa
     assert percents == sorted(percents, reverse=True) and percents[0] > 0
 
 
+# --profile's profiler, as train.py sets it up: a few CPU steps, in a process of its own (kineto reads its
+# log level once, as it first starts, and says its error once per process)
+PROFILED_STEPS = """
+import sys, torch
+from utils.debug import training_profiler
+
+with training_profiler(True, sys.argv[1], torch.device('cpu'), wait=0, warmup=1, active=1) as profiler:
+    for _ in range(3):
+        torch.ones(8).sum()
+        profiler.step()
+"""
+
+
+@pytest.mark.parametrize('level', [None, '3'])
+def test_profile_without_cuda_prints_no_kineto_error(level, tmp_path):
+    """On a machine without CUDA, --profile printed kineto's "ERROR: ... gpuGetDeviceCount failed with code
+    35" in the middle of a run that worked; a KINETO_LOG_LEVEL the user set still applies."""
+    env = {**os.environ, 'CUDA_VISIBLE_DEVICES': '', 'PYTHONPATH': str(REPO)}
+    env.pop('KINETO_LOG_LEVEL', None)
+    if level:
+        env['KINETO_LOG_LEVEL'] = level  # 3: kineto's STAGE lines and up
+    result = subprocess.run(
+        [sys.executable, '-c', PROFILED_STEPS, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout(120),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'profile: trace in' in result.stdout
+    if level:
+        assert 'Completed Stage' in result.stderr, result.stderr[-3000:]
+    else:
+        assert 'gpuGetDeviceCount' not in result.stderr and 'ERROR' not in result.stderr, result.stderr[-3000:]
+
+
 def test_detect_anomaly_names_the_operation_whose_backward_made_a_nan(tiny_shapes, tmp_path, monkeypatch, watched):
     import train
     from tasks.task import Task

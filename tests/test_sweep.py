@@ -69,14 +69,19 @@ def _fake_sbatch(tmp_path, answer='echo 4242'):
     return {'PATH': f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', 'SBATCH_ARGS': str(tmp_path / 'sbatch_args')}
 
 
-def _task(script, task_id, tmp_path):
+def _task(script, task_id, tmp_path, job_id='4242'):
     """Array task `task_id` of the job `script`, its python the stand-in of _fake_sbatch."""
     return subprocess.run(
         ['bash', str(script)],
         capture_output=True,
         text=True,
         timeout=timeout(60),
-        env={**os.environ, 'SLURM_ARRAY_TASK_ID': str(task_id), 'PYTHON': str(tmp_path / 'bin' / 'echo_python')},
+        env={
+            **os.environ,
+            'SLURM_ARRAY_JOB_ID': job_id,
+            'SLURM_ARRAY_TASK_ID': str(task_id),
+            'PYTHON': str(tmp_path / 'bin' / 'echo_python'),
+        },
     )
 
 
@@ -337,6 +342,31 @@ def test_a_second_submission_under_the_same_name_leaves_the_first_arrays_files(t
     result = _sweep('--name', 'other', *GRID, '--slurm', '--', *train, code=2, env=failing)
     assert result.stderr == 'error: sbatch failed (exit code 1): sbatch: error: invalid partition\n'
     assert os.listdir(tmp_path / 'ck' / 'sweeps' / 'other') == []
+
+
+def test_a_sweep_sbatch_never_took_is_replaced_and_one_it_took_is_kept(tiny_shapes, tmp_path):
+    """--slurm where sbatch is missing keeps its files (to submit by hand); the same sweep with other runs
+    was then refused as 'submitted before', though nothing had been."""
+    env, train = _fake_sbatch(tmp_path), [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--model_type', 'linear']
+    no_sbatch = {'PATH': str(tmp_path / 'empty')}  # no sbatch (nor anything else) on the PATH
+    folder = tmp_path / 'ck' / 'sweeps' / 'sweep'
+    missing = _sweep('--grid', 'lr=1e-3', '--slurm', '--', *train, code=2, env=no_sbatch)
+    assert missing.stderr.startswith('error: sbatch not found') and (folder / 'sweep.sbatch').exists()
+    assert not (folder / 'submitted.txt').exists()
+    replaced = _sweep('--grid', 'lr=1e-2', '--slurm', '--', *train, env=env)
+    assert 'note: sweep sweep was written before but never submitted' in replaced.stdout
+    assert 'submitted job array 4242' in replaced.stdout and '--lr 1e-2' in (folder / 'combinations.txt').read_text()
+    assert (folder / 'submitted.txt').read_text() == '4242\n'
+    refused = _sweep('--grid', 'lr=1e-3', '--slurm', '--', *train, code=2, env=env)
+    assert 'sweep sweep was submitted before (job 4242)' in refused.stderr and refused.stderr.count('\n') == 1
+    # an array submitted by hand records itself as its first task starts; later ones leave the record alone
+    hand = tmp_path / 'ck' / 'sweeps' / 'hand'
+    _sweep('--name', 'hand', '--grid', 'lr=1e-3', '--slurm', '--', *train, code=2, env=no_sbatch)
+    for _ in range(2):
+        assert _task(hand / 'sweep.sbatch', 0, tmp_path, job_id='77').returncode == 0
+    assert (hand / 'submitted.txt').read_text() == '77\n'
+    refused = _sweep('--name', 'hand', '--grid', 'lr=1e-2', '--slurm', '--', *train, code=2, env=env)
+    assert 'sweep hand was submitted before (job 77)' in refused.stderr
 
 
 def test_options_of_two_values_are_swept(tiny_shapes, tmp_path):

@@ -19,8 +19,14 @@ def training_profiler(enabled, folder, device, wait=2, warmup=2, active=6):
     if not enabled:
         yield _NoProfiler()
         return
+    import torch
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+    if not torch.cuda.is_available():
+        # kineto, the profiler's library, built for CUDA logs "ERROR: ... gpuGetDeviceCount failed" on a
+        # machine without one, in the middle of a run that works: level 5 shows only what it shows besides
+        # errors (its USDT lines). Read as the profiler first starts; a level the user set is kept.
+        os.environ.setdefault('KINETO_LOG_LEVEL', '5')
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
     trace_folder = os.path.join(folder, 'profile')
     with profile(

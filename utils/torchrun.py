@@ -21,12 +21,19 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+# A Kiln worker whose collective failed because another process is gone exits 1 after its "another process
+# of this torchrun job is gone" line (utils/errors.py run_cli); its own errors exit 2.
+PEER_LOST_EXIT_CODE = 1
+
 
 def _blame(exitcode):
     """How likely a worker's exit is the cause of a failed job (0: most): killed by a signal (SIGKILL from
-    the OOM killer, a crash), then an error exit; SIGTERM last (killed by it, or exiting 143 as Kiln's
+    the OOM killer, a crash), then an error exit of its own, then exit code 1 (a worker that went down
+    with a lost peer, or an unexpected traceback); SIGTERM last (killed by it, or exiting 143 as Kiln's
     workers do), since torchrun sends it to the workers it stops after a failure."""
     if exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM):
+        return 3
+    if exitcode == PEER_LOST_EXIT_CODE:
         return 2
     return 0 if exitcode < 0 else 1
 
@@ -41,7 +48,8 @@ def main(argv=None):
         print(f'torchrun: stopped by {signal.Signals(error.sigval).name}', file=sys.stderr, flush=True)
         sys.exit(128 + error.sigval)
     except ChildFailedError as error:
-        # the cause, not the workers that then failed on the broken connection or were stopped by torchrun
+        # the cause, not the workers that then failed on the broken connection or were stopped by torchrun;
+        # torchrun's timestamps are whole seconds, so a tie there goes to the lowest rank
         rank, failure = min(
             error.failures.items(), key=lambda item: (_blame(item[1].exitcode), item[1].timestamp, item[0])
         )
