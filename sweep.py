@@ -22,8 +22,8 @@ train.py, which saves; the sweep stops. Then eval.py compares the finished runs'
 --slurm writes <checkpoints_dir>/sweeps/<name>/sweep.sbatch, a --requeue job array with one task per
 line of combinations.txt (line $SLURM_ARRAY_TASK_ID + 1, run with --resume) and submits it with sbatch;
 --sbatch='--gpus=1 --time=4:00:00' adds sbatch options. The array's tasks read that file as they start:
-a sweep of other runs under the same --name is refused once its array was submitted (submitted.txt holds
-the job ids; files that sbatch never took are replaced). --dry_run prints the commands, writes nothing.
+a sweep of other runs under the same --name is refused (submitted.txt holds the job ids of the arrays
+that read its files). --dry_run prints the commands, writes nothing.
 """
 
 import argparse
@@ -49,6 +49,7 @@ from options import (
     DERIVED,
     NOT_SAVED,
     RESUME_CHANGEABLE,
+    YAML_BOOLEANS,
     KilnArgumentParser,
     Options,
     experiment_folder,
@@ -265,6 +266,9 @@ def tokens(action, value):
     """Command-line tokens that give `action`'s option the text `value` (a switch takes true or false)."""
     flag, on = action.option_strings[0], value.lower() in ('true', 'yes', 'on', '1')
     if action.nargs != 0:
+        if action.choices is not None and value in ('true', 'false'):  # YAML read an unquoted off (on, ...)
+            spelled = [choice for choice in action.choices if str(choice).lower() in YAML_BOOLEANS[value == 'true']]
+            value = spelled[0] if len(spelled) == 1 else value  # amp: [off, bf16] is --amp off
         return [flag, value] if action.nargs in (None, '?') else [flag, *value.split()]  # +, *, 2: several
     if not on and value.lower() not in ('false', 'no', 'off', '0'):
         raise KilnError(f'{flag} is a switch: sweep it over true,false, not {value!r}')
@@ -523,14 +527,16 @@ def submit(runs, name, base, sbatch_options, dry_run):
         with contextlib.suppress(FileNotFoundError), open(file) as f:
             if f.read() == content:
                 continue
-            if jobs:
-                raise KilnError(
-                    f'sweep {name} was submitted before (job {", ".join(jobs)}) with other runs or settings '
-                    f'({file} differs): give this sweep its own --name (or, once that job array has ended, '
-                    f'delete {combos} and {path})'
-                )
-            print(f'note: sweep {name} was written before but never submitted: replacing {combos} and {path}')
-            break
+            # never replaced: an array may read them, also one submitted by hand and not yet started
+            when = (
+                f'submitted before (job {", ".join(jobs)})'
+                if jobs
+                else 'written before (sbatch may not have taken it; an array submitted by hand reads them too)'
+            )
+            raise KilnError(
+                f'sweep {name} was {when} with other runs or settings ({file} differs): give this sweep its own '
+                f'--name (or, once no job array uses them, delete {combos} and {path})'
+            )
     new = [file for file in files if not os.path.exists(file)]
     os.makedirs(folder, exist_ok=True)
     for file, content in files.items():

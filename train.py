@@ -250,7 +250,8 @@ class Trainer:
         optimizer = OPTIMIZERS[options.optimizer](groups, options, fused)
         updates_per_epoch, max_steps = schedule_length(options, train_data)
         epochs = math.ceil(max_steps / updates_per_epoch)
-        if options.unfreeze_at_epoch is not None and options.unfreeze_at_epoch > epochs and not options.fast_dev_run:
+        unfreeze_at = finetuning.unfreeze_at_epoch  # None without --freeze_to: nothing is frozen to unfreeze
+        if unfreeze_at is not None and unfreeze_at > epochs and not options.fast_dev_run:
             raise KilnError(
                 f'--unfreeze_at_epoch {options.unfreeze_at_epoch} comes after the last epoch of this run ({epochs}): '
                 f'the layers frozen by --freeze_to would never train; give an epoch up to {epochs}, or more epochs'

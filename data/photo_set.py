@@ -21,6 +21,7 @@ import tempfile
 
 from PIL import Image
 
+from data.shapes import staging_folder
 from utils.errors import KilnError, file_in_the_way, run_cli
 
 MANIFEST = 'photo_set.json'  # the settings a set was made with: what marks a folder as one this command made
@@ -113,7 +114,7 @@ def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0
     photographs = _photographs()
     parent = os.path.dirname(os.path.abspath(root))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix='.photo_set-', dir=parent)
+    staging = staging_folder(parent, '.photo_set-')
     try:
         rng = random.Random(seed)
         for name, photos in photographs.items():

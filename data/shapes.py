@@ -214,6 +214,16 @@ def _read_manifest(path):
         return None
 
 
+def staging_folder(parent, prefix):
+    """A new hidden folder in `parent` to write a dataset into before renaming it into place, with the
+    permissions a plain mkdir gives (tempfile's are the owner's alone: a shared dataset stayed unreadable)."""
+    staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    umask = os.umask(0o022)  # read by setting it: there is no other way
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
+    return staging
+
+
 def _not_ours(root, where_option):
     """The KilnError for a `root` that exists and is no generated shapes dataset."""
     return KilnError(
@@ -250,7 +260,7 @@ def _generate(root, manifest, write, total, where_option):
     if blocker is not None:
         raise KilnError(f'{blocker} is a file, not a folder; give a folder as {where_option}')
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix='.shapes-', dir=parent)
+    staging = staging_folder(parent, '.shapes-')
     try:
         # disable=None: no bar when stderr is not a terminal (CI logs, tests)
         with tqdm(

@@ -212,9 +212,10 @@ def test_torchrun_workers_end_with_their_status_and_never_abort(ending, tmp_path
 @pytest.mark.parametrize(
     'exits, blamed',
     [
-        ({0: 1, 1: 2}, 1),  # rank 0 went down with rank 1 (exit 1 after "another process ... is gone")
-        ({0: 2, 1: 1}, 0),
-        ({0: 1, 1: 1, 2: 143}, 0),  # no error of their own to tell apart: the lowest rank
+        ({0: 3, 1: 2}, 1),  # rank 0 went down with rank 1 (exit 3 after "another process ... is gone")
+        ({0: 3, 1: 1}, 1),  # rank 1 crashed with a traceback (exit 1): it is the cause
+        ({0: 2, 1: 3}, 0),
+        ({0: 3, 1: 3, 2: 143}, 0),  # no error of their own to tell apart: the lowest rank
     ],
 )
 def test_torchrun_blames_a_workers_own_error_before_one_that_lost_its_peer(exits, blamed, monkeypatch, capsys):
@@ -264,7 +265,7 @@ run_cli(main, [])
 
 
 def test_torchrun_names_the_failed_rank_not_the_one_that_lost_it(tmp_path):
-    """The job ends with rank 1's exit code and names it, though rank 0 failed (with exit code 1) too."""
+    """The job ends with rank 1's exit code and names it, though rank 0 failed (went down with it) too."""
     script = tmp_path / 'worker.py'
     script.write_text(PEER_LOST_WORKER)
     result = subprocess.run(

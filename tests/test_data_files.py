@@ -846,6 +846,19 @@ def test_the_photo_set_fills_an_empty_folder_and_replaces_only_its_own_older_set
     assert sorted(os.listdir(dest)) == ['photo_set.json', 'train', 'val'] and os.listdir(tmp_path) == ['set']
 
 
+def test_generated_datasets_get_the_permissions_of_a_plain_folder(tmp_path):
+    """They were made in a temporary folder, which is its owner's alone, and renamed: a dataset made in a
+    shared folder was unreadable by the others."""
+    from data.shapes import generate_shapes
+
+    umask = os.umask(0o022)
+    try:
+        shapes = generate_shapes(str(tmp_path / 'shapes'), train_size=2, val_size=2)
+    finally:
+        os.umask(umask)
+    assert os.stat(shapes).st_mode & 0o777 == 0o755
+
+
 def test_the_shapes_command_refuses_a_folder_it_did_not_make_in_one_line_before_generating(tmp_path, monkeypatch):
     """`python3 -m data.shapes DEST` into a folder that is no shapes dataset generated all 7,200 images, then
     printed a traceback naming --data_root, an option it does not have: now one line naming DEST, up front;

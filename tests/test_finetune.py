@@ -318,6 +318,14 @@ def test_freezing_options_without_freeze_to_change_nothing(given):
     assert notes == [f'{given[0]} acts with --freeze_to only: this run ignores it'], notes
 
 
+def test_unfreezing_after_the_last_epoch_without_freeze_to_trains_with_a_note(tiny_args):
+    """A config or sweep may set --unfreeze_at_epoch for runs without --freeze_to: it was refused as coming
+    after the last epoch, blaming layers --freeze_to would have frozen (none are)."""
+    result = run_script('train.py', *tiny_args, '--unfreeze_at_epoch', '5', '--save_prefix', 'late')
+    assert result.returncode == 0, result.stderr
+    assert 'note: --unfreeze_at_epoch acts with --freeze_to only: this run ignores it' in result.stdout
+
+
 def test_freezing_every_parameter_is_one_line(tiny_shapes, tmp_path):
     """--freeze_to -1 --freeze_batch_norms froze everything: a traceback from the first backward
     ('element 0 of tensors does not require grad'). Without --freeze_batch_norms the norms still train."""

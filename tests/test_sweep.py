@@ -344,20 +344,24 @@ def test_a_second_submission_under_the_same_name_leaves_the_first_arrays_files(t
     assert os.listdir(tmp_path / 'ck' / 'sweeps' / 'other') == []
 
 
-def test_a_sweep_sbatch_never_took_is_replaced_and_one_it_took_is_kept(tiny_shapes, tmp_path):
+def test_a_sweeps_files_are_never_replaced_and_the_refusal_says_what_uses_them(tiny_shapes, tmp_path):
     """--slurm where sbatch is missing keeps its files (to submit by hand); the same sweep with other runs
-    was then refused as 'submitted before', though nothing had been."""
+    was then refused as 'submitted before', though nothing had been. It is refused (an array submitted
+    by hand reads those files), saying so; one sbatch took, or whose first task started, names its job."""
     env, train = _fake_sbatch(tmp_path), [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--model_type', 'linear']
     no_sbatch = {'PATH': str(tmp_path / 'empty')}  # no sbatch (nor anything else) on the PATH
     folder = tmp_path / 'ck' / 'sweeps' / 'sweep'
     missing = _sweep('--grid', 'lr=1e-3', '--slurm', '--', *train, code=2, env=no_sbatch)
     assert missing.stderr.startswith('error: sbatch not found') and (folder / 'sweep.sbatch').exists()
     assert not (folder / 'submitted.txt').exists()
-    replaced = _sweep('--grid', 'lr=1e-2', '--slurm', '--', *train, env=env)
-    assert 'note: sweep sweep was written before but never submitted' in replaced.stdout
-    assert 'submitted job array 4242' in replaced.stdout and '--lr 1e-2' in (folder / 'combinations.txt').read_text()
-    assert (folder / 'submitted.txt').read_text() == '4242\n'
-    refused = _sweep('--grid', 'lr=1e-3', '--slurm', '--', *train, code=2, env=env)
+    kept = {name: (folder / name).read_text() for name in ('combinations.txt', 'sweep.sbatch')}
+    refused = _sweep('--grid', 'lr=1e-2', '--slurm', '--', *train, code=2, env=env)
+    assert 'sweep sweep was written before (sbatch may not have taken it' in refused.stderr
+    assert refused.stderr.count('\n') == 1 and 'submitted before' not in refused.stderr
+    assert {name: (folder / name).read_text() for name in kept} == kept
+    submitted = _sweep('--grid', 'lr=1e-3', '--slurm', '--', *train, env=env)  # the same sweep: submitted now
+    assert 'submitted job array 4242' in submitted.stdout and (folder / 'submitted.txt').read_text() == '4242\n'
+    refused = _sweep('--grid', 'lr=1e-2', '--slurm', '--', *train, code=2, env=env)
     assert 'sweep sweep was submitted before (job 4242)' in refused.stderr and refused.stderr.count('\n') == 1
     # an array submitted by hand records itself as its first task starts; later ones leave the record alone
     hand = tmp_path / 'ck' / 'sweeps' / 'hand'
@@ -367,6 +371,15 @@ def test_a_sweep_sbatch_never_took_is_replaced_and_one_it_took_is_kept(tiny_shap
     assert (hand / 'submitted.txt').read_text() == '77\n'
     refused = _sweep('--name', 'hand', '--grid', 'lr=1e-2', '--slurm', '--', *train, code=2, env=env)
     assert 'sweep hand was submitted before (job 77)' in refused.stderr
+
+
+def test_a_sweep_file_takes_an_unquoted_off_as_the_choice_off(tiny_shapes, tmp_path):
+    """YAML reads `amp: [off, bf16]` as [false, bf16]: it gave --amp false, an invalid choice."""
+    train = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    config = tmp_path / 'sweep.yaml'
+    config.write_text('grid: {amp: [off, bf16]}\n')
+    printed = _sweep('--config', str(config), '--dry_run', '--', *train).stdout
+    assert '--amp off --save_prefix' in printed and '--amp bf16 --save_prefix' in printed, printed
 
 
 def test_options_of_two_values_are_swept(tiny_shapes, tmp_path):

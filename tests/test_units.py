@@ -406,12 +406,12 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
 
     for main, needle, code in (
         # eval.py's said 'continue with --resume' too
-        (peer_lost, 'Connection closed by peer [127.0.0.1]:9124); its own error says why (--debug', 1),
-        (peer_lost_in_training, '; the newest checkpoint is whole: continue with --resume (--debug', 1),
+        (peer_lost, 'Connection closed by peer [127.0.0.1]:9124); its own error says why (--debug', 3),
+        (peer_lost_in_training, '; the newest checkpoint is whole: continue with --resume (--debug', 3),
         (full_disk, 'No space left on device', 2),
         (not_deterministic, '--deterministic: upsample_bilinear2d_backward_out_cuda does not have', 2),
         (out_of_memory, 'out of memory', 2),
-        (peer_lost, 'another process of this torchrun job is gone', 1),  # it was a traceback
+        (peer_lost, 'another process of this torchrun job is gone', 3),  # it was a traceback
     ):
         with pytest.raises(SystemExit) as exit_info:
             run_cli(main, [])

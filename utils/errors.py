@@ -34,6 +34,9 @@ def not_a_folder(path, blocker):
     return f'cannot make the folder {path}: {blocker} is a file, not a folder'
 
 
+# the exit code of a torchrun worker that went down because another process is gone: not 1 (an unexpected
+# traceback) nor 2 (an error of its own), so that utils/torchrun.py blames the process that failed first
+PEER_LOST_EXIT_CODE = 3
 SHARED_ERROR_WAIT = 30.0  # seconds a rank other than 0 gives rank 0 to say the same error first
 
 
@@ -228,7 +231,7 @@ def _run_reporting_errors(main, argv):
             exit_with_error(
                 f'error: another process of this torchrun job is gone ({_one_line(error)[:160]}); {advice} '
                 f'(--debug shows where)',
-                code=1,
+                code=PEER_LOST_EXIT_CODE,
             )
         if 'does not have a deterministic implementation' in str(error):  # torch's refusal under --deterministic
             exit_with_error(

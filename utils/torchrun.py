@@ -14,23 +14,19 @@ endings changed:
 import signal
 import sys
 
-from utils.errors import quiet_interrupts
+from utils.errors import PEER_LOST_EXIT_CODE, quiet_interrupts
 
 quiet_interrupts()  # a Ctrl-C while torch loads or the rendezvous waits: one line, not a traceback
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-# A Kiln worker whose collective failed because another process is gone exits 1 after its "another process
-# of this torchrun job is gone" line (utils/errors.py run_cli); its own errors exit 2.
-PEER_LOST_EXIT_CODE = 1
-
 
 def _blame(exitcode):
     """How likely a worker's exit is the cause of a failed job (0: most): killed by a signal (SIGKILL from
-    the OOM killer, a crash), then an error exit of its own, then exit code 1 (a worker that went down
-    with a lost peer, or an unexpected traceback); SIGTERM last (killed by it, or exiting 143 as Kiln's
-    workers do), since torchrun sends it to the workers it stops after a failure."""
+    the OOM killer, a crash), then an error exit of its own (a traceback's 1 included), then a worker
+    that went down with a lost peer (PEER_LOST_EXIT_CODE); SIGTERM last (killed by it, or exiting 143
+    as Kiln's workers do), since torchrun sends it to the workers it stops after a failure."""
     if exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM):
         return 3
     if exitcode == PEER_LOST_EXIT_CODE:
