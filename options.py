@@ -865,6 +865,9 @@ def ignored_options(options, argv):
             continue
         if not any(_acts_with(setting, value, need) for need in needs):
             notes.append(f'--{name} acts with {_needed(setting, needs, value)}: this run ignores it')
+    for name in ('limit_train_batches', 'limit_val_batches'):
+        if name in given and getattr(options, 'overfit_batches', None):
+            notes.append(f'--overfit_batches decides the batches trained and validated: this run ignores --{name}')
     names = _augment_names(getattr(options, 'augment', 'default'))
     twice = [name for index, name in enumerate(names) if name in names[:index]]
     if twice and 'augment' in given:

@@ -182,6 +182,10 @@ IGNORED = [
     (['--no-log_images', '--image_interval', '5'], '--image_interval acts with --log_images only'),
     (['--mlflow_uri', 'file:/tmp/x'], '--mlflow_uri acts with mlflow in --loggers only, not tensorboard'),
     (['--loggers', 'csv', '--wandb_project', 'p'], '--wandb_project acts with wandb in --loggers only, not csv'),
+    (
+        ['--overfit_batches', '2', '--limit_val_batches', '1'],
+        '--overfit_batches decides the batches trained and validated: this run ignores --limit_val_batches',
+    ),
     (['--augment', 'hflip,crop,hflip'], '--augment names hflip twice: it is applied twice'),
     (['--augment', 'mixup,cutmix', '--batch_size', '1'], 'batches of 1 leave mixup and cutmix nothing to mix'),
 ]

@@ -209,6 +209,37 @@ def test_torchrun_workers_end_with_their_status_and_never_abort(ending, tmp_path
             process.wait()
 
 
+# a worker that used a thread pool (torch.compile's inductor compiles in one): idle pool threads are not
+# daemons, and only threading's own exit hook stops them
+POOL_WORKER = """
+import concurrent.futures, sys
+from utils.errors import run_to_exit
+
+POOL = concurrent.futures.ThreadPoolExecutor(2)  # kept for the process's life, as inductor keeps its own
+
+def main(argv):
+    print(POOL.submit(lambda: 'computed').result())
+
+run_to_exit(main)
+"""
+
+
+def test_a_torchrun_worker_that_used_a_thread_pool_exits(tmp_path):
+    """run_to_exit joined every non-daemon thread before threading's exit hooks: a --compile run under
+    torchrun finished, printed its report and never exited."""
+    script = tmp_path / 'worker.py'
+    script.write_text(POOL_WORKER)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, 'WORLD_SIZE': '2', 'PYTHONPATH': str(REPO)},  # a worker's ending, without a job
+        timeout=timeout(30),
+    )
+    assert result.returncode == 0 and result.stdout == 'computed\n', result.stderr
+
+
 @pytest.mark.parametrize(
     'exits, blamed',
     [

@@ -155,6 +155,7 @@ def test_a_folder_whose_checkpoints_are_all_corrupt_is_not_started_over(saved_of
     [
         (['--batch_size', '64'], '--batch_size 64 (the run has 16)'),
         (['--optimizer', 'sgd'], '--optimizer sgd (the run has adamw)'),
+        (['--ema_decay', '0.9'], '--ema_decay 0.9 (the run has none)'),  # it said None, no value to give
     ],
 )
 def test_a_resume_that_would_change_the_run_is_refused_before_any_file_changes(saved_often, change, needle):

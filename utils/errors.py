@@ -276,9 +276,10 @@ def run_to_exit(main, argv=None):
         if status is not None:
             print(status, file=sys.stderr)
         status = 0 if status is None else 1
-    for thread in threading.enumerate():  # what Python's exit waits for
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # what Python's exit does, in its order: threading's exit hooks (they stop idle thread pools, such as
+    # torch.compile's, whose threads a plain join waits for forever), the join of every non-daemon thread,
+    # then the atexit handlers
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -29,6 +29,7 @@ import yaml
 
 from options import (
     DERIVED,
+    NONE,
     NOT_SAVED,
     RESUME_CHANGEABLE,
     Options,
@@ -107,6 +108,13 @@ def cannot_create(folder, error, what_to_change, where_option):
     if isinstance(error, FileExistsError) and os.path.lexists(folder):
         return KilnError(f'{folder} already exists; {what_to_change}')
     return KilnError(f'cannot create {folder} ({error.strerror}); give a folder you can write to as {where_option}')
+
+
+def shown_value(value):
+    """An option's value as the command line writes it: `none` for unset, lists as their words."""
+    if value is None:
+        return NONE
+    return ' '.join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 @contextlib.contextmanager
@@ -434,7 +442,9 @@ def _refuse_changes(saved, merged, folder):
     ]
     if changed:
         had = {name: 'none' if getattr(saved, name) is None else getattr(saved, name) for name in changed}
-        shown = ', '.join(f'--{name} {getattr(merged, name)} (the run has {had[name]})' for name in changed)
+        shown = ', '.join(
+            f'--{name} {shown_value(getattr(merged, name))} (the run has {shown_value(had[name])})' for name in changed
+        )
         raise KilnError(
             f'{shown}: a resumed run keeps the options that decide what it computes; drop '
             f'{"it" if len(changed) == 1 else "them"}, or start a new run with --save_prefix. A resume may '
