@@ -147,6 +147,49 @@ def test_a_folder_whose_checkpoints_are_all_corrupt_is_not_started_over(saved_of
     assert {name: os.path.getmtime(os.path.join(folder, name)) for name in os.listdir(folder)} == before
 
 
+def test_a_corrupt_newest_checkpoint_is_skipped_when_the_record_is_gone_too(saved_often):
+    """The rebuilt record took the damaged file's checksum as it was, so it was trusted: the resume
+    failed on it instead of going on from the one before."""
+    folder = _folder(saved_often)
+    os.remove(os.path.join(folder, 'checkpoints.json'))
+    with open(os.path.join(folder, 'epoch002_step0000012.pth'), 'r+b') as f:
+        f.truncate(1000)
+    resumed = _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
+    assert 'skipping' in resumed.stdout and 'epoch002_step0000012.pth (unreadable)' in resumed.stdout
+    assert 'resuming' in resumed.stdout and 'epoch001_step0000010.pth' in resumed.stdout
+    assert _load(os.path.join(folder, 'last.pth'))['position']['step'] == 18
+
+
+@pytest.mark.parametrize(
+    'record',
+    [
+        '{"files": {"epoch002_step0000012.pth": {}}}',
+        '{"files": {"epoch002_step0000012.pth": null}}',
+        '{"files": {"epoch002_step0000012.pth": {"step": "x", "sha256": "0"}}, "best": 5}',
+    ],
+)
+def test_a_record_of_the_wrong_shape_is_rebuilt(saved_often, record):
+    """JSON that is no checkpoint record (an entry without its step, a step that is no number) gave a
+    traceback (KeyError, TypeError); it is rebuilt from the files, as an unreadable one is."""
+    folder = _folder(saved_often)
+    with open(os.path.join(folder, 'checkpoints.json'), 'w') as f:
+        f.write(record)
+    resumed = _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
+    assert 'resuming' in resumed.stdout and 'epoch002_step0000012.pth' in resumed.stdout
+    assert _load(os.path.join(folder, 'last.pth'))['position']['step'] == 18
+
+
+def test_a_deleted_newest_checkpoint_is_restored_from_last_pth(saved_often):
+    """last.pth held the only copy of the newest state: the resume went on from the one before and then
+    moved last.pth on, losing it without a word."""
+    folder = _folder(saved_often)
+    os.remove(os.path.join(folder, 'epoch002_step0000012.pth'))
+    resumed = _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
+    assert 'restored epoch002_step0000012.pth from last.pth' in resumed.stdout
+    assert 'resuming' in resumed.stdout and 'epoch002_step0000012.pth' in resumed.stdout
+    assert _load(os.path.join(folder, 'last.pth'))['position']['step'] == 18
+
+
 # resumes that must be refused ------------------------------------------------------------------------
 
 

@@ -61,13 +61,27 @@ def remove_stale_temporaries(folder):
 
 def read_record(folder):
     """checkpoints.json of `folder` as {'files': {name: {...}}, 'last': name, 'best': name}, or None if
-    it is missing or unreadable."""
+    it is missing, unreadable or not such a record (an entry without its step or checksum, say)."""
     try:
         with open(os.path.join(folder, RECORD)) as f:
             record = json.load(f)
-        return record if isinstance(record, dict) and isinstance(record.get('files'), dict) else None
     except (OSError, ValueError):
         return None
+    return record if _is_record(record) else None
+
+
+def _is_record(record):
+    """Whether `record` has the shape write_record gives it."""
+    if not isinstance(record, dict) or not isinstance(record.get('files'), dict):
+        return False
+    entries = record['files'].values()
+    return all(
+        isinstance(entry, dict)
+        and type(entry.get('step')) is int
+        and isinstance(entry.get('sha256'), str)
+        and (entry.get('metric') is None or type(entry['metric']) in (int, float))
+        for entry in entries
+    ) and all(record.get(link) is None or isinstance(record[link], str) for link in ('last', 'best'))
 
 
 def _linked_name(folder, link, files):
@@ -111,6 +125,7 @@ class CheckpointKeeper:
     def __init__(self, folder, keep_last=1, keep_best=1, mode='max'):
         self.folder, self.keep_last, self.keep_best, self.mode = folder, keep_last, keep_best, mode
         record = read_record(folder) or self.rebuild_record()
+        self._restore_from_links(record['files'])
         self.files = {
             name: entry for name, entry in record['files'].items() if os.path.isfile(os.path.join(folder, name))
         }
@@ -121,17 +136,33 @@ class CheckpointKeeper:
             self.files[name] = {'step': step_of(name), 'sha256': checksum(os.path.join(folder, name)), 'metric': None}
 
     def rebuild_record(self):
-        """A record made from the checkpoint files themselves (when checkpoints.json is missing or corrupt)."""
+        """A record made from the checkpoint files themselves (when checkpoints.json is missing or corrupt):
+        those that load, with the checksum of the bytes that loaded. One that does not is left out: found
+        unrecorded, it is not trusted (newest_trusted skips it) and is pruned like any other."""
         files = {}
         for name in os.listdir(self.folder):
             if step_of(name) is not None:
                 path = os.path.join(self.folder, name)
                 try:
                     metric = load_checkpoint(path).get('monitor_value')
-                except KilnError:  # unreadable: left out, so it is pruned like any other
-                    metric = None
+                except KilnError:
+                    continue
                 files[name] = {'step': step_of(name), 'sha256': checksum(path), 'metric': metric}
         return {'files': files, 'best': _linked_name(self.folder, BEST, files)}
+
+    def _restore_from_links(self, files):
+        """Put back a recorded checkpoint whose file is gone (deleted by hand, say) where last.pth or
+        best.pth still holds its bytes (they were links to it): otherwise the next save would move that
+        link on, and the state would be lost."""
+        for name, entry in files.items():
+            if os.path.exists(os.path.join(self.folder, name)):
+                continue
+            for link in (LAST, BEST):
+                path = os.path.join(self.folder, link)
+                if os.path.isfile(path) and checksum(path) == entry['sha256']:
+                    _link_or_copy(path, os.path.join(self.folder, name))
+                    print(f'restored {name} from {link} (its bytes match the checksum in {RECORD})', flush=True)
+                    break
 
     def save(self, state, epoch, step, metric=None, is_best=False):
         """Write `state` as the checkpoint of (`epoch`, `step`), update last/best and prune; return its path.
