@@ -183,10 +183,13 @@ def test_a_deleted_newest_checkpoint_is_restored_from_last_pth(saved_often):
     """last.pth held the only copy of the newest state: the resume went on from the one before and then
     moved last.pth on, losing it without a word."""
     folder = _folder(saved_often)
-    os.remove(os.path.join(folder, 'epoch002_step0000012.pth'))
+    newest = os.path.join(folder, 'epoch002_step0000012.pth')
+    os.remove(newest)
+    refused = run_script('train.py', *saved_often, '--resume', '--epochs', '3', '--batch_size', '64')
+    assert refused.returncode == 2 and not os.path.exists(newest)  # a refused resume writes nothing
     resumed = _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
-    assert 'restored epoch002_step0000012.pth from last.pth' in resumed.stdout
-    assert 'resuming' in resumed.stdout and 'epoch002_step0000012.pth' in resumed.stdout
+    assert f'resuming {os.path.join(folder, "last.pth")}: epoch 3, batch 0, step 12' in resumed.stdout, resumed.stdout
+    assert 'restored epoch002_step0000012.pth from last.pth' in resumed.stdout  # (pruned later, as any other)
     assert _load(os.path.join(folder, 'last.pth'))['position']['step'] == 18
 
 

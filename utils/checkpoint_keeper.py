@@ -122,12 +122,21 @@ def verify(path):
 class CheckpointKeeper:
     """Writes the checkpoints of one experiment folder and decides which ones to keep (see the module)."""
 
-    def __init__(self, folder, keep_last=1, keep_best=1, mode='max'):
+    def __init__(self, folder, keep_last=1, keep_best=1, mode='max', restore=True):
         self.folder, self.keep_last, self.keep_best, self.mode = folder, keep_last, keep_best, mode
         record = read_record(folder) or self.rebuild_record()
-        self._restore_from_links(record['files'])
+        # a recorded checkpoint whose file is gone (deleted by hand, say) while last.pth or best.pth still
+        # holds its bytes (they were links to it): put back (`restore`; the run's own keeper, which holds
+        # the folder's lock), or read through that link (a read-only look, before a resume is accepted)
+        self.held = {name: link for name, entry in record['files'].items() if (link := self._held_by(name, entry))}
+        for name, link in self.held.items() if restore else ():
+            _link_or_copy(os.path.join(folder, link), os.path.join(folder, name))
+            print(f'restored {name} from {link} (its bytes match the checksum in {RECORD})', flush=True)
+        self.held = {} if restore else self.held
         self.files = {
-            name: entry for name, entry in record['files'].items() if os.path.isfile(os.path.join(folder, name))
+            name: entry
+            for name, entry in record['files'].items()
+            if os.path.isfile(os.path.join(folder, name)) or name in self.held
         }
         self.best = record.get('best') if record.get('best') in self.files else None  # not one set aside
         # files a kill left unrecorded (saved, then killed before the record): kept and pruned like the others
@@ -150,19 +159,16 @@ class CheckpointKeeper:
                 files[name] = {'step': step_of(name), 'sha256': checksum(path), 'metric': metric}
         return {'files': files, 'best': _linked_name(self.folder, BEST, files)}
 
-    def _restore_from_links(self, files):
-        """Put back a recorded checkpoint whose file is gone (deleted by hand, say) where last.pth or
-        best.pth still holds its bytes (they were links to it): otherwise the next save would move that
-        link on, and the state would be lost."""
-        for name, entry in files.items():
-            if os.path.exists(os.path.join(self.folder, name)):
-                continue
-            for link in (LAST, BEST):
-                path = os.path.join(self.folder, link)
-                if os.path.isfile(path) and checksum(path) == entry['sha256']:
-                    _link_or_copy(path, os.path.join(self.folder, name))
-                    print(f'restored {name} from {link} (its bytes match the checksum in {RECORD})', flush=True)
-                    break
+    def _held_by(self, name, entry):
+        """last.pth or best.pth when the recorded checkpoint `name` (its record `entry`) is gone and that
+        link holds its bytes, else None."""
+        if os.path.exists(os.path.join(self.folder, name)):
+            return None
+        for link in (LAST, BEST):
+            path = os.path.join(self.folder, link)
+            if os.path.isfile(path) and checksum(path) == entry['sha256']:
+                return link
+        return None
 
     def save(self, state, epoch, step, metric=None, is_best=False):
         """Write `state` as the checkpoint of (`epoch`, `step`), update last/best and prune; return its path.
@@ -216,7 +222,7 @@ class CheckpointKeeper:
         the names skipped on the way, with the reason)."""
         skipped = []
         for name in sorted(self.files, key=lambda n: self.files[n]['step'], reverse=True):
-            path = os.path.join(self.folder, name)
+            path = os.path.join(self.folder, self.held.get(name, name))
             if name not in self.unrecorded and checksum(path) != self.files[name]['sha256']:
                 skipped.append(f'{name} (its bytes do not match its checksum)')
                 continue

@@ -408,7 +408,7 @@ def _newest_checkpoint(folder):
     """The checkpoint a --resume without a file continues from: the folder's newest whose bytes check out
     (None when it has none yet; a KilnError when it has some and none checks out: starting over in the
     folder would bury them under a new run)."""
-    path, skipped = CheckpointKeeper(folder).newest_trusted()
+    path, skipped = CheckpointKeeper(folder, restore=False).newest_trusted()  # before the lock: reads only
     if path is None and skipped:
         raise KilnError(
             f'{folder}: none of its {len(skipped)} checkpoints can be trusted ({"; ".join(skipped)}); move '
