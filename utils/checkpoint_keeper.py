@@ -128,7 +128,10 @@ class CheckpointKeeper:
         # a recorded checkpoint whose file is gone (deleted by hand, say) while last.pth or best.pth still
         # holds its bytes (they were links to it): put back (`restore`; the run's own keeper, which holds
         # the folder's lock), or read through that link (a read-only look, before a resume is accepted)
-        self.held = {name: link for name, entry in record['files'].items() if (link := self._held_by(name, entry))}
+        link_sums = {}  # each link read once, and only where a recorded file is gone
+        self.held = {
+            name: link for name, entry in record['files'].items() if (link := self._held_by(name, entry, link_sums))
+        }
         for name, link in self.held.items() if restore else ():
             _link_or_copy(os.path.join(folder, link), os.path.join(folder, name))
             print(f'restored {name} from {link} (its bytes match the checksum in {RECORD})', flush=True)
@@ -159,14 +162,16 @@ class CheckpointKeeper:
                 files[name] = {'step': step_of(name), 'sha256': checksum(path), 'metric': metric}
         return {'files': files, 'best': _linked_name(self.folder, BEST, files)}
 
-    def _held_by(self, name, entry):
+    def _held_by(self, name, entry, link_sums):
         """last.pth or best.pth when the recorded checkpoint `name` (its record `entry`) is gone and that
-        link holds its bytes, else None."""
+        link holds its bytes, else None (`link_sums`: the links' checksums found so far)."""
         if os.path.exists(os.path.join(self.folder, name)):
             return None
         for link in (LAST, BEST):
             path = os.path.join(self.folder, link)
-            if os.path.isfile(path) and checksum(path) == entry['sha256']:
+            if link not in link_sums:
+                link_sums[link] = checksum(path) if os.path.isfile(path) else None
+            if link_sums[link] == entry['sha256']:
                 return link
         return None
 
