@@ -10,7 +10,6 @@ Either way `BatchTransform` (data/augment.py) then normalizes and, for training,
 whole batch on the device.
 """
 
-import ctypes
 import functools
 import os
 import signal
@@ -21,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from data.augment import BatchTransform
 from data.sampler import ResumableBatchSampler, SeededDataset, mix
-from utils.distributed import rank, world_size
+from utils.distributed import die_with_parent, rank, world_size
 from utils.seeding import seed_worker
 
 AUGMENT_STREAM = -1  # a number no sample position is (they count from 0): the epoch's draws apart from the samples'
@@ -50,16 +49,6 @@ def _collate_with_positions(collate, item):
     return collate(samples), torch.tensor(positions)
 
 
-def _die_with_parent(parent):
-    """Make this process (a DataLoader worker) exit at once when `parent` dies (Linux), not 5 s later."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def init_worker(parent, worker_id):
     """A DataLoader worker's start (`functools.partial(init_worker, os.getpid())`): stop signals left to
     the main process, death with it, and its random generators seeded."""
@@ -68,7 +57,7 @@ def init_worker(parent, worker_id):
     # with the main process instead
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    _die_with_parent(parent)
+    die_with_parent(parent, 1)  # exits at once with its parent (Linux), not 5 s later
     seed_worker(worker_id)
 
 

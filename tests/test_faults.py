@@ -605,7 +605,7 @@ heard = []
 signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum))
 signal.signal(signal.SIGUSR2, lambda signum, frame: heard.append(signum))  # submitit's time-limit signal
 launcher = os.getppid()
-_stop_with_launcher()
+_stop_with_launcher(launcher)
 os.kill(os.getpid(), LAUNCHER_GONE)  # while the launcher lives: not its death, nothing to take
 os.kill(os.getpid(), signal.SIGUSR2)  # still the handler's it was: submitit saves and requeues on it
 time.sleep(0.1)
@@ -739,6 +739,45 @@ def test_sigterm_to_torchrun_is_agreed_within_a_step_and_ends_with_143(tiny_shap
     assert stderr.strip().splitlines()[-1] == 'torchrun: stopped by SIGTERM'
     step = _load(os.path.join(folder, 'last.pth'))['position']['step']
     assert step % 30 and step % 100000  # saved for the signal, not at an interval
+
+
+# a launcher that dies while its worker starts: the worker then joins a group whose rank 0 never comes
+ORPHANED_LAUNCHER = """
+import os, socket, subprocess, sys
+with socket.socket() as free:
+    free.bind(('127.0.0.1', 0))
+    port = free.getsockname()[1]
+worker = (
+    "import time; time.sleep(1)\\n"  # the launcher is gone by then
+    "from utils.distributed import init_distributed\\n"
+    "init_distributed(cpu=True)\\n"
+    "print('joined')\\n"
+)
+env = {**os.environ, 'KILN_LAUNCHER_PID': str(os.getpid()), 'WORLD_SIZE': '2', 'RANK': '1', 'LOCAL_RANK': '1',
+       'LOCAL_WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(port)}
+quiet = {'stdout': subprocess.DEVNULL, 'stderr': subprocess.DEVNULL}  # not the pipes this launcher's reader waits on
+print(subprocess.Popen([sys.executable, '-c', worker], env=env, start_new_session=True, **quiet).pid, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_worker_whose_launcher_died_while_it_started_exits(tmp_path):
+    """torchrun SIGKILLed while its workers imported: they waited in the rendezvous for a rank 0 that never
+    came (10 minutes; SIGTERM did not reach them there), orphans with nothing to save."""
+    launched = subprocess.run(
+        [sys.executable, '-c', ORPHANED_LAUNCHER],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, 'PYTHONPATH': REPO},
+        timeout=timeout(60),
+    )
+    worker = int(launched.stdout)
+    try:
+        _wait_for(lambda: not _running(worker), seconds=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_workers_stop_and_save_when_torchrun_is_killed(tiny_shapes, tmp_path):

@@ -179,7 +179,8 @@ def test_a_rerun_with_other_fixed_options_is_refused_in_one_line_naming_a_new_na
 def test_failed_run_is_reported_and_the_others_resume_and_run(grid):
     checkpoints, train, _ = grid
     interrupted = _folder(checkpoints, 'sweep_lr0.001_bs16')
-    for name in ('epoch001_step0000006.pth', 'last.pth'):  # as if killed after the save at step 4
+    # as if killed after the save at step 4 (best.pth too: a link to step 6's bytes would be resumed from)
+    for name in ('epoch001_step0000006.pth', 'last.pth', 'best.pth'):
         os.remove(os.path.join(interrupted, name))
     # lr 1e30 makes the loss non-finite at step 2: train.py stops with exit code 2; it runs first, the other after it
     result = _sweep('--grid', 'lr=1e30,1e-3', 'batch_size=16', '--', *train, code=1)

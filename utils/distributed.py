@@ -39,23 +39,48 @@ def init_distributed(cpu=False, gpus=None):
             f'{torch.cuda.device_count()} GPU(s); pass --cpu to train on the CPU, or use '
             f'--nproc-per-node {torch.cuda.device_count()} (at most the GPU count)'
         )
-    _stop_with_launcher()
+    launcher = launcher_pid()
+    # until the group is joined there is nothing to save, and a worker waiting in the rendezvous (C++) takes
+    # no Python signal: it dies with its launcher (at once, also when the launcher died while it started)
+    die_with_parent(launcher, 128 + signal.SIGTERM)
     if use_cuda:
         torch.cuda.set_device(local_rank())
     if not dist.is_initialized():
         dist.init_process_group('nccl' if use_cuda else 'gloo', timeout=datetime.timedelta(minutes=10))
+    _stop_with_launcher(launcher)
     return True
 
 
-def _stop_with_launcher():
-    """Have Linux signal this process when its parent (torchrun) dies, and take that as one SIGTERM, so
-    a worker whose launcher was SIGKILLed saves and stops instead of training on alone. Linux sends the
-    parent-death signal again as each thread of the dying launcher ends, and a second SIGTERM means
-    "stop at once": so the signal is one of its own (a real-time one: SIGUSR1 and SIGUSR2 are
-    SLURM's and submitit's), taken once, and only when the parent is really gone."""
+LAUNCHER_PID = 'KILN_LAUNCHER_PID'  # set by utils/torchrun.py for its workers
+
+
+def launcher_pid():
+    """The pid of the process that started this torchrun worker: utils.torchrun's (it says so in
+    KILN_LAUNCHER_PID, true even after it died), else this process's parent now."""
+    return int(os.environ.get(LAUNCHER_PID) or 0) or os.getppid()
+
+
+def die_with_parent(parent, status):
+    """Have Linux SIGKILL this process when its parent dies; exit with `status` now when `parent` (its
+    pid) is already gone, before the signal could be asked for."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(status)
+
+
+def _stop_with_launcher(launcher):
+    """Have Linux signal this process when its parent (torchrun, pid `launcher`) dies, and take that as
+    one SIGTERM, so a worker whose launcher was SIGKILLed saves and stops instead of training on alone.
+    Linux sends the parent-death signal again as each thread of the dying launcher ends, and a second
+    SIGTERM means "stop at once": so the signal is one of its own (a real-time one: SIGUSR1 and SIGUSR2
+    are SLURM's and submitit's), taken once, and only when the parent is really gone (also when it went
+    while this process joined the group)."""
     if LAUNCHER_GONE is None:  # not Linux
         return
-    launcher, heard = os.getppid(), []
+    heard = []
 
     def launcher_gone(signum, frame):
         if os.getppid() != launcher and not heard:
@@ -66,7 +91,9 @@ def _stop_with_launcher():
         signal.signal(LAUNCHER_GONE, launcher_gone)
         ctypes.CDLL(None).prctl(1, LAUNCHER_GONE)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError, ValueError):  # no prctl, or not the main thread
-        pass
+        return
+    if os.getppid() != launcher:  # gone before the signal was asked for
+        launcher_gone(LAUNCHER_GONE, None)
 
 
 LAUNCHER_GONE = signal.SIGRTMIN + 2 if hasattr(signal, 'SIGRTMIN') else None  # the parent-death signal

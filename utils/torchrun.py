@@ -11,6 +11,7 @@ endings changed:
   torchrun's error dump, and exits with that code.
 """
 
+import os
 import signal
 import sys
 
@@ -20,6 +21,8 @@ quiet_interrupts()  # a Ctrl-C while torch loads or the rendezvous waits: one li
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from utils.distributed import LAUNCHER_PID
 
 
 def _blame(exitcode):
@@ -38,6 +41,7 @@ def main(argv=None):
     """Run torchrun with `argv` (default: the command line); exit as the module docstring says."""
     parser = torchrun.get_args_parser()
     parser.allow_abbrev = False  # what follows the script is the script's: --monitor is not --monitor-interval
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers know whose death to stop at, even before they ask
     try:
         torchrun.run(parser.parse_args(argv))
     except SignalException as error:
