@@ -710,6 +710,12 @@ def _config_to_argv(parser, path):
 YAML_BOOLEANS = {False: ('off', 'no', 'false', 'n'), True: ('on', 'yes', 'true', 'y')}  # YAML 1.1's spellings
 
 
+def choice_read_as(action, value):
+    """The one choice of `action` that YAML 1.1 reads as the bool `value` (`off` for --amp), or None."""
+    spelled = [choice for choice in action.choices or () if str(choice).lower() in YAML_BOOLEANS[value]]
+    return spelled[0] if len(spelled) == 1 else None
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last without a word)."""
 
@@ -735,13 +741,12 @@ def _config_tokens(parser, action, value, where):
     if action.nargs == '?' and isinstance(value, bool):  # --resume: true is the flag alone
         return [flag] if value else []
     if isinstance(value, bool):  # YAML 1.1 reads an unquoted off/no/on/yes as a bool: --amp off is meant
-        spelled = [choice for choice in action.choices or () if str(choice).lower() in YAML_BOOLEANS[value]]
-        if len(spelled) != 1:
+        if choice_read_as(action, value) is None:
             parser.error(
                 f'{where}: YAML read this value as {str(value).lower()} (unquoted yes, no, on and off are '
                 f"true or false); quote the text, e.g. '{YAML_BOOLEANS[value][0]}'"
             )
-        value = spelled[0]
+        value = choice_read_as(action, value)
     if isinstance(value, dict) and action.nargs in ('+', '*'):  # {old: new} for --load_prefix_map
         value = [f'{old}={new}' for old, new in value.items()]
     values = value if isinstance(value, list) else [value]

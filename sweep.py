@@ -49,9 +49,9 @@ from options import (
     DERIVED,
     NOT_SAVED,
     RESUME_CHANGEABLE,
-    YAML_BOOLEANS,
     KilnArgumentParser,
     Options,
+    choice_read_as,
     experiment_folder,
     parse_args,
     parse_train_args,
@@ -266,9 +266,8 @@ def tokens(action, value):
     """Command-line tokens that give `action`'s option the text `value` (a switch takes true or false)."""
     flag, on = action.option_strings[0], value.lower() in ('true', 'yes', 'on', '1')
     if action.nargs != 0:
-        if action.choices is not None and value in ('true', 'false'):  # YAML read an unquoted off (on, ...)
-            spelled = [choice for choice in action.choices if str(choice).lower() in YAML_BOOLEANS[value == 'true']]
-            value = spelled[0] if len(spelled) == 1 else value  # amp: [off, bf16] is --amp off
+        if value in ('true', 'false'):  # YAML read an unquoted off (on, ...): amp: [off, bf16] is --amp off
+            value = choice_read_as(action, value == 'true') or value
         return [flag, value] if action.nargs in (None, '?') else [flag, *value.split()]  # +, *, 2: several
     if not on and value.lower() not in ('false', 'no', 'off', '0'):
         raise KilnError(f'{flag} is a switch: sweep it over true,false, not {value!r}')

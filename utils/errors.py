@@ -37,6 +37,7 @@ def not_a_folder(path, blocker):
 # the exit code of a torchrun worker that went down because another process is gone: not 1 (an unexpected
 # traceback) nor 2 (an error of its own), so that utils/torchrun.py blames the process that failed first
 PEER_LOST_EXIT_CODE = 3
+
 SHARED_ERROR_WAIT = 30.0  # seconds a rank other than 0 gives rank 0 to say the same error first
 
 

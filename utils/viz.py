@@ -63,10 +63,10 @@ def font_for(text, size=11):
 
 
 def tiles(images, tile):
-    """Float images (N, 3, H, W) in [0, 1] (a tensor or array) as uint8 tiles (N, T, T, 3) of side about `tile`: small
-    images enlarged by a whole factor (pixels stay sharp), larger ones shrunk by averaging. In numpy,
-    on one thread: pictures are drawn on the writer thread beside the training step, whose torch ops
-    would wait for a second team of torch threads on the same cores."""
+    """Float images (N, 3, H, W) in [0, 1], a tensor or an array, as uint8 tiles (N, T, T, 3) of side
+    about `tile`: small images enlarged by a whole factor (pixels stay sharp), larger ones shrunk by
+    averaging. In numpy, on one thread: pictures are drawn on the writer thread beside the training
+    step, whose torch ops would wait for a second team of torch threads on the same cores."""
     pixels = np.clip(images.detach().cpu().float().numpy() if torch.is_tensor(images) else images, 0, 1)
     side = pixels.shape[-1]
     if side > tile:
