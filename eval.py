@@ -61,11 +61,11 @@ def load_for_inference(args, given, path):
 
 
 class Evaluator:
-    """Evaluates one checkpoint on a list (torch_base's Evaluator): built from the resolved options and
-    the loaded checkpoint, `eval()` runs the evaluation loop that validation runs (so the numbers agree
-    with training's) and writes result.txt, result.json, predictions.csv and the pictures (every
-    --viz_freq batches, drawn and saved by its Logger's writer thread) into `folder` (the staged one: the
-    results name options.result_dir, the folder it becomes)."""
+    """Evaluates one checkpoint on a list: built from the resolved options and the loaded checkpoint,
+    `eval()` runs the evaluation loop that validation runs (so the numbers agree with training's) and
+    writes result.txt, result.json, predictions.csv and the pictures (every --viz_freq batches, drawn and
+    saved by its Logger's writer thread) into `folder` (the staged one: the results name
+    options.result_dir, the folder it becomes)."""
 
     def __init__(self, options, checkpoint, task_type, folder):
         self.folder = folder
@@ -237,7 +237,9 @@ def write_comparison(folder, rows):
 
 
 def main(argv=None, args=None):
-    """Join torchrun's processes if any, then evaluate the checkpoint, or each of several and compare them."""
+    """Join torchrun's processes if any, then evaluate the checkpoint, or each of several and compare them.
+    Returns the metrics of one checkpoint ({'loss': ..., 'acc': ...}), or for several the comparison's rows:
+    (checkpoint, metrics, list evaluated) each."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = args or parse_args(parse_test_args, argv)
     given = given_options(parse_test_args, argv)

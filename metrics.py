@@ -10,11 +10,6 @@ import torch
 from utils.distributed import all_reduce_sum, collective_device
 
 
-def topk_accuracy(logits, targets, k=1):
-    """Fraction of samples whose true class is among the k highest scores."""
-    return topk_hits(logits, targets, k).double().mean()
-
-
 def topk_hits(logits, targets, k):
     """Per sample, whether the true class is among the k highest scores (bool tensor): fewer than k
     classes rank above it, a tie going to the lower class index as argmax decides it (so top-1 is the

@@ -525,7 +525,7 @@ def parse_train_args(parser):
         '--print_freq',
         type=_positive_int,
         default=20,
-        help='print a line (running train metrics, learning rate, images/s since the line before; and check for a '
+        help='print a line (running train loss, learning rate, images/s since the line before; and check for a '
         'non-finite loss) every N optimizer steps',
     )
     parser.add_argument(
@@ -870,6 +870,8 @@ def ignored_options(options, argv):
             continue
         if not any(_acts_with(setting, value, need) for need in needs):
             notes.append(f'--{name} acts with {_needed(setting, needs, value)}: this run ignores it')
+    if 'loss' in given and options.loss and _task_has_own_loss(options.task):
+        notes.append(f'--task {options.task} computes a loss of its own: this run ignores --loss')
     for name in ('limit_train_batches', 'limit_val_batches'):
         if name in given and getattr(options, 'overfit_batches', None):
             notes.append(f'--overfit_batches decides the batches trained and validated: this run ignores --{name}')
@@ -881,6 +883,13 @@ def ignored_options(options, argv):
     if mixes and options.batch_size == 1 and given & {'augment', 'batch_size'}:
         notes.append(f'batches of 1 leave {mixes} nothing to mix (a sample is mixed with another of its batch)')
     return notes
+
+
+def _task_has_own_loss(task):
+    """Whether `task`'s loss is its own rather than a --loss (its default_loss is None; imports torch)."""
+    from tasks.task_entry import task_class
+
+    return task_class(task).default_loss is None
 
 
 def _acts_with(setting, value, need):

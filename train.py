@@ -353,10 +353,9 @@ class Trainer:
             self.finetuning.unfreeze()
             self.setup.wrap(self.options)
         if is_main_process():
-            print(
-                f'resuming {self.options.resume_from}: epoch {position.epoch + 1}, batch {position.batch}, '
-                f'step {position.step}'
-            )
+            where = self.position_text()  # as the printed lines say it, and the optimizer steps made
+            steps = '' if self.options.max_iteration else f', step {position.step}'
+            print(f'resuming {self.options.resume_from}: {where}{steps}')
 
     # the loop ---------------------------------------------------------------------------------------
     def train(self):
@@ -395,7 +394,7 @@ class Trainer:
                     profiler.step()
                     if self.first_step_seconds is None:
                         self.first_step_seconds = time.perf_counter() - STARTED
-                    if position.step % o.print_freq == 0:  # the only host sync between validations
+                    if position.step % o.print_freq == 0:  # the only host sync between validations and saves
                         self.print_progress(seen)
                     if position.batch == epoch_batches:  # so a checkpoint saved now records a whole epoch
                         position.epoch, position.batch = epoch + 1, 0
@@ -433,6 +432,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        self.position.lr = FineTuning.shown_lr(self.optimizer)  # the rate this step applied: train/lr
         if o.scheduler != 'plateau':
             self.scheduler.step()
         if self.ema is not None:  # --ema_decay
@@ -455,7 +455,7 @@ class Trainer:
         stopping; the curves and pictures go to the Logger. Returns the metrics (and 'improved')."""
         o, step = self.options, self.position.step
         metrics = self.logger.summary()  # train/* since the last validation, over every process
-        metrics['train/lr'] = FineTuning.shown_lr(self.optimizer)
+        metrics['train/lr'] = self.applied_lr()
         last = step >= self.max_steps
         pictures = o.log_images and (last or time.perf_counter() - self.pictured_at >= o.image_interval)
         if self.ema is not None:
@@ -512,7 +512,7 @@ class Trainer:
 
     def judged_options(self):
         """The options as this run acts on them, for the notes on flags it ignores: with the dataset's
-        own augmentations and resize mode where the options left them to it."""
+        own augmentations where the options left them to it (its resize mode was set in `build`)."""
         o = self.options
         dataset = getattr(self.train_data.dataset, 'augment', ())
         return o.replace(augment=','.join(augmentation_names(o.augment, dataset)) or 'none')
@@ -527,6 +527,12 @@ class Trainer:
         updates = math.ceil(position.batch / o.grad_accum_steps)
         return f'epoch {position.epoch + 1}/{o.epochs} step {updates}/{self.updates_per_epoch}'
 
+    def applied_lr(self):
+        """The learning rate of the last optimizer step (the optimizer's, before any step or from a
+        checkpoint of an earlier Kiln that did not keep it)."""
+        lr = self.position.lr
+        return FineTuning.shown_lr(self.optimizer) if lr is None else lr
+
     def print_progress(self, seen):
         """One line of running train metrics (of this process), learning rate and throughput (samples per
         second of every process since the previous line; `seen`: samples this process trained so far),
@@ -538,7 +544,7 @@ class Trainer:
         if is_main_process():
             shown = ' '.join(f'{k} {v:.4f}' for k, v in running.items())
             tqdm.write(
-                f'{self.position_text()} {shown} lr {FineTuning.shown_lr(self.optimizer):.2e} '
+                f'{self.position_text()} {shown} lr {self.applied_lr():.2e} '
                 f'{(seen - seen_then) / (now - then) * world_size():.0f} img/s'
             )
 
@@ -560,7 +566,8 @@ class Trainer:
             per_device_batch_size=o.batch_size,
             total_batch_size=o.batch_size * o.grad_accum_steps * world_size(),
             gradient_accumulation_steps=o.grad_accum_steps,
-            gradient_clip_value=o.clip_grad_norm or o.clip_grad_value,
+            gradient_clip_norm=o.clip_grad_norm,
+            gradient_clip_value=o.clip_grad_value,
             num_update_steps_per_epoch=self.updates_per_epoch,
             max_num_train_steps=self.max_steps,
             world_size=world_size(),
@@ -609,7 +616,11 @@ class Trainer:
         (paths quoted for the shell)."""
         o, folder = self.options, self.options.model_dir
         best = 'none' if self.monitor.best is None else f'{self.monitor.best:.4f}'
-        first = '' if self.first_step_seconds is None else f' (first step {self.first_step_seconds:.1f}s after start)'
+        first = (  # timed from train.py's first line (imports, data, model), the run's seconds from the loop's start
+            ''
+            if self.first_step_seconds is None
+            else f' (first step {self.first_step_seconds:.1f}s after train.py started)'
+        )
         lines = [
             f'{stop.message if stop else "done"} after {seconds:.0f}s at step {self.position.step}{first}; '
             f'best {o.monitor} {best}'

@@ -128,7 +128,7 @@ class Batches:
 
     def close(self):
         """Stop this split's DataLoader workers now. Persistent workers ignore stop signals (see
-        _init_worker), so a run that ends by an error, while something still refers to them, would
+        init_worker), so a run that ends by an error, while something still refers to them, would
         otherwise wait for them at exit forever."""
         iterator = getattr(self.loader, '_iterator', None)
         if iterator is not None:

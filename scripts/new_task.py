@@ -50,7 +50,7 @@ class {cls}(Task):
 
     default_model = 'small_cnn'  # TODO: --model_type when none is given (model/model_entry.py)
     default_data = ('shapes', 'list')  # TODO: --data_type without / with list files (data/data_entry.py)
-    default_loss = 'cross_entropy'  # TODO: a LOSSES name (loss.py), or override loss() below
+    default_loss = 'cross_entropy'  # TODO: a LOSSES name (loss.py), or None and override loss() below
     monitor = 'val/acc'  # TODO: the metric that picks best.pth ('val/' + a name metric_names returns)
     monitor_mode = 'max'
     targets = ('label',)  # TODO: the batch keys your datasets give besides 'image'

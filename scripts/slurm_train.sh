@@ -71,7 +71,7 @@ srun --kill-on-bad-exit=1 bash -c 'kiln_node "$@"' kiln_node \
     --max-restarts="$MAX_RESTARTS" \
     train.py --save_prefix "slurm_$SLURM_JOB_NAME" --resume "${DEVICE[@]}" "$@" &
 SRUN=$!
-while :; do  # as in node(): USR1 ends the wait early
+while :; do  # as in kiln_node(): USR1 ends the wait early
     wait $SRUN && status=0 || status=$?
     kill -0 $SRUN 2>/dev/null || break
 done

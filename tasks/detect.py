@@ -38,6 +38,7 @@ class DetectTask(Task):
 
     default_model = 'center_net'
     default_data = ('shapes_det', 'det_list')
+    default_loss = None  # its own: detection_loss (--loss does not apply)
     default_image_size = 64
     monitor = 'val/map'  # mAP@0.5 reaches 1.0 early and stays there: best.pth would be its first epoch at 1.0
     targets = ('boxes', 'box_labels')
@@ -60,7 +61,7 @@ class DetectTask(Task):
         return None  # mAP needs every box of a split on the host: validation measures it, training logs the loss
 
     def pictures(self, batch, outputs):
-        count = min(8, self.count(batch))
+        count = min(self.pictured, self.count(batch))
         boxes, scores, labels = decode_detections(outputs)
         images = (self.display_images(batch, count) * 255).round().byte()
         return {

@@ -27,7 +27,7 @@ class SegmentTask(Task):
         return SegmentationMetrics(self.num_classes)
 
     def pictures(self, batch, outputs):
-        count = min(8, self.count(batch))
+        count = min(self.pictured, self.count(batch))
         predicted, true = self.to_host(outputs[:count].argmax(1), batch['mask'][:count])
         return {'segmentation': segmentation_grid(self.display_images(batch, count), predicted, true, self.num_classes)}
 

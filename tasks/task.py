@@ -25,7 +25,7 @@ class Task:
 
     default_model = 'small_cnn'  # --model_type when none is given
     default_data = ('shapes', 'list')  # --data_type when none is given: without / with list files
-    default_loss = 'cross_entropy'  # --loss, a LOSSES name (loss.py)
+    default_loss = 'cross_entropy'  # --loss, a LOSSES name (loss.py); None: `loss` is the task's own, --loss unused
     default_image_size = 32  # --img_size
     monitor = 'val/acc'  # default --monitor, and its --monitor_mode
     monitor_mode = 'max'
@@ -42,7 +42,8 @@ class Task:
         # a name per output: classes beyond the named ones (a larger --num_classes) go by their number
         names = list(class_names or [])
         self.class_names = names + [str(c) for c in range(len(names), self.num_classes)]
-        self.criterion = select_loss(options.loss or self.default_loss)
+        own = self.default_loss is None  # `loss` is the task's own: a --loss given is said to be ignored (options.py)
+        self.criterion = None if own else select_loss(options.loss or self.default_loss)
 
     @classmethod
     def metric_names(cls, options):

@@ -187,6 +187,7 @@ IGNORED = [
         '--overfit_batches decides the batches trained and validated: this run ignores --limit_val_batches',
     ),
     (['--augment', 'hflip,crop,hflip'], '--augment names hflip twice: it is applied twice'),
+    (['--task', 'detect', '--loss', 'label_smoothing'], '--task detect computes a loss of its own: this run ignores'),
     (['--augment', 'mixup,cutmix', '--batch_size', '1'], 'batches of 1 leave mixup and cutmix nothing to mix'),
 ]
 
@@ -213,6 +214,7 @@ def test_only_flags_given_are_said_to_be_ignored(data, tmp_path):
 
     assert notes([]) == notes(['--augment', 'crop', '--optimizer', 'adam', '--scheduler', 'none']) == []
     assert notes(['--crop_scale', '0.5', '1', '--color_jitter', '0.1', '--crop_pct', '0.5']) == []
+    assert notes(['--loss', 'label_smoothing']) == notes(['--task', 'segment', '--loss', 'label_smoothing']) == []
     sgd = ['--optimizer', 'sgd', '--momentum', '0', '--scheduler', 'step', '--lr_step_epochs', '2', '--lr_gamma', '1']
     assert notes(sgd) == []
     acting = ['--compile', '--compile_mode', 'default', '--freeze_to', '1', '--freeze_batch_norms']

@@ -497,7 +497,7 @@ def test_time_limit_warning_saves_and_the_requeued_job_continues(slurm, whole_jo
     assert 0 < stopped_at < STEPS
 
     requeued = slurm.submit('parts', args, job_id=job.id).finish()
-    assert requeued.split('resuming ', 1)[1].splitlines()[0].endswith(f'step {stopped_at}')
+    assert requeued.split('resuming ', 1)[1].splitlines()[0].endswith(f': step {stopped_at}/{STEPS}')
     assert _step(folder) == STEPS  # where the uninterrupted job ended, with the same weights
     _assert_same_weights(_last(folder), _whole_state(whole_job), atol=1e-6)
 
@@ -515,7 +515,7 @@ def test_a_term_to_every_process_saves_and_torchrun_restarts_from_it(slurm, whol
     assert output.count('stopped by SIGTERM') == 1 and 'interrupted' not in output, output[-3000:]
     stopped_at = int(output.split('stopped by SIGTERM', 1)[1].split(' at step ', 1)[1].split()[0])
     assert 0 < stopped_at < STEPS and output.count('resuming') == 1
-    assert output.split('resuming ', 1)[1].splitlines()[0].endswith(f'step {stopped_at}')
+    assert output.split('resuming ', 1)[1].splitlines()[0].endswith(f': step {stopped_at}/{STEPS}')
     assert _step(folder) == STEPS and 'requeue' not in ' '.join(slurm.commands(job.id))
     _assert_same_weights(_last(folder), _whole_state(whole_job), atol=1e-6)
 

@@ -188,7 +188,7 @@ def test_a_deleted_newest_checkpoint_is_restored_from_last_pth(saved_often):
     refused = run_script('train.py', *saved_often, '--resume', '--epochs', '3', '--batch_size', '64')
     assert refused.returncode == 2 and not os.path.exists(newest)  # a refused resume writes nothing
     resumed = _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
-    assert f'resuming {os.path.join(folder, "last.pth")}: epoch 3, batch 0, step 12' in resumed.stdout, resumed.stdout
+    assert f'resuming {os.path.join(folder, "last.pth")}: epoch 2/3, step 12' in resumed.stdout, resumed.stdout
     assert 'restored epoch002_step0000012.pth from last.pth' in resumed.stdout  # (pruned later, as any other)
     assert _load(os.path.join(folder, 'last.pth'))['position']['step'] == 18
 

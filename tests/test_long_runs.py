@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from conftest import REPO, run_script, timeout, tiny_run_args
+from test_trackers import read_metrics_csv
 from utils.checkpoint_keeper import CheckpointKeeper, verify
 from utils.errors import KilnError
 from utils.run_history import RunHistory
@@ -233,6 +234,31 @@ def test_a_run_resumed_with_more_epochs_follows_the_longer_schedule_from_its_fir
     finally:
         hook.remove()
     assert rates == long[12:]
+
+
+def test_train_lr_is_the_rate_each_step_applied_across_a_resume(tiny_args):
+    """train/lr (and the printed lr) showed the rate of the step to come: the first warm-up rate never
+    appeared and a cosine curve ended on 0, a rate no step used."""
+    rates = []
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: rates.append(optimizer.param_groups[-1]['lr'])
+    )
+    shape = ['--scheduler', 'cosine', '--warmup_steps', '3', '--valid_interval', '1', '--print_freq', '1']
+    shape += ['--loggers', 'csv', '--clip_grad_norm', '5', '--max_iteration', '8']
+    try:
+        printed = _train(tiny_args, *shape, '--max_iteration', '5').stdout
+        _train(['--resume', _folder(tiny_args), '--max_iteration', '8'])  # a step just after a resume too
+    finally:
+        hook.remove()
+    _, table = read_metrics_csv(os.path.join(_folder(tiny_args), 'metrics.csv'))
+    assert len(rates) == 8 and rates[0] < rates[1] < rates[2]  # warming up
+    assert [table['train/lr'][step] for step in range(1, 9)] == pytest.approx(rates, rel=1e-6)
+    assert [float(line.split(' lr ')[1].split()[0]) for line in printed.splitlines() if ' lr ' in line] == (
+        pytest.approx(rates[:5], rel=1e-2)  # printed with 3 digits
+    )
+    with open(os.path.join(_folder(tiny_args), 'run_config.json')) as f:
+        config = json.load(f)
+    assert (config['gradient_clip_norm'], config['gradient_clip_value']) == (5.0, None)  # was 'value': 5.0
 
 
 def test_second_ctrl_c_stops_at_once(tiny_shapes, tmp_path):

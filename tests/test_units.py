@@ -15,7 +15,7 @@ from conftest import REPO, timeout
 from data.list_dataset import ListDataset
 from data.mem_list_dataset import MemListDataset
 from data.shapes import generate_shapes
-from metrics import accuracy_from_confusion, confusion_matrix, topk_accuracy
+from metrics import accuracy_from_confusion, confusion_matrix, topk_hits
 from model.submodules import ConvBNReLU, UpBlock
 from options import parse_args, parse_test_args, parse_train_args
 from utils.checkpoint import load_checkpoint, load_match_dict, load_weights, save_checkpoint, unwrap_model
@@ -169,9 +169,9 @@ def test_topk_hits_break_ties_as_argmax_does(seed):
 def test_metrics():
     logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 3.0, 2.0], [1.0, 2.0, 3.0], [3.0, 1.0, 2.0]])
     targets = torch.tensor([0, 2, 0, 1])
-    assert topk_accuracy(logits, targets, 1).item() == pytest.approx(0.25)
-    assert topk_accuracy(logits, targets, 2).item() == pytest.approx(0.5)
-    assert topk_accuracy(logits, targets, 10).item() == 1.0
+    assert topk_hits(logits, targets, 1).double().mean().item() == pytest.approx(0.25)
+    assert topk_hits(logits, targets, 2).double().mean().item() == pytest.approx(0.5)
+    assert topk_hits(logits, targets, 10).double().mean().item() == 1.0
     matrix = confusion_matrix(logits.argmax(1), targets, 3)
     assert matrix.tolist() == [[1, 0, 1], [1, 0, 0], [0, 1, 0]]
     overall, recall = accuracy_from_confusion(matrix)
@@ -936,3 +936,13 @@ def test_a_checkpoint_whose_optimizer_groups_differ_says_an_earlier_kiln_may_hav
     checkpoint = {'optimizer': before.state_dict()}
     with pytest.raises(KilnError, match='grouped the layers otherwise: start a new run from its weights'):
         Checkpointer({'optimizer': now}).load(checkpoint, 'old.pth')
+
+
+def test_every_augmentation_is_an_augment_choice():
+    """options.py (no torch: --augment is checked before torch loads) keeps the augmentation names beside
+    data/augment.py's AUGMENTATIONS and MIXES; one registered only there was refused by --augment."""
+    import options
+    from data.augment import AUGMENTATIONS, MIXES
+
+    assert set(options.AUGMENTATIONS) == set(AUGMENTATIONS) | set(MIXES), 'add the name to options.AUGMENTATIONS'
+    assert set(options.MIX_NAMES) == set(MIXES)

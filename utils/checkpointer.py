@@ -20,13 +20,15 @@ from utils.seeding import rng_states, set_rng_states
 
 @dataclasses.dataclass
 class Position:
-    """Where the loop is: epochs completed, batches of the current epoch done, optimizer steps made, and
-    whether the validation due at this step is still to run (a stop signal came first)."""
+    """Where the loop is: epochs completed, batches of the current epoch done, optimizer steps made,
+    whether the validation due at this step is still to run (a stop signal came first), and the learning
+    rate the last step applied (what train/lr shows: the scheduler has moved on to the next step's)."""
 
     epoch: int = 0
     batch: int = 0
     step: int = 0
     validation_due: bool = False
+    lr: float | None = None
 
     def state_dict(self):
         return dataclasses.asdict(self)
@@ -34,6 +36,7 @@ class Position:
     def load_state_dict(self, state):
         self.epoch, self.batch, self.step = state['epoch'], state['batch'], state['step']
         self.validation_due = state.get('validation_due', False)  # absent from checkpoints of earlier Kilns
+        self.lr = state.get('lr')
 
     def data_order(self, batches):
         """A part that keeps the current epoch's sample order, to check that a resumed run reads the same data."""

@@ -454,17 +454,19 @@ def _refuse_changes(saved, merged, folder):
 
 @dataclasses.dataclass(frozen=True)
 class TrainerRunConfig:
-    """The shape of a training run, fixed when it starts (written as run_config.json)."""
+    """The shape of a training run, fixed when it starts (written as run_config.json; pytorch-accelerated's
+    fields, and the gradient clipping as its two options give it)."""
 
     num_epochs: int
     per_device_batch_size: int
     total_batch_size: int
     gradient_accumulation_steps: int
+    gradient_clip_norm: float | None
     gradient_clip_value: float | None
     num_update_steps_per_epoch: int
     max_num_train_steps: int
     world_size: int
-    is_local_process_zero: bool
+    is_local_process_zero: bool  # as pytorch-accelerated's TrainerRunConfig has them (rank 0 writes the file)
     is_world_process_zero: bool
     is_distributed: bool
     mixed_precision: str

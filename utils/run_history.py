@@ -1,4 +1,5 @@
-"""What a run has measured so far: best-checkpoint and early-stopping decisions read it."""
+"""What a run has measured so far: every validation's metrics, for history.json and the final/* values
+(best.pth and early stopping are decided by utils/monitor.py). The shape of pytorch-accelerated's RunHistory."""
 
 from utils.errors import KilnError
 

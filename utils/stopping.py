@@ -146,9 +146,9 @@ class Stopper:
         if model is not None:
             tensors = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
             finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).to(collective_device())
-            finite = all_reduce_max((~finite).to(torch.uint8))
-            if finite.any():
-                name = tensors[int(finite.nonzero()[0])][0]
+            bad = all_reduce_max((~finite).to(torch.uint8))  # a tensor not finite in any process
+            if bad.any():
+                name = tensors[int(bad.nonzero()[0])][0]
                 self.stop = Stop(StopReason.NONFINITE, f'non-finite values in {name} at step {step}')
                 return False
         return True
