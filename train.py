@@ -58,16 +58,9 @@ from utils.logger import Logger
 from utils.model_setup import setup_model
 from utils.monitor import Monitor
 from utils.progress import progress
-from utils.run_folder import (
-    TrainerRunConfig,
-    append_reproducibility_record,
-    checkpoint_path,
-    discard_folder_if_setup_fails,
-    open_experiment,
-    reproducibility_record,
-    save_args,
-)
+from utils.run_folder import checkpoint_path, discard_folder_if_setup_fails, open_experiment
 from utils.run_history import RunHistory
+from utils.run_records import TrainerRunConfig, append_reproducibility_record, reproducibility_record, save_args
 from utils.seeding import set_deterministic, set_seed
 from utils.stopping import Stopper, StopReason
 from utils.trackers import build_trackers

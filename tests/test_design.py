@@ -344,7 +344,7 @@ def test_state_dicts_need_no_other_process_and_the_checkpointer_adds_them_up(tmp
 
 def test_args_files_are_fsynced_before_they_replace_the_old_ones(tmp_path, monkeypatch):
     from options import parse_args, parse_train_args
-    from utils.run_folder import save_args
+    from utils.run_records import save_args
 
     synced, fsync = [], os.fsync
 

@@ -1,5 +1,5 @@
-"""Run folders and their records: experiment folders (made, locked, reopened by --resume), the
-result folders of eval.py and predict.py, and what each run writes about itself.
+"""Run folders: experiment folders (made, locked, reopened by --resume) and the result folders of
+eval.py and predict.py (what a run writes about itself is utils/run_records.py).
 
 Nothing a user has is overwritten: a new run never reuses a folder, a resumed run refuses options
 that would change what it computes before it touches any file, and a folder is locked while a run
@@ -7,25 +7,16 @@ uses it.
 """
 
 import contextlib
-import dataclasses
-import datetime
 import errno
 import fcntl
 import filecmp
 import glob
 import hashlib
-import importlib.metadata
-import json
 import os
-import platform
 import re
 import shutil
 import socket
-import subprocess
-import sys
 import time
-
-import yaml
 
 from options import (
     DERIVED,
@@ -39,17 +30,16 @@ from options import (
     parse_args,
     parse_train_args,
     resolve,
-    saved_options,
     with_absolute_lists,
 )
-from utils.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, sync_directory
+from utils.checkpoint import load_checkpoint, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.distributed import world_size
 from utils.errors import KilnError, file_in_the_way
 from utils.fault_points import fault_point
+from utils.run_records import ARGS_TXT, ARGS_YAML, save_args
 
-ARGS_TXT, ARGS_YAML, LOCK = 'args.txt', 'args.yaml', '.lock'
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCK = '.lock'
 # what a run writes into its folder by itself: removed again when a new run fails before its first checkpoint
 RUN_FILES = (
     ARGS_TXT,
@@ -62,18 +52,6 @@ RUN_FILES = (
     'load_report.json',
     'metrics.csv',
 )
-
-
-def save_args(args, folder):
-    """Write the options to `folder` as args.txt (for people) and args.yaml (for --config and --resume),
-    as durably as checkpoints: fsynced, then renamed (a power cut leaves the old file or the new one)."""
-    shown = saved_options(args)
-    lines = ['# ' + ' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n']
-    width = max(map(len, shown))
-    lines += [f'{k:<{width}} : {v}\n' for k, v in sorted(shown.items())]
-    atomic_write_bytes(''.join(lines).encode(), os.path.join(folder, ARGS_TXT))
-    saved = yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, sort_keys=True)
-    atomic_write_bytes(saved.encode(), os.path.join(folder, ARGS_YAML))
 
 
 def make_parents(path):
@@ -450,105 +428,6 @@ def _refuse_changes(saved, merged, folder):
             f'{"it" if len(changed) == 1 else "them"}, or start a new run with --save_prefix. A resume may '
             f'change only: {", ".join("--" + name for name in RESUME_CHANGEABLE)} (folder {folder})'
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerRunConfig:
-    """The shape of a training run, fixed when it starts (written as run_config.json; pytorch-accelerated's
-    fields, and the gradient clipping as its two options give it)."""
-
-    num_epochs: int
-    per_device_batch_size: int
-    total_batch_size: int
-    gradient_accumulation_steps: int
-    gradient_clip_norm: float | None
-    gradient_clip_value: float | None
-    num_update_steps_per_epoch: int
-    max_num_train_steps: int
-    world_size: int
-    is_local_process_zero: bool  # as pytorch-accelerated's TrainerRunConfig has them (rank 0 writes the file)
-    is_world_process_zero: bool
-    is_distributed: bool
-    mixed_precision: str
-
-    def save(self, folder):
-        """Write the config as run_config.json in `folder`."""
-        atomic_write_json(dataclasses.asdict(self), os.path.join(folder, 'run_config.json'))
-
-
-def _git(*command):
-    """`git COMMAND` in the template's folder, started now (its output is read by `_output`), or None."""
-    try:
-        return subprocess.Popen(
-            ['git', *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-    except OSError:
-        return None
-
-
-def _output(process):
-    """What a `_git` process printed, or None when it failed or took more than 20 s."""
-    if process is None:
-        return None
-    try:
-        stdout, _ = process.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
-        return None
-    return stdout if process.returncode == 0 else None
-
-
-def _version(package):
-    """The version of `package`: the module's own when it is imported, else its metadata (torchvision
-    is not imported just for this: that takes seconds)."""
-    if package in sys.modules:
-        return getattr(sys.modules[package], '__version__', None)
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def reproducibility_record(args):
-    """This start of a run (the first, or a resume): the command line and its working folder, the
-    resolved options, the git commit and the diff of uncommitted changes, library versions, the host
-    and the start time. Call it from the main thread before DataLoader workers are forked (git starts
-    here; a fork while git started on another thread would leave git's pipe open in the worker, and
-    that thread waiting; `platform.platform()` runs `uname -p` the first time, so it is asked here too);
-    `append_reproducibility_record` reads git's answers and adds the versions and the host, which take
-    milliseconds to look up and start no process."""
-    return {
-        'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-        'command': [sys.executable] + sys.argv,  # under torchrun, each process's: see world_size
-        'world_size': int(os.environ.get('WORLD_SIZE', 1)),  # torchrun's processes, in all and per machine
-        'processes_per_machine': int(os.environ.get('LOCAL_WORLD_SIZE', 1)),
-        'cwd': os.getcwd(),
-        'args': {k: v for k, v in sorted(vars(args).items())},
-        'git_commit': _git('rev-parse', 'HEAD'),
-        'git_diff': _git('diff', 'HEAD'),
-        'platform': platform.platform(),
-    }
-
-
-def append_reproducibility_record(folder, record):
-    """Add `record` (a `reproducibility_record`) to `folder`/reproduce.json, one entry per start, once git
-    has answered, with the library versions and the host."""
-    commit = _output(record['git_commit'])
-    record = {
-        **record,
-        'git_commit': commit.strip() if commit else None,
-        'git_diff': _output(record['git_diff']),
-        'python': platform.python_version(),
-        **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
-        'host': socket.gethostname(),
-    }
-    path = os.path.join(folder, 'reproduce.json')
-    entries = []
-    with contextlib.suppress(OSError, ValueError):
-        with open(path) as f:
-            entries = json.load(f)
-    atomic_write_json([*entries, record], path)
 
 
 def checkpoint_path(path):
