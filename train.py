@@ -11,7 +11,7 @@ import time
 
 STARTED = time.perf_counter()  # for the time-to-first-step figure
 
-from utils.errors import KilnError, is_peer_lost, quiet_interrupts, run_cli, run_to_exit
+from utils.errors import KilnError, is_peer_lost, quiet_interrupts, run_cli, run_to_exit, shell_word
 
 quiet_interrupts()  # a Ctrl-C while torch loads: one line, exit 130
 from options import parse_args, parse_train_args
@@ -22,7 +22,6 @@ if __name__ == '__main__':
 import contextlib
 import math
 import os
-import shlex
 import sys
 
 import torch
@@ -65,6 +64,7 @@ from utils.seeding import set_deterministic, set_seed
 from utils.stopping import Stopper, StopReason
 from utils.trackers import build_trackers
 
+REPO = os.path.dirname(os.path.realpath(__file__))  # real, as os.getcwd() gives it
 # `fused`: one kernel per step; with --amp fp16 on a GPU it also takes GradScaler's inf check on the
 # device, where the plain optimizers have GradScaler read it on the host at every step (a sync)
 OPTIMIZERS = {
@@ -633,19 +633,22 @@ class Trainer:
             lines.append(f'  checkpoints: {", ".join(self.folder(name) for name in existing)}')
         if 'tensorboard' in o.loggers:  # beside the other runs, or alone where a resume found it
             beside = os.path.dirname(os.path.abspath(folder)) == os.path.abspath(o.checkpoints_dir)
-            lines.append(f'  TensorBoard: tensorboard --logdir {shlex.quote(o.checkpoints_dir if beside else folder)}')
+            lines.append(f'  TensorBoard: tensorboard --logdir {shell_word(o.checkpoints_dir if beside else folder)}')
         if BEST in existing:
-            lines.append(f'  evaluate:    python eval.py --load_model_path {shlex.quote(self.folder(BEST))}')
+            best = shell_word(self.folder(BEST))
+            lines.append(f'  evaluate:    python {program("eval.py")} --load_model_path {best}')
         if LAST in existing:  # with as many processes: the checkpoint's place in the data counts theirs
             count, here = world_size(), os.environ.get('LOCAL_WORLD_SIZE')
+            torchrun = 'python -m utils.torchrun'  # a module of the project: found from its folder
+            torchrun = torchrun if os.getcwd() == REPO else f'PYTHONPATH={shell_word(REPO)} {torchrun}'
             launch = (
                 'python '
                 if count == 1
-                else f'python -m utils.torchrun --standalone --nproc-per-node={count} '
+                else f'{torchrun} --standalone --nproc-per-node={count} '
                 if here == str(count)
                 else f'torchrun ({count} processes) '
             )
-            lines.append(f'  continue:    {launch}{self.script()} --resume {shlex.quote(self.folder(LAST))}')
+            lines.append(f'  continue:    {launch}{self.script()} --resume {shell_word(self.folder(LAST))}')
         print('\n'.join(lines), flush=True)
 
     def script(self):
@@ -653,8 +656,8 @@ class Trainer:
         train_step, ...: resumed by train.py, the run would go on without them)."""
         path = getattr(sys.modules['__main__'], '__file__', None)
         if type(self) is Trainer or not path:
-            return 'train.py'
-        return shlex.quote(os.path.relpath(path))
+            return program('train.py')
+        return shell_word(os.path.relpath(path))
 
     def run(self):
         """Train, then let the Logger write what is pending, finish and close the trackers, and report;
@@ -677,6 +680,11 @@ class Trainer:
         if is_main_process():
             self.report(stop, time.perf_counter() - start)
         return stop
+
+
+def program(name):
+    """Kiln's script `name` (train.py, eval.py) as a command names it from the working folder."""
+    return shell_word(os.path.relpath(os.path.join(REPO, name)))
 
 
 def check_trained_task(options, checkpoint, source):

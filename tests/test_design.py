@@ -6,6 +6,7 @@ import csv
 import glob
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -434,3 +435,29 @@ def test_processes_are_started_from_the_main_thread_only(tiny_args, monkeypatch)
     train_succeeds(tiny_args, '--num_workers', '2', '--loggers', 'tensorboard', 'csv')
     assert started, 'the run started no process: git and uname were expected'
     assert {thread for thread, _ in started} == {threading.main_thread().name}, started
+
+
+def test_the_printed_commands_work_pasted_from_another_folder(tiny_shapes, tmp_path):
+    """Run from another folder into --checkpoints_dir=-dash, train.py printed `python eval.py
+    --load_model_path -dash/...` and `python train.py --resume -dash/...`: pasted there, the first found no
+    eval.py and, from the project folder, took -dash/... for an option."""
+    args = tiny_run_args(tiny_shapes, 'unused')
+    at = args.index('--checkpoints_dir')
+    args[at : at + 2] = ['--checkpoints_dir=-dash']  # (a shell takes `--checkpoints_dir -dash` for two options)
+    args[args.index('--epochs') + 1] = '1'
+    trained = run_script(os.path.join(REPO, 'train.py'), *args, '--model_type', 'linear', cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    printed = dict(line.strip().split(':    ', 1) for line in trained.stdout.splitlines() if ':    ' in line)
+    assert printed['evaluate'].startswith('python ') and printed['continue'].startswith('python ')
+    for command, more in ((printed['evaluate'], ' --no-progress_bar'), (printed['continue'], ' --epochs 2')):
+        pasted = subprocess.run(
+            f'{shlex.quote(sys.executable)} {command.removeprefix("python ")}{more}',
+            shell=True,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=timeout(300),
+        )
+        assert pasted.returncode == 0, f'{command}: {pasted.stderr}'
+    run = tmp_path / '-dash' / 'linear_list_default'
+    assert os.path.isdir(run / 'eval') and torch.load(run / 'last.pth', weights_only=True)['position']['epoch'] == 2

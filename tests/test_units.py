@@ -709,6 +709,11 @@ def test_checkpoints_to_evaluate_names_each_once_and_skips_non_experiments(tmp_p
     (tmp_path / 'comparisons').mkdir()
     found = checkpoints_to_evaluate([str(tmp_path / '*'), str(tmp_path / 'a'), str(tmp_path / 'a' / 'best.pth')])
     assert found == [str(tmp_path / 'a' / 'best.pth'), str(tmp_path / 'b' / 'best.pth')]
+    # a run named with wildcards (--save_prefix 'exp[1]', as train.py printed it): the path that exists
+    (tmp_path / 'exp[1]').mkdir()
+    (tmp_path / 'exp[1]' / 'best.pth').write_bytes(b'')
+    for named in (tmp_path / 'exp[1]', tmp_path / 'exp[1]' / 'best.pth'):
+        assert checkpoints_to_evaluate([str(named)]) == [str(tmp_path / 'exp[1]' / 'best.pth')]
 
 
 def test_a_graphed_models_outputs_are_copies_that_train_and_unwrap():

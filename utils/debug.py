@@ -2,7 +2,8 @@
 
 import contextlib
 import os
-import shlex
+
+from utils.errors import shell_word
 
 
 class _NoProfiler:
@@ -39,6 +40,6 @@ def training_profiler(enabled, folder, device, wait=2, warmup=2, active=6):
     averages = profiler.key_averages()
     print(averages.table(sort_by=f'self_{"cuda" if device.type == "cuda" else "cpu"}_time_total', row_limit=12))
     print(
-        f'profile: trace in {trace_folder} (tensorboard --logdir {shlex.quote(trace_folder)}, or open the .json in '
+        f'profile: trace in {trace_folder} (tensorboard --logdir {shell_word(trace_folder)}, or open the .json in '
         f'https://ui.perfetto.dev)'
     )

@@ -17,6 +17,14 @@ class KilnError(Exception):
     """
 
 
+def shell_word(path):
+    """`path` as one word of a command to paste into a shell: quoted, and taken for no option (a relative
+    path that starts with '-' as ./-path)."""
+    import shlex
+
+    return shlex.quote(os.path.join('.', path) if path.startswith('-') else path)
+
+
 def file_in_the_way(path):
     """The first path from the top down to `path` (itself included) that exists but is not a folder, or
     None: why making the folder `path` fails with "File exists" or "Not a directory"."""

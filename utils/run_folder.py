@@ -444,15 +444,17 @@ def checkpoint_path(path):
 def checkpoints_to_evaluate(paths):
     """The checkpoint files named by eval.py's --load_model_path, in order, each once: files as they are,
     experiment folders as their best.pth, globs (e.g. 'checkpoints/*') expanded, the folders a glob
-    matches that are no experiment (no args.yaml: Kiln's comparisons/, say) left out."""
+    matches that are no experiment (no args.yaml: Kiln's comparisons/, say) left out. A path that exists
+    is taken as it is, wildcards or not (--save_prefix 'exp[1]' makes a folder whose name is one)."""
     if not paths:
         raise KilnError(
             'no checkpoint to evaluate; give --load_model_path PATH (e.g. checkpoints/<experiment>/best.pth)'
         )
     found = []
     for item in paths:
-        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
-        if glob.has_magic(item):
+        pattern = glob.has_magic(item) and not os.path.exists(item)
+        matches = sorted(glob.glob(item)) if pattern else [item]
+        if pattern:
             matches = [m for m in matches if not os.path.isdir(m) or os.path.isfile(os.path.join(m, ARGS_YAML))]
         if not matches:
             raise KilnError(f'--load_model_path {item} matches no file')
