@@ -3,10 +3,11 @@
 # best.pth under CHECKPOINTS_DIR (what the last training made, whatever its task, model and data).
 # Edit the settings below, or override one from the environment; extra arguments go to eval.py as they are.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# the project's folder (through a link to this script too); relative paths you give are the working folder's
+ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)
 
 PYTHON=${PYTHON:-python3}
-CHECKPOINTS_DIR=${CHECKPOINTS_DIR:-checkpoints}
+CHECKPOINTS_DIR=${CHECKPOINTS_DIR:-$ROOT/checkpoints}
 NEWEST=$(ls -t "$CHECKPOINTS_DIR"/*/best.pth 2>/dev/null | head -n 1 || true)
 CHECKPOINT=${CHECKPOINT:-$NEWEST}
 SAVE_PREFIX=${SAVE_PREFIX:-default}
@@ -23,4 +24,4 @@ if [ -z "$CHECKPOINT" ]; then
     fi
 fi
 
-"$PYTHON" eval.py "${LOAD[@]}" --save_prefix "$SAVE_PREFIX" --viz_freq "$VIZ_FREQ" "$@"
+"$PYTHON" "$ROOT/eval.py" "${LOAD[@]}" --save_prefix "$SAVE_PREFIX" --viz_freq "$VIZ_FREQ" "$@"

@@ -3,14 +3,15 @@
 # best checkpoint. Each call makes a new experiment folder, so it can be run again safely.
 # Extra arguments go to train.py (bash scripts/quickstart.sh --model_type linear --epochs 2).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# the project's folder (through a link to this script too); relative paths you give are the working folder's
+ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)
 
 RUN=quickstart_$(date +%Y%m%d_%H%M%S)
-SAVE_PREFIX=$RUN bash scripts/train.sh "$@"
+SAVE_PREFIX=$RUN bash "$ROOT/scripts/train.sh" "$@"
 # the run's folder is <checkpoints_dir>/<model>_<data>_<RUN>: whichever model and data the arguments chose
-CHECKPOINTS=(checkpoints/*_"$RUN"/best.pth)
+CHECKPOINTS=("$ROOT"/checkpoints/*_"$RUN"/best.pth)
 if [ ! -f "${CHECKPOINTS[0]}" ]; then
     echo "error: no checkpoints/*_$RUN/best.pth to evaluate (with --checkpoints_dir, run scripts/eval.sh on it)" >&2
     exit 2
 fi
-CHECKPOINT=${CHECKPOINTS[0]} bash scripts/eval.sh
+CHECKPOINT=${CHECKPOINTS[0]} bash "$ROOT/scripts/eval.sh"

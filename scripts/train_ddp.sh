@@ -8,7 +8,8 @@
 # Several machines: run on each, with the same RDZV_ENDPOINT (host:port of the first machine):
 #   NNODES=2 RDZV_ENDPOINT=node1:29500 bash scripts/train_ddp.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# the project's folder (through a link to this script too); relative paths you give are the working folder's
+ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)
 
 PYTHON=${PYTHON:-python3}
 NPROC=${NPROC:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')}
@@ -29,6 +30,7 @@ else
     LAUNCH=(--nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
             --rdzv-id="$RDZV_ID")
 fi
-"$PYTHON" -m utils.torchrun "${LAUNCH[@]}" train.py --task "$TASK" ${MODEL_TYPE:+--model_type "$MODEL_TYPE"} \
+# utils.torchrun: a module of the project, found through PYTHONPATH from any working folder
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m utils.torchrun "${LAUNCH[@]}" "$ROOT/train.py" --task "$TASK" ${MODEL_TYPE:+--model_type "$MODEL_TYPE"} \
     ${DATA_TYPE:+--data_type "$DATA_TYPE"} --save_prefix "$SAVE_PREFIX" --epochs "$EPOCHS" --batch_size "$BATCH_SIZE" \
     --lr "$LR" "$@"

@@ -3,10 +3,11 @@
 # scripts/train.sh with these settings; override one from the environment, extra arguments go to
 # train.py. Evaluate it with scripts/eval.sh (the task is read from the checkpoint).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# the project's folder (through a link to this script too); relative paths you give are the working folder's
+ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)
 
 export TASK=segment
 export EPOCHS=${EPOCHS:-8}
 export BATCH_SIZE=${BATCH_SIZE:-64}
 
-bash scripts/train.sh "$@"
+bash "$ROOT/scripts/train.sh" "$@"

@@ -336,6 +336,26 @@ def test_eval_script_evaluates_the_newest_best_checkpoint(tiny_shapes, tmp_path)
     assert not (older / 'eval').exists()
 
 
+def test_scripts_read_relative_paths_from_the_working_folder_and_run_through_links(tiny_shapes, tmp_path):
+    """The scripts changed to the project's folder first: from elsewhere a relative --checkpoints_dir went
+    into the project (while train.py printed it as relative), CHECKPOINT=ck/... was not found, and a link
+    to a script looked for train.py beside the link."""
+    args = tiny_run_args(tiny_shapes, 'ck')  # relative: the working folder's
+    os.symlink(os.path.join(REPO, 'scripts', 'eval.sh'), tmp_path / 'evaluate.sh')
+    env = {'EPOCHS': '1', 'SAVE_PREFIX': 'here'}
+    trained = run_script(
+        'bash', os.path.join(REPO, 'scripts', 'train.sh'), *args, '--model_type', 'linear', cwd=tmp_path, env=env
+    )
+    assert trained.returncode == 0, trained.stderr
+    checkpoint = os.path.join('ck', 'linear_list_here', 'best.pth')
+    assert os.path.isfile(tmp_path / checkpoint) and not os.path.exists(os.path.join(REPO, 'ck'))
+    evaluated = run_script(
+        'bash', 'evaluate.sh', '--cpu', '--no-progress_bar', cwd=tmp_path, env={'CHECKPOINT': checkpoint}
+    )
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert os.listdir(tmp_path / 'ck' / 'linear_list_here' / 'eval') == ['best_val_default']
+
+
 def test_a_comparison_of_checkpoints_validated_on_different_lists_names_each_list(tiny_shapes, tmp_path):
     """Without --val_list each checkpoint is evaluated on its own validation list: the table mixed results
     on different data without a word; it now has a list column (and none when the lists are the same)."""
