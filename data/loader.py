@@ -10,9 +10,13 @@ Either way `BatchTransform` (data/augment.py) then normalizes and, for training,
 whole batch on the device.
 """
 
+import atexit
 import functools
+import multiprocessing
+import multiprocessing.queues
 import os
 import signal
+import sys
 
 import numpy as np
 import torch
@@ -58,7 +62,29 @@ def init_worker(parent, worker_id):
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     die_with_parent(parent, 1)  # exits at once with its parent (Linux), not 5 s later
+    # a batch that cannot be handed over (shared memory full or limited) fails on the queue's own thread,
+    # which prints it and goes on: the main process would wait for that batch forever
+    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(_end_with_a_lost_batch)
     seed_worker(worker_id)
+
+
+def _end_with_a_lost_batch(error, batch):
+    """A worker's batch could not be sent to the main process: say why in one line and end the worker,
+    which the main process notices within seconds (a DataLoader error, see utils/errors.run_cli)."""
+    print(f'error: a DataLoader worker could not hand over its batch: {error}', file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+@atexit.register  # after multiprocessing's own at-exit step, so it runs first (atexit goes last in, first out)
+def _kill_workers_left():
+    """At exit, end the DataLoader workers still alive with SIGKILL: multiprocessing's own exit ends its
+    daemon processes with SIGTERM, which these ignore (see init_worker), and then waits for them forever
+    (a worker stuck reading a file, or handing over a batch)."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would take these deaths for failures
+    for worker in workers:
+        worker.kill()
 
 
 def default_workers(requested):
@@ -132,7 +158,10 @@ class Batches:
         otherwise wait for them at exit forever."""
         iterator = getattr(self.loader, '_iterator', None)
         if iterator is not None:
-            iterator._shutdown_workers()
+            iterator._shutdown_workers()  # asks them to end, then SIGTERM (ignored) to those that did not
+            for worker in iterator._workers:
+                if worker.is_alive():
+                    worker.kill()
             self.loader._iterator = None
 
     def __len__(self):

@@ -4,10 +4,15 @@ number of workers or processes, and after a resume; masks and boxes move with th
 
 import argparse
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
+from conftest import REPO, run_script, timeout
 from data.augment import BatchTransform, RandomCrop, _reflect, _shift_reflected
 from data.list_dataset import ListDataset
 from data.loader import Batches, pad_collate
@@ -215,3 +220,70 @@ def test_on_a_gpu_in_memory_data_stays_there_and_batches_match_the_cpu(tiny_shap
     assert gpu.memory['image'].is_cuda
     for a, b in zip(_epoch(gpu, 1), _epoch(Batches(dataset, CPU, **common), 1)):
         assert torch.equal(a['image'].cpu(), b['image'])
+
+
+# a script whose DataLoader worker (one) hangs in a sample or makes a batch that cannot reach the main process
+WORKER_TROUBLE = """
+import sys, threading, time
+sys.path.insert(0, {repo!r})
+from utils.errors import quiet_interrupts, run_to_exit
+quiet_interrupts()
+
+
+def main(argv):
+    import torch
+    from data.loader import Batches
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            if argv[0] == 'stuck':
+                time.sleep(1000)  # a file on a hung network disk, say
+            return {{'image': torch.zeros(3, 4, 4, dtype=torch.uint8), 'label': torch.tensor(0)}}
+
+    def unsendable(samples):  # as a batch that shared memory cannot take
+        return {{'image': torch.zeros(2, 3, 4, 4, dtype=torch.uint8), 'label': torch.zeros(2), 'x': threading.Lock()}}
+
+    collate = {{'collate': unsendable}} if argv[0] == 'lost' else {{}}
+    batches = Batches(Samples(), torch.device('cpu'), batch_size=2, shuffle=False, seed=0, workers=1, **collate)
+    print('reading', flush=True)
+    for batch in batches.epoch(0):
+        pass
+
+
+run_to_exit(main)
+"""
+
+
+def test_a_batch_a_worker_cannot_hand_over_ends_the_run_in_one_line(tmp_path):
+    """A worker whose batch could not be sent (shared memory full, or a file-size limit: its queue's
+    thread fails) printed a traceback and went on; the main process waited for the batch forever."""
+    script = tmp_path / 'lost.py'
+    script.write_text(WORKER_TROUBLE.format(repo=REPO))
+    result = run_script(str(script), 'lost', timeout_seconds=120)
+    assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr
+    why, what = result.stderr.strip().splitlines()  # the worker's reason, then the main process's line
+    assert why.startswith('error: a DataLoader worker could not hand over its batch: cannot pickle')
+    assert what.startswith('error: DataLoader worker (pid(s) ') and '--num_workers 0' in what
+
+
+def test_sigterm_ends_a_process_whose_worker_is_stuck(tmp_path):
+    """Workers ignore stop signals (the main process finishes its step and saves first), so at exit
+    multiprocessing's SIGTERM to a worker stuck in a sample did nothing and the process waited for it
+    forever: `kill` could not end predict.py."""
+    script = tmp_path / 'stuck.py'
+    script.write_text(WORKER_TROUBLE.format(repo=REPO))
+    process = subprocess.Popen(
+        [sys.executable, str(script), 'stuck'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline() == 'reading\n'
+    time.sleep(1)  # the worker is in its sample now (or about to be: either way it must end)
+    process.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = process.communicate(timeout=timeout(60))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError('the process did not end after SIGTERM') from None
+    assert process.returncode == 128 + signal.SIGTERM and stderr.strip() == 'terminated (SIGTERM)', stderr

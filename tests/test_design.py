@@ -461,3 +461,15 @@ def test_the_printed_commands_work_pasted_from_another_folder(tiny_shapes, tmp_p
         assert pasted.returncode == 0, f'{command}: {pasted.stderr}'
     run = tmp_path / '-dash' / 'linear_list_default'
     assert os.path.isdir(run / 'eval') and torch.load(run / 'last.pth', weights_only=True)['position']['epoch'] == 2
+
+
+def test_a_name_the_locale_cannot_write_is_one_line(tiny_shapes, tmp_path):
+    """In an ASCII locale without Python's UTF-8 mode, a non-ASCII --save_prefix (or path) ended in a
+    UnicodeEncodeError traceback while args.txt was written."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    ascii_locale = {'PYTHONUTF8': '0', 'PYTHONCOERCECLOCALE': '0', 'LC_ALL': 'C', 'LANG': 'C'}
+    result = run_script('train.py', *args, '--max_iteration', '1', '--save_prefix', 'é', env=ascii_locale)
+    assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith('error: cannot write ') and 'PYTHONUTF8=1' in line
+    assert not glob.glob(str(tmp_path / 'ck' / '*' / 'args.yaml'))  # the run's folder went again

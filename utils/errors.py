@@ -3,6 +3,7 @@
 import atexit
 import errno
 import os
+import re
 import select
 import signal
 import sys
@@ -84,6 +85,11 @@ def _is_out_of_memory(error):
 
 # what gloo and NCCL say when another process of a torchrun job is gone (killed, crashed, its machine lost)
 PEER_LOST = ('Connection closed by peer', 'Connection reset by peer', 'NCCL communicator was aborted')
+
+
+# what torch's DataLoader says when a worker process ended without an error of its own (killed: by the
+# kernel for memory, by a bus error on full shared memory; or ended by data/loader.py after a lost batch)
+WORKER_LOST = ('exited unexpectedly', 'is killed by signal')
 
 
 def is_peer_lost(error):
@@ -215,6 +221,14 @@ def _run_reporting_errors(main, argv):
         _interrupted()
     except KilnError as error:
         exit_with_error(f'error: {_one_line(error)}')
+    except UnicodeEncodeError as error:  # a name the locale cannot write (LC_ALL=C without Python's UTF-8 mode)
+        text, start, end = error.object, error.start, error.end  # the word it is in, as it was given
+        word = re.search(r'\S*$', text[:start]).group() + text[start:end] + re.match(r'\S*', text[end:]).group()
+        word = word.encode('utf-8', 'surrogateescape').decode('utf-8', 'replace')  # bytes of the command line
+        exit_with_error(
+            f'error: cannot write {word!r} in the {error.encoding} encoding ({error.reason}); run in a UTF-8 '
+            f'locale (export PYTHONUTF8=1, or LC_ALL=C.UTF-8) with names in UTF-8 (--debug shows where)'
+        )
     except OSError as error:
         if isinstance(error, BrokenPipeError) and _output_gone():
             # the reader of the output left (`| head -1`): stop quietly with SIGPIPE's status, as tools do
@@ -241,6 +255,14 @@ def _run_reporting_errors(main, argv):
                 f'error: another process of this torchrun job is gone ({_one_line(error)[:160]}); {advice} '
                 f'(--debug shows where)',
                 code=PEER_LOST_EXIT_CODE,
+            )
+        if 'DataLoader worker' in str(error) and any(
+            text in str(error) for text in WORKER_LOST
+        ):  # the worker's own line above says why, where it could
+            exit_with_error(
+                f'error: {_one_line(error).split(". ")[0]}; shared memory may be too small (/dev/shm: free it, or '
+                f'docker run --shm-size 2g), else --num_workers 0 reads the data in this process and says what '
+                f'fails (--debug shows where)'
             )
         if 'does not have a deterministic implementation' in str(error):  # torch's refusal under --deterministic
             exit_with_error(
