@@ -5,6 +5,7 @@ import errno
 import os
 import re
 import select
+import shlex
 import signal
 import sys
 import threading
@@ -21,8 +22,6 @@ class KilnError(Exception):
 def shell_word(path):
     """`path` as one word of a command to paste into a shell: quoted, and taken for no option (a relative
     path that starts with '-' as ./-path)."""
-    import shlex
-
     return shlex.quote(os.path.join('.', path) if path.startswith('-') else path)
 
 
