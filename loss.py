@@ -2,8 +2,8 @@
 
 A loss is called as `loss(scores, target)` by the task (tasks/*.py `loss`): for classification, scores
 (N, C) and class indices (N,), or class probabilities (N, C) under --augment mixup or cutmix; for
-segmentation (N, C, H, W) and (N, H, W). Detection has a loss of its own (tasks/detect.py), and --loss
-does not apply to it.
+segmentation (N, C, H, W) and (N, H, W). A task whose `default_loss` is None computes a loss of its own,
+and --loss does not apply to it.
 """
 
 from functools import partial

@@ -13,6 +13,7 @@ and 12 val images), so one training run takes a second or two.
 
 import hashlib
 import io
+import json
 import os
 import random
 
@@ -531,8 +532,17 @@ def test_eval_checkpoint_with_malformed_args_uses_the_command_line(data, trained
     checkpoint['args'] = 'not a dict'
     path = tmp_path / 'odd_args.pth'
     torch.save(checkpoint, path)
-    result = evaluate(path, '--model_type', 'small_cnn', '--data_type', 'list', '--val_list', data / 'val.txt')
+    # a list of its own (the first 5 validation images), not the one the checkpoint was trained with
+    with open(data / 'val.txt') as f:
+        lines = [line.split() for line in f if line.strip()][:5]
+    five = tmp_path / 'five.txt'
+    five.write_text(''.join(f'{data / image} {label}\n' for image, label in lines))
+    result = evaluate(path, '--model_type', 'small_cnn', '--data_type', 'list', '--val_list', five)
     assert_succeeded(result)
+    with open(tmp_path / 'eval' / 'odd_args_five_default' / 'result.json') as f:
+        evaluated = json.load(f)
+    assert evaluated['list'] == str(five) and evaluated['samples'] == 5, evaluated
+    assert f'{path}: loss ' in result.stdout
 
 
 def test_eval_refuses_a_pickle_that_would_run_code(tmp_path):

@@ -166,8 +166,8 @@ KILL_AT = 6  # a validation step: its points are logged when the run dies, its c
 # trackers" names). The pause comes before step KILL_AT's checkpoint is written (so not in the
 # latter) and the last W&B commit before it is step 4's: waiting this long before the SIGKILL keeps
 # the test out of the former too. test_wandb_has_committed_points_on_disk_within_a_moment checks
-# that moment itself.
-WANDB_FLUSH_MARGIN_S = 1.5
+# that moment itself. (Longer on a slow machine: the run is paused meanwhile, so waiting more changes nothing.)
+WANDB_FLUSH_MARGIN_S = timeout(1.5)
 
 
 @pytest.fixture(scope='module')
@@ -394,7 +394,8 @@ def test_wandb_has_committed_points_on_disk_within_a_moment(tmp_path, monkeypatc
         committed = time.monotonic()
         (log,) = (tmp_path / 'run' / 'wandb').glob('offline-run-*/run-*.wandb')
         steps = []
-        while not steps and time.monotonic() < committed + 3:  # W&B's default would take up to 15 s
+        # W&B's default would take up to 15 s: a slow machine gets longer, but well under that
+        while not steps and time.monotonic() < committed + min(timeout(3), 7.5):
             time.sleep(0.05)
             with contextlib.suppress(Exception):  # a record being written
                 steps = [

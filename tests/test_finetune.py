@@ -382,7 +382,10 @@ def test_pretrained_path_mistakes_are_one_line_each(tiny_shapes, tmp_path):
 
 
 def test_fast_dev_run_takes_a_later_unfreezing(tiny_shapes, tmp_path):
-    """Its 2 steps are not the run's epochs: --unfreeze_at_epoch 3 of a 5-epoch run was refused."""
+    """Its 2 steps are not the run's epochs: --unfreeze_at_epoch 3 of a 5-epoch run was refused. It now
+    trains them as the run would start: with the layers before --freeze_to frozen."""
+    from utils.finetune import FineTuning
+
     args = [
         *tiny_run_args(tiny_shapes, tmp_path / 'ck'),
         '--epochs',
@@ -394,6 +397,18 @@ def test_fast_dev_run_takes_a_later_unfreezing(tiny_shapes, tmp_path):
     ]
     result = run_script('train.py', *args, '--fast_dev_run')
     assert result.returncode == 0, result.stderr
+    assert 'fast_dev_run: trained, saved, evaluated and predicted in' in result.stdout, result.stdout
+    (folder,) = (tmp_path / 'ck' / 'fast_dev_run').iterdir()
+    saved = _state(str(folder), 'last.pth')
+    assert saved['position']['step'] == 2  # its 2 steps, in epoch 1: before the unfreezing, frozen as asked
+    assert (saved['args']['epochs'], saved['args']['freeze_to'], saved['args']['unfreeze_at_epoch']) == (5, -2, 3)
+    torch.manual_seed(0)  # --seed 0: the same initial weights as the run's
+    model = _model()
+    start = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    frozen = FineTuning(model, freeze_to=-2).frozen  # the ids of the parameters --freeze_to -2 freezes
+    frozen = [name for name, p in model.named_parameters() if id(p) in frozen]
+    assert frozen and all(torch.equal(start[name], saved['model'][name]) for name in frozen)
+    assert not torch.equal(start['head.weight'], saved['model']['head.weight'])  # the head trained
 
 
 class TokenNet(torch.nn.Module):

@@ -3,6 +3,7 @@ accumulation, clipping, compile, channels-last, and a training loop with no hidd
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -199,7 +200,11 @@ def test_resume_under_two_processes(one_and_two_processes, tmp_path):
         shutil.copy(os.path.join(_folder(whole, 'linear'), name), copy / name)
     # in one process it would restart at the same global batch of half as many samples: some trained twice
     alone = subprocess.run(
-        [sys.executable, 'train.py', '--resume', copy / epoch_1, '--cpu'], cwd=REPO, capture_output=True, text=True
+        [sys.executable, 'train.py', '--resume', copy / epoch_1, '--cpu'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
     )
     assert alone.returncode == 2 and 'was trained by 2 processes, this run has 1' in alone.stderr, alone.stderr
     assert sorted(os.listdir(copy)) == sorted(['args.yaml', epoch_1])  # refused before any file changed
@@ -264,7 +269,11 @@ def test_predict_under_torchrun_is_refused_in_one_line():
 def test_options_after_the_script_are_the_script_s_under_utils_torchrun():
     """torchrun takes any abbreviation of its own options: --monitor was an ambiguous --monitor-interval."""
     result = subprocess.run(
-        [*TORCHRUN, 'train.py', '--monitor', 'val/loss', '--help'], cwd=REPO, capture_output=True, text=True
+        [*TORCHRUN, 'train.py', '--monitor', 'val/loss', '--help'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
     )
     assert result.returncode == 0 and '--monitor MONITOR' in result.stdout, result.stderr
 
@@ -345,9 +354,15 @@ def test_a_signal_stops_all_ranks_at_the_same_step(tiny_shapes, tmp_path, target
     # to one worker: only that one hears it; to torchrun (as SLURM or a Ctrl-C does): it passes it on
     os.kill(max(workers) if target == 'one worker' else launcher.pid, getattr(signal, signame))
     stdout, stderr = launcher.communicate(timeout=timeout())
-    assert f'stopped by {signame}' in stdout, stdout + stderr
+    # each rank stopped for the signal (exit 128 + its number), none because the other had gone
+    assert launcher.returncode == 128 + getattr(signal, signame), stdout + stderr
+    assert 'another process of this torchrun job is gone' not in stderr, stderr
+    assert stderr.strip().splitlines()[-1].startswith(f'torchrun: ranks 0, 1 stopped on {signame}'), stderr
+    # every process that says where it stopped (rank 0 does) names the same step, the one last.pth holds
+    stopped_at = {int(step) for step in re.findall(rf'stopped by {signame} after \d+s at step (\d+)', stdout)}
+    assert len(stopped_at) == 1, stdout + stderr
     last = _last(_folder(args, 'linear'))
-    assert _step(last) < 500 * 6
+    assert _step(last) == stopped_at.pop() < 500 * 6
 
 
 def test_a_crashed_rank_ends_the_job(tiny_shapes, tmp_path):

@@ -258,10 +258,14 @@ def test_writing_every_kind_of_tensorboard_record_imports_only_its_protocol_buff
     a second each, on the writer thread holding the interpreter lock while training runs."""
     import subprocess
 
-    from conftest import REPO
+    from conftest import REPO, timeout
 
     result = subprocess.run(
-        [sys.executable, '-c', TENSORBOARD_IMPORTS, str(tmp_path / 'run')], cwd=REPO, capture_output=True, text=True
+        [sys.executable, '-c', TENSORBOARD_IMPORTS, str(tmp_path / 'run')],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == '[]'
@@ -512,7 +516,7 @@ def test_runs_that_start_together_on_a_new_mlflow_store_both_start(tmp_path, mlf
     once fail in one of them (alembic "Online migration expected to match one row") without a lock."""
     import subprocess
 
-    from conftest import REPO
+    from conftest import REPO, timeout
 
     go = tmp_path / 'go'
     ready = [tmp_path / f'ready{number}' for number in range(2)]
@@ -529,7 +533,7 @@ def test_runs_that_start_together_on_a_new_mlflow_store_both_start(tmp_path, mlf
         time.sleep(0.01)
     go.touch()
     for run in runs:
-        assert run.wait(timeout=120) == 0, run.communicate()[1]
+        assert run.wait(timeout=timeout(120)) == 0, run.communicate()[1]
 
 
 def test_mlflow_needs_sqlalchemy_for_its_local_store(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, experiment_of, run_script, tiny_run_args, train_succeeds
+from conftest import REPO, experiment_of, run_script, timeout, tiny_run_args, train_succeeds
 
 
 def _train(tiny_args, *extra):
@@ -296,10 +296,24 @@ def test_load_not_strict_reuses_a_checkpoint_with_another_head(trained, tiny_arg
     assert 'head.weight (6, 64) in file vs (8, 64) in model' in result.stdout
 
 
-@pytest.mark.parametrize('model', ['linear'])  # resnet18: tests/test_units.py (slow to train on a CPU)
+# resnet18 is slow to train on a CPU: tests/test_units.py only builds it and runs a forward pass
+@pytest.mark.parametrize('model', ['linear'])
 def test_other_models_train(tiny_args, model):
+    from argparse import Namespace
+
+    from model.model_entry import select_model
+
     _train(tiny_args, '--model_type', model, '--epochs', '1')
-    assert os.path.isfile(os.path.join(_experiment(tiny_args, model=model), 'best.pth'))
+    folder = _experiment(tiny_args, model=model)
+    best = torch.load(os.path.join(folder, 'best.pth'), weights_only=True, map_location='cpu')
+    assert best['args']['model_type'] == model and best['position']['step'] == 6  # 96 images / 16 per batch
+    torch.manual_seed(0)  # --seed 0: the run's initial weights
+    initial = select_model(Namespace(model_type=model, num_classes=6, img_size=32)).state_dict()
+    assert initial.keys() == best['model'].keys()
+    assert not any(torch.equal(initial[name], best['model'][name]) for name in initial)  # every tensor trained
+    with open(os.path.join(folder, 'history.json')) as f:
+        validated = json.load(f)['metrics']['val/acc']
+    assert len(validated) == 1 and 0 <= validated[0] <= 1
 
 
 @pytest.mark.slow
@@ -423,7 +437,9 @@ def test_the_printed_commands_paste_into_a_shell_with_spaces_in_paths(tiny_shape
     assert shlex.split(commands['continue'])[-1] == str(folder / 'last.pth')
     command = shlex.split(commands['evaluate'])
     assert command[:3] == ['python', 'eval.py', '--load_model_path'] and command[3] == str(folder / 'best.pth')
-    evaluated = subprocess.run([sys.executable, *command[1:], '--no-progress_bar'], cwd=REPO, capture_output=True)
+    evaluated = subprocess.run(
+        [sys.executable, *command[1:], '--no-progress_bar'], cwd=REPO, capture_output=True, timeout=timeout()
+    )
     assert evaluated.returncode == 0, evaluated.stderr
 
 
@@ -520,6 +536,7 @@ def test_list_files_are_saved_as_absolute_paths(tiny_shapes, tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
+        timeout=timeout(),
     )
     assert trained.returncode == 0, trained.stderr
     folder = tmp_path / 'ck' / 'small_cnn_list_default'
@@ -532,6 +549,7 @@ def test_list_files_are_saved_as_absolute_paths(tiny_shapes, tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
+        timeout=timeout(),
     )
     assert resumed.returncode == 0, resumed.stderr
     assert 'resuming' in resumed.stdout, resumed.stdout

@@ -24,13 +24,17 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from utils.distributed import LAUNCHER_PID
 
+# the exit codes of a worker that stopped on a stop signal, saving first (utils/stopping.py, utils/errors.py)
+STOPPED = {128 + signum: signal.Signals(signum).name for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+
 
 def _blame(exitcode):
     """How likely a worker's exit is the cause of a failed job (0: most): killed by a signal (SIGKILL from
     the OOM killer, a crash), then an error exit of its own (a traceback's 1 included), then a worker
-    that went down with a lost peer (PEER_LOST_EXIT_CODE); SIGTERM last (killed by it, or exiting 143
-    as Kiln's workers do), since torchrun sends it to the workers it stops after a failure."""
-    if exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM):
+    that went down with a lost peer (PEER_LOST_EXIT_CODE); stopped by a signal last (killed by SIGTERM,
+    or exiting 128 + a stop signal as Kiln's workers do), since torchrun sends SIGTERM to the workers it
+    stops after a failure."""
+    if exitcode == -signal.SIGTERM or exitcode in STOPPED:
         return 3
     if exitcode == PEER_LOST_EXIT_CODE:
         return 2
@@ -55,10 +59,11 @@ def main(argv=None):
         )
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -9: killed by SIGKILL
         who = f'rank {rank}'
-        if failure.exitcode == 128 + signal.SIGTERM:  # no worker failed (else it would be blamed): they stopped
+        if failure.exitcode in STOPPED:  # no worker failed (else it would be blamed): they stopped
             stopped = sorted(r for r, f in error.failures.items() if f.exitcode == failure.exitcode)
             who = f'rank{"s" if len(stopped) > 1 else ""} {", ".join(map(str, stopped))}'
-            how = f'stopped on SIGTERM, exit code {code} (a SIGTERM to one worker stops them all, saving first)'
+            name = STOPPED[failure.exitcode]
+            how = f'stopped on {name}, exit code {code} (a {name} to one worker stops them all, saving first)'
         elif failure.exitcode > 0:
             how = f'failed with exit code {failure.exitcode} (its error is above)'
         else:
