@@ -58,7 +58,7 @@ from utils.model_setup import setup_model
 from utils.monitor import Monitor
 from utils.progress import progress
 from utils.run_folder import checkpoint_path, discard_folder_if_setup_fails, open_experiment
-from utils.run_history import RunHistory
+from utils.run_history import RunHistory, write_history_json
 from utils.run_records import TrainerRunConfig, append_reproducibility_record, reproducibility_record, save_args
 from utils.seeding import set_deterministic, set_seed
 from utils.stopping import Stopper, StopReason
@@ -495,8 +495,14 @@ class Trainer:
         }
         self.checkpointer.save(self.position.epoch, self.position.step, monitored, bool(metrics.get('improved')), extra)
         self.logger.commit(self.position.step)  # after the file: every point up to this step is final
-        if is_main_process():
-            self.logger.submit(atomic_write_json, self.history.state_dict(), self.folder('history.json'))
+        self.write_history()
+
+    def write_history(self, now=False):
+        """history.json on the writer thread (rank 0), when the history has new values: rewritten whole, so at
+        most every 30 s (`now`: at once; the run does it at its end); the checkpoint holds the history too."""
+        metrics = self.history.for_file(now) if is_main_process() else None
+        if metrics is not None:
+            self.logger.submit(write_history_json, metrics, self.folder('history.json'))
 
     # what the run says and writes about itself ---------------------------------------------------------
     def folder(self, name):
@@ -667,6 +673,7 @@ class Trainer:
             print(self.summary_line(), flush=True)
         try:
             stop = self.train()
+            self.write_history(now=True)
         except BaseException as error:
             if is_peer_lost(error):  # the line that says so (utils/errors.py) says what to do next
                 error.add_note('the newest checkpoint is whole: continue with --resume')

@@ -261,6 +261,24 @@ def test_train_lr_is_the_rate_each_step_applied_across_a_resume(tiny_args):
     assert (config['gradient_clip_norm'], config['gradient_clip_value']) == (5.0, None)  # was 'value': 5.0
 
 
+def test_history_json_is_not_rewritten_at_every_save(tiny_args, monkeypatch):
+    """history.json was rewritten whole, indented by Python's slow encoder, at every save: a run of
+    thousands of validations spent its saves on it (31 ms each at 4.5k validations, growing). It is now
+    written when 30 s have passed and at the end, one metric a line, and holds what the checkpoint holds."""
+    import utils.run_history
+
+    writes = []
+    write = utils.run_history.write_history_json
+    monkeypatch.setattr(utils.run_history, 'write_history_json', lambda *args: (writes.append(1), write(*args)))
+    _train(tiny_args, '--valid_interval', '1')  # 12 validations and saves
+    assert len(writes) == 2  # the first save's and the end's
+    with open(os.path.join(_folder(tiny_args), 'history.json')) as f:
+        text = f.read()
+    assert json.loads(text) == _load(os.path.join(_folder(tiny_args), 'last.pth'))['history']
+    metrics = json.loads(text)['metrics']
+    assert len(metrics['val/acc']) == 12 and len(text.splitlines()) == 2 + len(metrics)  # a metric a line
+
+
 def test_second_ctrl_c_stops_at_once(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     process = _start(args, '--epochs', '200', '--save_interval', '2')

@@ -329,6 +329,40 @@ def test_csv_resume_has_every_row_once(tmp_path, kill):
     assert [p.name for p in folder.iterdir()] == ['metrics.csv']  # no temporary file left
 
 
+def test_csv_appends_new_rows_and_rewrites_only_for_a_change(tmp_path, monkeypatch):
+    """metrics.csv was rewritten whole at every checkpoint: a run of thousands of validations spent its
+    saves rewriting it (0.3 s at 50k rows). New rows of the same columns are appended now."""
+    import utils.trackers.csv_tracker as csv_tracker
+
+    rewrites = []
+    monkeypatch.setattr(
+        csv_tracker,
+        'atomic_write_bytes',
+        lambda data, path: (rewrites.append(data), (tmp_path / 'metrics.csv').write_bytes(data)),
+    )
+    tracker = csv_tracker.CsvTracker(str(tmp_path), 'run')
+    for step in range(1, 6):
+        tracker.log_metrics({'train/loss': 1 / step}, step, 0)
+        tracker.commit(step)
+    assert len(rewrites) == 1  # the first write (the header); then appended rows
+    tracker.log_metrics({'train/loss': 0.1, 'val/acc': 0.5}, 6, 1)  # a new column: the header changes
+    tracker.commit(6)
+    tracker.log_metrics({'val/acc': 0.7}, 5, 0)  # a row the file has changes
+    tracker.commit(7)
+    tracker.log_metrics({'train/loss': 0.05, 'val/acc': 0.8}, 7, 1)
+    tracker.close()
+    assert len(rewrites) == 3
+    columns, table = read_metrics_csv(tmp_path / 'metrics.csv')
+    assert columns == ['step', 'epoch', 'train/loss', 'val/acc']
+    assert table['train/loss'] == {1: 1.0, 2: 0.5, 3: 1 / 3, 4: 0.25, 5: 0.2, 6: 0.1, 7: 0.05}
+    assert table['val/acc'] == {5: 0.7, 6: 0.5, 7: 0.8}
+    # a power cut while a row was appended: a resumed run drops the half row (and rewrites the file)
+    with open(tmp_path / 'metrics.csv', 'a') as f:
+        f.write('8,1,0.0')
+    resumed = csv_tracker.CsvTracker(str(tmp_path), 'run', resume_step=9)
+    assert sorted(resumed.rows) == [1, 2, 3, 4, 5, 6, 7]
+
+
 # --- MLflow ------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,13 @@
 """What a run has measured so far: every validation's metrics, for history.json and the final/* values
 (best.pth and early stopping are decided by utils/monitor.py). The shape of pytorch-accelerated's RunHistory."""
 
+import json
+import time
+
+from utils.checkpoint import atomic_write_bytes
 from utils.errors import KilnError
+
+WRITE_EVERY_S = 30  # history.json is rewritten whole: at most this often while the run goes, and at its end
 
 
 class RunHistory:
@@ -10,6 +16,7 @@ class RunHistory:
 
     def __init__(self):
         self._metrics = {}
+        self._written = (None, -float('inf'))  # (values then, time) of the last copy for history.json
 
     def get_metric_names(self):
         """The set of metric names recorded so far."""
@@ -42,3 +49,33 @@ class RunHistory:
     def load_state_dict(self, state):
         """Restore a history saved with `state_dict`."""
         self._metrics = {k: list(v) for k, v in state['metrics'].items()}
+        # history.json holds these (the run wrote it at its end), or is rewritten once new values come
+        self._written = (sum(map(len, self._metrics.values())), -float('inf'))
+
+    def for_file(self, now=False):
+        """A copy of the metrics for history.json (see `history_json`) when values came since the last copy
+        and WRITE_EVERY_S have passed (`now`: at once), else None. The file is rewritten whole, so a run
+        of many thousand validations that saves at each would spend its saves rewriting it."""
+        count = sum(map(len, self._metrics.values()))
+        if count == self._written[0] or not now and time.monotonic() - self._written[1] < WRITE_EVERY_S:
+            return None
+        self._written = count, time.monotonic()
+        return {name: list(values) for name, values in self._metrics.items()}
+
+
+def history_json(metrics):
+    """history.json's text: {"metrics": {name: [values, oldest first]}}, a metric a line, a non-finite value
+    (JSON has none) as null. The lists go through json's C encoder (an indented file goes through Python's:
+    seconds for a long run)."""
+    lines = [f' {json.dumps(name)}: {_finite(json.dumps(values))}' for name, values in metrics.items()]
+    return '{"metrics": {\n' + ',\n'.join(lines) + '\n}}\n'
+
+
+def write_history_json(metrics, path):
+    """Write history.json (`history_json`) to `path` atomically (on the writer thread: it takes a while)."""
+    atomic_write_bytes(history_json(metrics).encode(), path)
+
+
+def _finite(numbers):
+    """A JSON list of numbers with NaN and Infinity (json's words for them) as null."""
+    return numbers.replace('-Infinity', 'null').replace('Infinity', 'null').replace('NaN', 'null')

@@ -1,6 +1,7 @@
 """CSV: `metrics.csv` in the experiment folder, one row per step (pandas.read_csv reads it as is)."""
 
 import csv
+import errno
 import io
 import os
 import time
@@ -11,12 +12,25 @@ from utils.trackers import Tracker
 WRITE_EVERY_S = 30  # between checkpoints too, so that the file can be watched during long epochs
 
 
+def append_bytes(data, path):
+    """Add `data` at the end of `path` in one write, then fsync: a kill leaves it whole or absent."""
+    file = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        written = os.write(file, data)
+        if written < len(data):  # a regular file takes it in one go but for a full disk: say so
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        os.fsync(file)
+    finally:
+        os.close(file)
+
+
 class CsvTracker(Tracker):
     """Columns `step,epoch,<metric>...`; metrics logged at one step share its row.
 
-    The rows are kept in memory and the whole file is replaced atomically when written (at each
-    checkpoint, every WRITE_EVERY_S seconds and at the end), so a kill never leaves a half row and
-    a new metric simply adds a column. A resumed run first drops the rows after its checkpoint.
+    The file is written at each checkpoint, every WRITE_EVERY_S seconds and at the end: new rows of the
+    same columns are appended (one write, then fsync: a kill leaves whole rows, and a power cut's half
+    row is dropped when a resumed run reads the file), anything else (a new metric's column, a row
+    that changed, the rows a resumed run drops after its checkpoint) replaces the whole file atomically.
     Texts and images are not written.
     """
 
@@ -27,6 +41,7 @@ class CsvTracker(Tracker):
         self.rows = {}  # step -> {'epoch': .., metric: value}
         self.columns = ['step', 'epoch']
         self.dirty = False
+        self.in_file = None  # (the columns, the last step) the file holds when rows may be appended to it
         self.written_at = time.monotonic()
         if resume_step is not None and os.path.isfile(self.path):
             self._read(resume_step)
@@ -34,6 +49,10 @@ class CsvTracker(Tracker):
     def _read(self, resume_step):
         """Keep the rows up to `resume_step` of the file a killed run left."""
         with open(self.path, newline='') as f:
+            text = f.read()
+        if not text.endswith('\n'):  # a row cut short by a power cut while it was appended
+            text = text[: text.rfind('\n') + 1]
+        with io.StringIO(text, newline='') as f:
             reader = csv.DictReader(f)
             for row in reader:
                 step = row.pop('step', '')
@@ -43,6 +62,8 @@ class CsvTracker(Tracker):
         self.dirty = True  # the dropped rows must go from the file too
 
     def log_metrics(self, metrics, step, epoch):
+        if self.in_file is not None and step <= self.in_file[1]:  # a row the file has: rewritten whole
+            self.in_file = None
         row = self.rows.setdefault(step, {})
         row['epoch'] = epoch
         for name, value in metrics.items():
@@ -56,13 +77,22 @@ class CsvTracker(Tracker):
     def _write(self):
         if not self.dirty:
             return
+        steps = sorted(self.rows)
+        append = self.in_file is not None and self.in_file[0] == self.columns
         text = io.StringIO()
         writer = csv.writer(text, lineterminator='\n')
-        writer.writerow(self.columns)
-        for step in sorted(self.rows):
+        if append:
+            steps = [step for step in steps if step > self.in_file[1]]
+        else:
+            writer.writerow(self.columns)
+        for step in steps:
             row = {**self.rows[step], 'step': step}
             writer.writerow([row.get(column, '') for column in self.columns])
-        atomic_write_bytes(text.getvalue().encode(), self.path)
+        if append:
+            append_bytes(text.getvalue().encode(), self.path)
+        else:
+            atomic_write_bytes(text.getvalue().encode(), self.path)
+        self.in_file = list(self.columns), max(self.rows, default=-1)
         self.dirty, self.written_at = False, time.monotonic()
 
     def state_dict(self):
