@@ -271,7 +271,7 @@ def test_history_json_is_not_rewritten_at_every_save(tiny_args, monkeypatch):
     write = utils.run_history.write_history_json
     monkeypatch.setattr(utils.run_history, 'write_history_json', lambda *args: (writes.append(1), write(*args)))
     _train(tiny_args, '--valid_interval', '1')  # 12 validations and saves
-    assert len(writes) == 2  # the first save's and the end's
+    assert len(writes) == 1  # at the end (the run took less than 30 s)
     with open(os.path.join(_folder(tiny_args), 'history.json')) as f:
         text = f.read()
     assert json.loads(text) == _load(os.path.join(_folder(tiny_args), 'last.pth'))['history']

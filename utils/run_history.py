@@ -16,7 +16,7 @@ class RunHistory:
 
     def __init__(self):
         self._metrics = {}
-        self._written = (None, -float('inf'))  # (values then, time) of the last copy for history.json
+        self._written = (0, time.monotonic())  # (values then, time) of the last copy for history.json
 
     def get_metric_names(self):
         """The set of metric names recorded so far."""
