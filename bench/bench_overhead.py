@@ -192,6 +192,9 @@ print(time.perf_counter() - started)
 """
 
 
+FIRST_STEP = re.compile(r'first step ([0-9.]+)s after train.py started')  # in the line train.py ends with
+
+
 def bench_first_step(options, scratch):
     """Print how long `python train.py` takes to its first optimizer step, beside `python -c "import torch"`
     and a hand-written script's first step."""
@@ -223,7 +226,7 @@ def bench_first_step(options, scratch):
             text=True,
             check=True,
         )
-        firsts.append(float(re.search(r'first step ([0-9.]+)s after start', result.stdout).group(1)))
+        firsts.append(float(FIRST_STEP.search(result.stdout).group(1)))
     first, imported, hand = statistics.median(firsts), statistics.median(imports), statistics.median(hands)
     print(
         f'time to first step: median {first:.2f}s from the start of train.py; python -c "import torch" takes '

@@ -473,3 +473,15 @@ def test_a_name_the_locale_cannot_write_is_one_line(tiny_shapes, tmp_path):
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith('error: cannot write ') and 'PYTHONUTF8=1' in line
     assert not glob.glob(str(tmp_path / 'ck' / '*' / 'args.yaml'))  # the run's folder went again
+
+
+def test_the_first_step_time_is_where_the_benchmark_reads_it(tiny_args):
+    """bench/bench_overhead.py reads the time to the first step from train.py's last line: a new wording
+    of that line broke the benchmark, and no test saw it."""
+    sys.path.insert(0, os.path.join(REPO, 'bench'))
+    try:
+        from bench_overhead import FIRST_STEP
+    finally:
+        sys.path.remove(os.path.join(REPO, 'bench'))
+    trained = train_succeeds(tiny_args, '--max_iteration', '1', '--model_type', 'linear')
+    assert 0 < float(FIRST_STEP.search(trained.stdout).group(1)) < 600
