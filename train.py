@@ -381,6 +381,7 @@ class Trainer:
                     if not update:
                         continue
 
+                    position.lr = FineTuning.shown_lr(self.optimizer)  # the rate this step applies: train/lr
                     self.optimizer_step()
                     position.step += 1
                     stopper.after_step()  # a stop signal, agreed by every process
@@ -425,7 +426,6 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.position.lr = FineTuning.shown_lr(self.optimizer)  # the rate this step applied: train/lr
         if o.scheduler != 'plateau':
             self.scheduler.step()
         if self.ema is not None:  # --ema_decay
@@ -645,8 +645,9 @@ class Trainer:
             lines.append(f'  evaluate:    python {program("eval.py")} --load_model_path {best}')
         if LAST in existing:  # with as many processes: the checkpoint's place in the data counts theirs
             count, here = world_size(), os.environ.get('LOCAL_WORLD_SIZE')
-            torchrun = 'python -m utils.torchrun'  # a module of the project: found from its folder
-            torchrun = torchrun if os.getcwd() == REPO else f'PYTHONPATH={shell_word(REPO)} {torchrun}'
+            torchrun = 'python -m utils.torchrun'  # a module of the project: found from its folder, or so
+            if os.getcwd() != REPO:
+                torchrun = f'PYTHONPATH={shell_word(REPO)}${{PYTHONPATH:+:$PYTHONPATH}} python -P -m utils.torchrun'
             launch = (
                 'python '
                 if count == 1
@@ -678,6 +679,8 @@ class Trainer:
             if is_peer_lost(error):  # the line that says so (utils/errors.py) says what to do next
                 error.add_note('the newest checkpoint is whole: continue with --resume')
             with contextlib.suppress(Exception):  # the error to show is the first one
+                self.write_history(now=True)
+            with contextlib.suppress(Exception):
                 self.logger.close()  # what was logged so far is written and readable
             raise
         # final and best metrics only for a run that ended: one stopped by a signal is resumed, and ends

@@ -30,7 +30,8 @@ else
     LAUNCH=(--nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
             --rdzv-id="$RDZV_ID")
 fi
-# utils.torchrun: a module of the project, found through PYTHONPATH from any working folder
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m utils.torchrun "${LAUNCH[@]}" "$ROOT/train.py" --task "$TASK" ${MODEL_TYPE:+--model_type "$MODEL_TYPE"} \
+# utils.torchrun: a module of the project, found through PYTHONPATH from any working folder (-P: not in a
+# `utils` package of the working folder's)
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m utils.torchrun "${LAUNCH[@]}" "$ROOT/train.py" --task "$TASK" ${MODEL_TYPE:+--model_type "$MODEL_TYPE"} \
     ${DATA_TYPE:+--data_type "$DATA_TYPE"} --save_prefix "$SAVE_PREFIX" --epochs "$EPOCHS" --batch_size "$BATCH_SIZE" \
     --lr "$LR" "$@"

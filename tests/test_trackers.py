@@ -356,11 +356,25 @@ def test_csv_appends_new_rows_and_rewrites_only_for_a_change(tmp_path, monkeypat
     assert columns == ['step', 'epoch', 'train/loss', 'val/acc']
     assert table['train/loss'] == {1: 1.0, 2: 0.5, 3: 1 / 3, 4: 0.25, 5: 0.2, 6: 0.1, 7: 0.05}
     assert table['val/acc'] == {5: 0.7, 6: 0.5, 7: 0.8}
+
+    # an append that failed (a full disk) after writing part of a row: the next write replaces the file
+    def half_written(data, path):
+        with open(path, 'ab') as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(28, 'No space left on device')
+
+    monkeypatch.setattr(csv_tracker, 'append_bytes', half_written)
+    tracker.log_metrics({'train/loss': 0.04, 'val/acc': 0.9}, 8, 1)
+    with pytest.raises(OSError):
+        tracker.commit(8)
+    monkeypatch.undo()
+    tracker.close()
+    assert read_metrics_csv(tmp_path / 'metrics.csv')[1]['val/acc'] == {5: 0.7, 6: 0.5, 7: 0.8, 8: 0.9}
     # a power cut while a row was appended: a resumed run drops the half row (and rewrites the file)
     with open(tmp_path / 'metrics.csv', 'a') as f:
-        f.write('8,1,0.0')
+        f.write('9,1,0.0')
     resumed = csv_tracker.CsvTracker(str(tmp_path), 'run', resume_step=9)
-    assert sorted(resumed.rows) == [1, 2, 3, 4, 5, 6, 7]
+    assert sorted(resumed.rows) == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 # --- MLflow ------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """User-facing errors: one clear line and a non-zero exit instead of a traceback (imports no torch)."""
 
 import atexit
+import contextlib
 import errno
 import os
 import re
@@ -223,7 +224,8 @@ def _run_reporting_errors(main, argv):
     except UnicodeEncodeError as error:  # a name the locale cannot write (LC_ALL=C without Python's UTF-8 mode)
         text, start, end = error.object, error.start, error.end  # the word it is in, as it was given
         word = re.search(r'\S*$', text[:start]).group() + text[start:end] + re.match(r'\S*', text[end:]).group()
-        word = word.encode('utf-8', 'surrogateescape').decode('utf-8', 'replace')  # bytes of the command line
+        with contextlib.suppress(UnicodeEncodeError):  # the bytes of a command line's word, as they were
+            word = word.encode('utf-8', 'surrogateescape').decode('utf-8', 'replace')
         exit_with_error(
             f'error: cannot write {word!r} in the {error.encoding} encoding ({error.reason}); run in a UTF-8 '
             f'locale (export PYTHONUTF8=1, or LC_ALL=C.UTF-8) with names in UTF-8 (--debug shows where)'
@@ -255,14 +257,14 @@ def _run_reporting_errors(main, argv):
                 f'(--debug shows where)',
                 code=PEER_LOST_EXIT_CODE,
             )
-        if 'DataLoader worker' in str(error) and any(
-            text in str(error) for text in WORKER_LOST
-        ):  # the worker's own line above says why, where it could
-            exit_with_error(
-                f'error: {_one_line(error).split(". ")[0]}; shared memory may be too small (/dev/shm: free it, or '
-                f'docker run --shm-size 2g), else --num_workers 0 reads the data in this process and says what '
-                f'fails (--debug shows where)'
+        if 'DataLoader worker' in str(error) and any(text in str(error) for text in WORKER_LOST):
+            advice = (  # (a worker that could not hand over its batch said why in a line above)
+                'often the out-of-memory killer (see `dmesg`): lower --num_workers or --batch_size'
+                if 'signal: Killed' in str(error)
+                else 'if no line above says why, shared memory may be too small (/dev/shm: free it, or docker run '
+                '--shm-size 2g); --num_workers 0 reads the data in this process'
             )
+            exit_with_error(f'error: {_one_line(error).split(". ")[0]}; {advice} (--debug shows where)')
         if 'does not have a deterministic implementation' in str(error):  # torch's refusal under --deterministic
             exit_with_error(
                 f'error: --deterministic: {str(error).split(",")[0]}; run without --deterministic, or replace '

@@ -1,6 +1,7 @@
 """What a run has measured so far: every validation's metrics, for history.json and the final/* values
 (best.pth and early stopping are decided by utils/monitor.py). The shape of pytorch-accelerated's RunHistory."""
 
+import contextlib
 import json
 import time
 
@@ -16,7 +17,7 @@ class RunHistory:
 
     def __init__(self):
         self._metrics = {}
-        self._written = (0, time.monotonic())  # (values then, time) of the last copy for history.json
+        self._written = (None, time.monotonic())  # (values then, time) of the last copy for history.json
 
     def get_metric_names(self):
         """The set of metric names recorded so far."""
@@ -49,8 +50,7 @@ class RunHistory:
     def load_state_dict(self, state):
         """Restore a history saved with `state_dict`."""
         self._metrics = {k: list(v) for k, v in state['metrics'].items()}
-        # history.json holds these (the run wrote it at its end), or is rewritten once new values come
-        self._written = (sum(map(len, self._metrics.values())), -float('inf'))
+        self._written = (None, -float('inf'))  # history.json may lag (a kill): due (unless it holds these)
 
     def for_file(self, now=False):
         """A copy of the metrics for history.json (see `history_json`) when values came since the last copy
@@ -67,13 +67,26 @@ def history_json(metrics):
     """history.json's text: {"metrics": {name: [values, oldest first]}}, a metric a line, a non-finite value
     (JSON has none) as null. The lists go through json's C encoder (an indented file goes through Python's:
     seconds for a long run)."""
-    lines = [f' {json.dumps(name)}: {_finite(json.dumps(values))}' for name, values in metrics.items()]
+    lines = [f' {json.dumps(name)}: {_finite(json.dumps(values, default=_number))}' for name, values in metrics.items()]
     return '{"metrics": {\n' + ',\n'.join(lines) + '\n}}\n'
 
 
 def write_history_json(metrics, path):
-    """Write history.json (`history_json`) to `path` atomically (on the writer thread: it takes a while)."""
-    atomic_write_bytes(history_json(metrics).encode(), path)
+    """Write history.json (`history_json`) to `path` atomically (on the writer thread: it takes a while),
+    unless the file holds just that (a resumed run that trained nothing leaves it as it was)."""
+    text = history_json(metrics).encode()
+    with contextlib.suppress(OSError), open(path, 'rb') as f:
+        if f.read() == text:
+            return
+    atomic_write_bytes(text, path)
+
+
+def _number(value):
+    """A metric value that is no float (a 0-d tensor, a numpy number from a task of yours) as one."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def _finite(numbers):

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from utils.distributed import LAUNCHER_PID
 
 # the exit codes of a worker that stopped on a stop signal, saving first (utils/stopping.py, utils/errors.py)
-STOPPED = {128 + signum: signal.Signals(signum).name for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+STOPPED = {128 + signum: signal.Signals(signum).name for signum in (signal.SIGTERM, signal.SIGUSR1)}
 
 
 def _blame(exitcode):

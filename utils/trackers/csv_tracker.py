@@ -13,7 +13,7 @@ WRITE_EVERY_S = 30  # between checkpoints too, so that the file can be watched d
 
 
 def append_bytes(data, path):
-    """Add `data` at the end of `path` in one write, then fsync: a kill leaves it whole or absent."""
+    """Add `data` at the end of `path` in one write, then fsync."""
     file = os.open(path, os.O_WRONLY | os.O_APPEND)
     try:
         written = os.write(file, data)
@@ -28,9 +28,10 @@ class CsvTracker(Tracker):
     """Columns `step,epoch,<metric>...`; metrics logged at one step share its row.
 
     The file is written at each checkpoint, every WRITE_EVERY_S seconds and at the end: new rows of the
-    same columns are appended (one write, then fsync: a kill leaves whole rows, and a power cut's half
-    row is dropped when a resumed run reads the file), anything else (a new metric's column, a row
-    that changed, the rows a resumed run drops after its checkpoint) replaces the whole file atomically.
+    same columns are appended (one write, then fsync; a row cut short, by a power cut or a kill in a
+    write of several pages, is dropped when a resumed run reads the file, and a failed write is followed
+    by a whole rewrite); anything else (a new metric's column, a row that changed, the rows a resumed
+    run drops after its checkpoint) replaces the whole file atomically.
     Texts and images are not written.
     """
 
@@ -78,11 +79,13 @@ class CsvTracker(Tracker):
         if not self.dirty:
             return
         steps = sorted(self.rows)
-        append = self.in_file is not None and self.in_file[0] == self.columns
+        append = self.in_file is not None and self.in_file[0] == self.columns and os.path.isfile(self.path)
+        last_in_file = self.in_file[1] if append else None
+        self.in_file = None  # until written: a failed append (a full disk) is followed by a whole rewrite
         text = io.StringIO()
         writer = csv.writer(text, lineterminator='\n')
         if append:
-            steps = [step for step in steps if step > self.in_file[1]]
+            steps = [step for step in steps if step > last_in_file]
         else:
             writer.writerow(self.columns)
         for step in steps:
