@@ -484,4 +484,4 @@ def test_the_first_step_time_is_where_the_benchmark_reads_it(tiny_args):
     finally:
         sys.path.remove(os.path.join(REPO, 'bench'))
     trained = train_succeeds(tiny_args, '--max_iteration', '1', '--model_type', 'linear')
-    assert 0 < float(FIRST_STEP.search(trained.stdout).group(1)) < 600
+    assert 0 <= float(FIRST_STEP.search(trained.stdout).group(1)) < 600  # (in this process: no imports)
