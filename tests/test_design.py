@@ -460,7 +460,10 @@ def test_the_printed_commands_work_pasted_from_another_folder(tiny_shapes, tmp_p
         )
         assert pasted.returncode == 0, f'{command}: {pasted.stderr}'
     run = tmp_path / '-dash' / 'linear_list_default'
-    assert os.path.isdir(run / 'eval') and torch.load(run / 'last.pth', weights_only=True)['position']['epoch'] == 2
+    assert (
+        os.path.isdir(run / 'eval')
+        and torch.load(run / 'last.pth', weights_only=True, map_location='cpu')['position']['epoch'] == 2
+    )
 
 
 def test_a_name_the_locale_cannot_write_is_one_line(tiny_shapes, tmp_path):
