@@ -95,6 +95,17 @@ def did_you_mean(word, choices):
     return f' (did you mean {close[0]}?)' if close else ''
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """--help with each option's default, where it has one (not unset, not off) its help does not give."""
+
+    def _get_help_string(self, action):
+        text, default = action.help or '', action.default
+        if default in (None, False, argparse.SUPPRESS) or 'default' in text:
+            return text
+        shown = ' '.join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f'{text} (default: {shown.replace("%", "%%")})'.lstrip()
+
+
 class KilnArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (no usage dump) with exit code 2; an unknown flag
     comes with the nearest known one; every on/off option has its --no- form (a config file or a
@@ -102,7 +113,7 @@ class KilnArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         # no abbreviations: --epoch was taken for --epochs, and a later option can change what one means
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+        super().__init__(*args, allow_abbrev=False, formatter_class=DefaultsShown, **kwargs)
         self.register('action', 'store_true', Switch)  # argument groups share the registry
         self.register('action', None, Store)
         self.register('action', 'store', Store)
@@ -473,12 +484,17 @@ def parse_train_args(parser):
     parser.add_argument(
         '--backbone_lr', type=_positive_float, help='learning rate of all other layer groups (default --lr)'
     )
-    parser.add_argument('--epochs', type=_positive_int, default=12)
+    parser.add_argument('--epochs', type=_positive_int, default=12, help='passes over the training data')
     parser.add_argument('--loss', help="loss name, see LOSSES in loss.py (default: the task's own)")
-    parser.add_argument('--optimizer', default='adamw', choices=['sgd', 'adam', 'adamw'])
+    parser.add_argument('--optimizer', default='adamw', choices=['sgd', 'adam', 'adamw'], help='torch.optim optimizer')
     parser.add_argument('--lr', type=_positive_float, default=3e-3, help='peak learning rate')
     parser.add_argument('--momentum', type=_non_negative_float, default=0.9, help='SGD momentum')
-    parser.add_argument('--weight_decay', type=_non_negative_float, default=5e-4)
+    parser.add_argument(
+        '--weight_decay',
+        type=_non_negative_float,
+        default=5e-4,
+        help='weight decay (decoupled from the gradient with adamw)',
+    )
     parser.add_argument(
         '--scheduler',
         default='cosine',
@@ -538,7 +554,10 @@ def parse_train_args(parser):
         'logged in), mlflow (a local store unless --mlflow_uri); wandb and mlflow are the '
         "'trackers' extra",
     )
-    parser.add_argument('--mlflow_uri', help='MLflow tracking URI (default: a local store in --checkpoints_dir)')
+    parser.add_argument(
+        '--mlflow_uri',
+        help='MLflow tracking URI (default: $MLFLOW_TRACKING_URI when set, else a local store in --checkpoints_dir)',
+    )
     parser.add_argument('--wandb_project', default='kiln', help='W&B project name')
     parser.add_argument('--monitor', help="metric that picks the best checkpoint (default: the task's, e.g. val/acc)")
     parser.add_argument(
@@ -630,8 +649,8 @@ def _add_output_dir(parser):
     """--output_dir, for eval.py and predict.py."""
     parser.add_argument(
         '--output_dir',
-        help="where results go: <output_dir>/<experiment>/eval/... (default: in the checkpoint's experiment "
-        'folder; give one when that folder is read-only or shared)',
+        help='where results go: <output_dir>/<experiment>/eval/... (predict.py: .../predict/...; default: in the '
+        "checkpoint's experiment folder; give one when that folder is read-only or shared)",
     )
     return parser
 
@@ -639,10 +658,17 @@ def _add_output_dir(parser):
 def parse_test_args(parser):
     """Evaluation options on top of the common ones.
 
-    The task, model, dataset and image size default to what the checkpoint was trained with.
+    Every option that decides the numbers defaults to what the checkpoint was trained with: --task,
+    --model_type, --data_type, --data_root, --val_list, --num_classes, --img_size, --resize, --crop_pct,
+    --normalize, --topk, --amp, --channels_last (give one to change it; the defaults shown below are
+    training's), and its loss and monitored metric.
     """
     parser = parse_common_args(parser)
     parser.set_defaults(task=None)
+    parser._option_string_actions['--checkpoints_dir'].help = (
+        "where a comparison of several checkpoints goes: <checkpoints_dir>/comparisons/ (default: the project's "
+        'checkpoints/)'
+    )
     parser.add_argument(
         '--load_model_path',
         nargs='+',
@@ -651,13 +677,20 @@ def parse_test_args(parser):
         'globs; with several, a comparison table is written too',
     )
     parser.add_argument('--viz_freq', type=_positive_int, default=10, help='save a picture every N batches')
-    parser.add_argument('--save_viz', action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        '--save_viz',
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='save the pictures (every --viz_freq batches)',
+    )
     return _add_output_dir(parser)
 
 
 def parse_predict_args(parser):
-    """Prediction options on top of the common ones; like evaluation, the model, task and image
-    size default to what the checkpoint was trained with."""
+    """Prediction options on top of the common ones; as in evaluation, every option that decides the
+    numbers defaults to what the checkpoint was trained with: --task, --model_type, --data_type,
+    --data_root, --val_list, --num_classes, --img_size, --resize, --crop_pct, --normalize, --topk, --amp,
+    --channels_last (give one to change it; the defaults shown below are training's)."""
     parser = parse_common_args(parser)
     parser.set_defaults(task=None)
     parser.add_argument(

@@ -488,3 +488,10 @@ def test_the_first_step_time_is_where_the_benchmark_reads_it(tiny_args):
         sys.path.remove(os.path.join(REPO, 'bench'))
     trained = train_succeeds(tiny_args, '--max_iteration', '1', '--model_type', 'linear')
     assert 0 <= float(FIRST_STEP.search(trained.stdout).group(1)) < 600  # (in this process: no imports)
+
+
+def test_a_profile_of_a_run_too_short_to_record_says_so(tiny_args):
+    """--profile on a run of 3 steps printed an empty table and named a trace folder that was never made."""
+    trained = train_succeeds(tiny_args, '--max_iteration', '3', '--model_type', 'linear', '--profile')
+    assert 'profile: nothing recorded: the run made fewer than 5 optimizer steps' in trained.stdout
+    assert 'trace in' not in trained.stdout

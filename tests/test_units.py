@@ -936,3 +936,18 @@ def test_every_augmentation_is_an_augment_choice():
 
     assert set(options.AUGMENTATIONS) == set(AUGMENTATIONS) | set(MIXES), 'add the name to options.AUGMENTATIONS'
     assert set(options.MIX_NAMES) == set(MIXES)
+
+
+def test_help_gives_the_defaults_and_what_eval_and_predict_take_from_the_checkpoint():
+    """--help gave no default for most options (12 epochs, adamw, ...), and eval.py's and predict.py's said
+    only "task, model, dataset and image size" come from the checkpoint, where every option that decides
+    the numbers does."""
+    from options import INHERITED, KilnArgumentParser, parse_predict_args, parse_test_args
+
+    help_text = ' '.join(parse_train_args(KilnArgumentParser()).format_help().split())
+    for shown in ('--epochs EPOCHS passes over the training data (default: 12)', '(default: adamw)', '(default: 128)'):
+        assert shown in help_text, shown
+    for add_args in (parse_test_args, parse_predict_args):  # their docstrings are their --help's description
+        flags = [name for name in INHERITED if f'--{name}' in add_args(KilnArgumentParser())._option_string_actions]
+        description = ' '.join(add_args.__doc__.split())
+        assert len(flags) >= 12 and [name for name in flags if f'--{name}' not in description] == [], flags

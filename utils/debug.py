@@ -37,6 +37,12 @@ def training_profiler(enabled, folder, device, wait=2, warmup=2, active=6):
         record_shapes=True,
     ) as profiler:
         yield profiler
+    if not os.path.isdir(trace_folder):  # the run ended before the recorded steps
+        print(
+            f'profile: nothing recorded: the run made fewer than {wait + warmup + 1} optimizer steps (the profiler '
+            f'skips {wait} and warms up on {warmup}, then records {active}); profile a longer run'
+        )
+        return
     averages = profiler.key_averages()
     print(averages.table(sort_by=f'self_{"cuda" if device.type == "cuda" else "cpu"}_time_total', row_limit=12))
     print(
