@@ -113,7 +113,8 @@ class KilnArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         # no abbreviations: --epoch was taken for --epochs, and a later option can change what one means
-        super().__init__(*args, allow_abbrev=False, formatter_class=DefaultsShown, **kwargs)
+        kwargs.setdefault('formatter_class', DefaultsShown)
+        super().__init__(*args, allow_abbrev=False, **kwargs)
         self.register('action', 'store_true', Switch)  # argument groups share the registry
         self.register('action', None, Store)
         self.register('action', 'store', Store)
