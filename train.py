@@ -31,7 +31,7 @@ from data.augment import AUGMENTATIONS, MIXES, augmentation_names
 from data.data_entry import select_dataset
 from data.list_dataset import match_classes
 from data.loader import Batches
-from options import as_trained, ignored_options, option_defaults, prefix_map, resolve, saved_options
+from options import PROJECT, as_trained, ignored_options, option_defaults, prefix_map, resolve, saved_options
 from tasks.task_entry import TASKS, task_class
 from utils.allocator import keep_freed_memory
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
@@ -64,7 +64,6 @@ from utils.seeding import set_deterministic, set_seed
 from utils.stopping import Stopper, StopReason
 from utils.trackers import build_trackers
 
-REPO = os.path.dirname(os.path.realpath(__file__))  # real, as os.getcwd() gives it
 # `fused`: one kernel per step; with --amp fp16 on a GPU it also takes GradScaler's inf check on the
 # device, where the plain optimizers have GradScaler read it on the host at every step (a sync)
 OPTIMIZERS = {
@@ -646,8 +645,8 @@ class Trainer:
         if LAST in existing:  # with as many processes: the checkpoint's place in the data counts theirs
             count, here = world_size(), os.environ.get('LOCAL_WORLD_SIZE')
             torchrun = 'python -m utils.torchrun'  # a module of the project: found from its folder, or so
-            if os.getcwd() != REPO:
-                torchrun = f'PYTHONPATH={shell_word(REPO)}${{PYTHONPATH:+:$PYTHONPATH}} python -P -m utils.torchrun'
+            if os.getcwd() != os.path.realpath(PROJECT):  # (getcwd gives the real path)
+                torchrun = f'PYTHONPATH={shell_word(PROJECT)}${{PYTHONPATH:+:$PYTHONPATH}} python -P -m utils.torchrun'
             launch = (
                 'python '
                 if count == 1
@@ -694,7 +693,7 @@ class Trainer:
 
 def program(name):
     """Kiln's script `name` (train.py, eval.py) as a command names it from the working folder."""
-    return shell_word(os.path.relpath(os.path.join(REPO, name)))
+    return shell_word(os.path.relpath(os.path.realpath(os.path.join(PROJECT, name))))
 
 
 def check_trained_task(options, checkpoint, source):
