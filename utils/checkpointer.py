@@ -53,18 +53,18 @@ class DataOrder:
     def state_dict(self):
         epoch = self.position.epoch
         if self._drawn[0] != epoch:
-            self._drawn = epoch, torch.tensor(self.batches.order(epoch), dtype=torch.int32)
+            self._drawn = epoch, self.batches.order(epoch).to(torch.int32)  # a copy
         return {'order': self._drawn[1]}  # the checkpointer copies it
 
     def load_state_dict(self, state):
-        saved, order = state['order'].tolist(), self.batches.order(self.position.epoch)
+        saved, order = state['order'], self.batches.order(self.position.epoch)
         if len(saved) != len(order):  # a list or class folders that changed since
             raise KilnError(
                 f'the training data have {len(order)} samples now, the checkpoint was trained on {len(saved)}: '
                 f'resume on the data it started with, or train on these in a new run from its weights '
                 f'(--load_model_path)'
             )
-        if saved != order:
+        if not torch.equal(saved.long(), order):
             raise KilnError(
                 'the training data or --seed differ from those of the checkpoint; resume with the same '
                 '--train_list and --seed'
