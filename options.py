@@ -256,6 +256,12 @@ def prefix_map(args):
     return dict(item.split('=', 1) for item in args.load_prefix_map or [])
 
 
+def user_path(text):
+    """A path option's value with a leading `~` made the home folder, as a shell does for a word of its
+    own but not for `--opt=~/x` or a config file's value (which would make a folder named `~`)."""
+    return os.path.expanduser(text)
+
+
 def _name_part(text):
     if not text or any(c in text for c in '/\\') or text in ('.', '..'):
         raise argparse.ArgumentTypeError(f'must be a plain name without slashes, got {text!r}')
@@ -281,6 +287,7 @@ def parse_common_args(parser):
     parser.add_argument(
         '--config',
         metavar='FILE',
+        type=user_path,
         help='YAML or JSON file of options (e.g. a saved args.yaml); flags on the command line override it',
     )
     parser.add_argument(
@@ -305,6 +312,7 @@ def parse_common_args(parser):
     )
     parser.add_argument(
         '--checkpoints_dir',
+        type=user_path,
         default=os.path.join(PROJECT, 'checkpoints'),
         help="where experiment folders are created (default: the project's checkpoints/, whatever the working folder)",
     )
@@ -321,9 +329,12 @@ def parse_common_args(parser):
         metavar='OLD=NEW',
         help='rename tensors in --load_model_path first, e.g. net.=  or  fc.=head. (the longest OLD that fits)',
     )
-    parser.add_argument('--val_list', help="list file for validation/evaluation (default: the dataset's own val split)")
+    parser.add_argument(
+        '--val_list', type=user_path, help="list file for validation/evaluation (default: the dataset's own val split)"
+    )
     parser.add_argument(
         '--data_root',
+        type=user_path,
         default=os.path.join(PROJECT, 'data', 'generated'),
         help="where generated datasets are written (default: the project's data/generated/)",
     )
@@ -396,7 +407,9 @@ def parse_common_args(parser):
 def parse_train_args(parser):
     """Training options on top of the common ones."""
     parser = parse_common_args(parser)
-    parser.add_argument('--train_list', help="list file for training (default: the dataset's own train split)")
+    parser.add_argument(
+        '--train_list', type=user_path, help="list file for training (default: the dataset's own train split)"
+    )
     parser.add_argument(
         '--augment',
         type=_augmentations,
@@ -451,11 +464,14 @@ def parse_train_args(parser):
     )
     parser.add_argument(
         '--load_model_path',
+        type=user_path,
         help='weights to start from (a checkpoint, an experiment folder for its '
         'best.pth, a state dict or .safetensors)',
     )
     parser.add_argument(
-        '--pretrained_path', help='local ImageNet weights for the tv_* and timm:* models (never downloaded)'
+        '--pretrained_path',
+        type=user_path,
+        help='local ImageNet weights for the tv_* and timm:* models (never downloaded)',
     )
     parser.add_argument(
         '--freeze_to',
@@ -581,6 +597,7 @@ def parse_train_args(parser):
     )
     parser.add_argument(
         '--resume',
+        type=user_path,
         nargs='?',
         const=RESUME_LATEST,
         metavar='CHECKPOINT',
@@ -650,6 +667,7 @@ def _add_output_dir(parser):
     """--output_dir, for eval.py and predict.py."""
     parser.add_argument(
         '--output_dir',
+        type=user_path,
         help='where results go: <output_dir>/<experiment>/eval/... (predict.py: .../predict/...; default: in the '
         "checkpoint's experiment folder; give one when that folder is read-only or shared)",
     )
@@ -672,6 +690,7 @@ def parse_test_args(parser):
     )
     parser.add_argument(
         '--load_model_path',
+        type=user_path,
         nargs='+',
         metavar='CHECKPOINT',
         help='checkpoint(s) to evaluate: files, experiment folders (their best.pth) or quoted '
@@ -696,11 +715,13 @@ def parse_predict_args(parser):
     parser.set_defaults(task=None)
     parser.add_argument(
         '--load_model_path',
+        type=user_path,
         required=True,
         help='the checkpoint to predict with (or an experiment folder: its best.pth)',
     )
     parser.add_argument(
         '--input',
+        type=user_path,
         required=True,
         help="a folder of images, one image, a quoted glob ('photos/*.jpg'), or a list file (first column: image)",
     )
@@ -832,7 +853,7 @@ def _check_names(args):
 def _config_and_flags(parser, argv, base_config):
     """The tokens `parser` reads: the `base_config` file's (or mapping's), the --config file's, then `argv`."""
     config_parser = KilnArgumentParser(add_help=False)
-    config_parser.add_argument('--config')
+    config_parser.add_argument('--config', type=user_path)
     config_path = config_parser.parse_known_args(argv)[0].config
     return [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)] + argv
 

@@ -56,6 +56,7 @@ from options import (
     parse_args,
     parse_train_args,
     resolve,
+    user_path,
     with_absolute_lists,
 )
 from utils.errors import KilnError, run_cli
@@ -93,7 +94,7 @@ def sweep_args(argv):
         metavar='NAME=VALUES',
         help='an option and its values, lr=1e-3,3e-3 (random search: also ranges, lr=1e-4:1e-2)',
     )
-    parser.add_argument('--config', metavar='FILE', help='a YAML sweep file (see above)')
+    parser.add_argument('--config', metavar='FILE', type=user_path, help='a YAML sweep file (see above)')
     parser.add_argument('--sampler', choices=['grid', 'random'], help='all combinations (default), or --trials random')
     parser.add_argument('--trials', type=int, help='random search: how many combinations (default 10)')
     parser.add_argument('--seed', type=int, help='random search: seed of the sampling (default 0)')

@@ -654,7 +654,13 @@ class Trainer:
                 if here == str(count)
                 else f'torchrun ({count} processes) '
             )
-            lines.append(f'  continue:    {launch}{self.script()} --resume {shell_word(self.folder(LAST))}')
+            more = ''  # a run that ended trains nothing more when resumed as it is: say what to change
+            if stop is None:
+                more = f' --max_iteration {2 * o.max_iteration}' if o.max_iteration else f' --epochs {2 * o.epochs}'
+            elif stop.reason == StopReason.EARLY_STOP:
+                more = f' --early_stop_patience {2 * o.early_stop_patience}'
+            label = 'train more:' if more else 'continue:'
+            lines.append(f'  {label:<13}{launch}{self.script()} --resume {shell_word(self.folder(LAST))}{more}')
         print('\n'.join(lines), flush=True)
 
     def script(self):

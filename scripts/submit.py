@@ -88,7 +88,12 @@ def parse(argv):
     parser.add_argument('--time', type=int, default=24 * 60, help='time limit in minutes')
     parser.add_argument('--partition', default=None)
     parser.add_argument('--name', default='kiln', help='job name; the run is ..._submitit_<name>')
-    parser.add_argument('--folder', default=os.path.join('checkpoints', 'submitit'), help="submitit's logs and pickles")
+    parser.add_argument(
+        '--folder',
+        default=os.path.join('checkpoints', 'submitit'),
+        type=os.path.expanduser,
+        help="submitit's logs and pickles",
+    )
     parser.add_argument('--cluster', default=None, choices=['slurm', 'local'], help='default: SLURM if found')
     if '--' in argv:
         argv, train_argv = argv[: argv.index('--')], argv[argv.index('--') + 1 :]

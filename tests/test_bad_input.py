@@ -746,3 +746,26 @@ def test_a_task_built_on_segment_takes_its_models(monkeypatch):
         tasks.task_entry, 'task_class', lambda name: BinarySegTask if name == 'binary_seg' else task_class(name)
     )
     select_model(Namespace(model_type='seg_net', num_classes=3, img_size=64, task='binary_seg'))
+
+
+def test_a_path_option_given_with_equals_or_in_a_config_expands_the_home_folder(tmp_path, monkeypatch):
+    """`--checkpoints_dir=~/ck` (the shell leaves a `~` after `=` alone) and a config's `~/...` made a
+    folder named `~` in the working folder; every path option now expands it as a shell would."""
+    from options import parse_args, parse_predict_args, parse_test_args, parse_train_args
+
+    monkeypatch.setenv('HOME', str(tmp_path))
+    config = tmp_path / 'config.yaml'
+    config.write_text('data_root: ~/generated\nval_list: ~/val.txt\n')
+    train = parse_args(
+        parse_train_args,
+        ['--config=~/config.yaml', '--checkpoints_dir=~/ck', '--train_list=~/train.txt', '--resume=~/ck/run'],
+    )
+    assert (train.checkpoints_dir, train.train_list, train.resume) == tuple(
+        str(tmp_path / name) for name in ('ck', 'train.txt', 'ck/run')
+    )
+    assert (train.data_root, train.val_list) == (str(tmp_path / 'generated'), str(tmp_path / 'val.txt'))
+    evaluate = parse_args(parse_test_args, ['--load_model_path', '~/a.pth', '~/b/*.pth', '--output_dir=~/out'])
+    assert evaluate.load_model_path == [str(tmp_path / 'a.pth'), str(tmp_path / 'b/*.pth')]
+    assert evaluate.output_dir == str(tmp_path / 'out')
+    predict = parse_args(parse_predict_args, ['--load_model_path=~/a.pth', '--input=~/photos'])
+    assert (predict.load_model_path, predict.input) == (str(tmp_path / 'a.pth'), str(tmp_path / 'photos'))

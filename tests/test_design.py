@@ -156,7 +156,7 @@ def test_a_trainer_subclass_runs_from_its_own_script_as_train_py_does(tiny_shape
     (folder,) = glob.glob(str(checkpoints / 'fast_dev_run' / '*'))  # 2 steps in a throwaway folder
     with open(os.path.join(folder, 'metrics.csv')) as f:
         assert 'train/penalty' in f.readline().split(',')
-    assert f'continue:    python my_train.py --resume {folder}/last.pth' in dev.stdout, dev.stdout
+    assert f'train more:  python my_train.py --resume {folder}/last.pth --max_iteration 4' in dev.stdout, dev.stdout
 
 
 class MinimalDataset(torch.utils.data.Dataset):
@@ -447,9 +447,11 @@ def test_the_printed_commands_work_pasted_from_another_folder(tiny_shapes, tmp_p
     args[args.index('--epochs') + 1] = '1'
     trained = run_script(os.path.join(REPO, 'train.py'), *args, '--model_type', 'linear', cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr
-    printed = dict(line.strip().split(':    ', 1) for line in trained.stdout.splitlines() if ':    ' in line)
-    assert printed['evaluate'].startswith('python ') and printed['continue'].startswith('python ')
-    for command, more in ((printed['evaluate'], ' --no-progress_bar'), (printed['continue'], ' --epochs 2')):
+    printed = dict(line.strip().split(':  ', 1) for line in trained.stdout.splitlines() if ':  ' in line)
+    printed = {name: command.strip() for name, command in printed.items()}
+    assert printed['evaluate'].startswith('python ') and printed['train more'].startswith('python ')
+    assert printed['train more'].endswith(' --epochs 2')  # the run ended: resumed as it is, it trains nothing
+    for command, more in ((printed['evaluate'], ' --no-progress_bar'), (printed['train more'], '')):
         pasted = subprocess.run(
             f'{shlex.quote(sys.executable)} {command.removeprefix("python ")}{more}',
             shell=True,

@@ -172,6 +172,7 @@ def test_stop_signal_saves_the_state_and_exits_cleanly(tiny_shapes, tmp_path, si
     assert 4 <= _step(last) < 200 * 6
     # the saved step is the one the signal interrupted: not a step lost, none repeated on resume
     assert f'at step {_step(last)}' in stdout
+    assert stdout.rstrip().endswith(f'continue:    python train.py --resume {_folder(args)}/last.pth')  # as it is
     assert 'resuming' in _train(args, '--epochs', str(last['position']['epoch'] + 1), '--resume').stdout
 
 
@@ -412,6 +413,8 @@ def test_early_stopping(tiny_shapes, tmp_path):
     files = {name: os.path.getmtime(os.path.join(_folder(args), name)) for name in os.listdir(_folder(args))}
     again = _train(args, '--epochs', '20', '--early_stop_patience', '2', '--early_stop_min_delta', '1.0', '--resume')
     assert 'early stop' in again.stdout and 'at step 18' in again.stdout and 'nothing left to train' in again.stdout
+    # what to change to go on (resumed as it was, it would train nothing): the printed line says
+    assert f'train more:  python train.py --resume {_folder(args)}/last.pth --early_stop_patience 4' in again.stdout
     kept = ('epoch', 'last.pth', 'best.pth', 'history.json', 'checkpoints.json', 'events.out')  # the run's results
     now = {name: os.path.getmtime(os.path.join(_folder(args), name)) for name in os.listdir(_folder(args))}
     results = {n: t for n, t in now.items() if n.startswith(kept)}
@@ -435,7 +438,8 @@ def test_iteration_mode_validates_and_saves_on_its_intervals(tiny_shapes, tmp_pa
 def test_a_run_ended_by_max_iteration_says_how_to_go_on(tiny_shapes, tmp_path):
     """It said to give more --epochs, which --max_iteration overrides: the resumed run did nothing again."""
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    _train(args, '--max_iteration', '3')
+    ended = _train(args, '--max_iteration', '3')
+    assert f'train more:  python train.py --resume {_folder(args)}/last.pth --max_iteration 6' in ended.stdout
     done = _train(['--resume', _folder(args), '--epochs', '5'])
     assert 'nothing left to train: give a --max_iteration above 3 (or --max_iteration none' in done.stdout, done.stdout
     more = _train(['--resume', _folder(args), '--max_iteration', 'none', '--epochs', '2'])

@@ -211,7 +211,7 @@ def test_resume_under_two_processes(one_and_two_processes, tmp_path):
     assert sorted(os.listdir(copy)) == sorted(['args.yaml', epoch_1])  # refused before any file changed
     resumed = _torchrun('train.py', '--resume', copy / epoch_1, '--cpu', '--no-progress_bar')
     assert 'resuming' in resumed.stdout and resumed.stdout.count('resuming') == 1  # printed by rank 0 only
-    assert f'continue:    python -m utils.torchrun --standalone --nproc-per-node=2 train.py --resume {copy}' in (
+    assert f'train more:  python -m utils.torchrun --standalone --nproc-per-node=2 train.py --resume {copy}' in (
         resumed.stdout
     )
     _assert_same_weights(_last(_folder(whole, 'linear')), _last(str(copy)), atol=1e-6)
@@ -806,14 +806,14 @@ def test_train_ddp_sh_and_its_continue_line_work_from_another_folder(tiny_shapes
     assert trained.returncode == 0, trained.stderr
     folder = tmp_path / 'ck' / 'linear_list_ddp'
     assert _step(_last(folder)) == 12  # 2 epochs of 96 images, 2 processes of 8
-    (line,) = [line.split(':', 1)[1].strip() for line in trained.stdout.splitlines() if line.startswith('  continue:')]
+    (line,) = [line.split(':', 1)[1].strip() for line in trained.stdout.splitlines() if 'train more:' in line]
     assert line.startswith('PYTHONPATH=') and ' -P -m utils.torchrun ' in line, line
     resumed = subprocess.run(
-        ['bash', '-c', line.replace(' python ', f' {shlex.quote(sys.executable)} ', 1) + ' --epochs 3'],
+        ['bash', '-c', line.replace(' python ', f' {shlex.quote(sys.executable)} ', 1)],  # ... --epochs 4
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=timeout(),
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert _step(_last(folder)) == 18
+    assert _step(_last(folder)) == 24

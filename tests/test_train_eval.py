@@ -434,7 +434,7 @@ def test_the_printed_commands_paste_into_a_shell_with_spaces_in_paths(tiny_shape
     commands = {line.split(':', 1)[0].strip(): line.split(':', 1)[1] for line in trained.stdout.splitlines()[-4:]}
     folder = tmp_path / 'sp ace' / 'small_cnn_list_my run'
     assert shlex.split(commands['TensorBoard']) == ['tensorboard', '--logdir', str(tmp_path / 'sp ace')]
-    assert shlex.split(commands['continue'])[-1] == str(folder / 'last.pth')
+    assert shlex.split(commands['train more'])[-3:] == [str(folder / 'last.pth'), '--max_iteration', '4']
     command = shlex.split(commands['evaluate'])
     assert command[:3] == ['python', 'eval.py', '--load_model_path'] and command[3] == str(folder / 'best.pth')
     evaluated = subprocess.run(
