@@ -613,7 +613,7 @@ def parse_train_args(parser):
         '--log_images',
         action=argparse.BooleanOptionalAction,
         default=True,
-        help='log pictures of a validation batch (see --image_interval)',
+        help='log pictures of a validation batch (see --image_interval) to the trackers that keep them (not csv)',
     )
     parser.add_argument(
         '--image_interval',

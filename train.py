@@ -62,7 +62,7 @@ from utils.run_history import RunHistory, write_history_json
 from utils.run_records import TrainerRunConfig, append_reproducibility_record, reproducibility_record, save_args
 from utils.seeding import set_deterministic, set_seed
 from utils.stopping import Stopper, StopReason
-from utils.trackers import build_trackers
+from utils.trackers import build_trackers, keeps_pictures
 
 # `fused`: one kernel per step; with --amp fp16 on a GPU it also takes GradScaler's inf check on the
 # device, where the plain optimizers have GradScaler read it on the host at every step (a sync)
@@ -176,6 +176,7 @@ class Trainer:
         self.updates_per_epoch, self.max_steps = schedule_length(options, train_data)
         self.first_step_seconds = None
         self.pictured_at = None  # when validation pictures were last logged (see --image_interval)
+        self.logs_pictures = options.log_images and keeps_pictures(options.loggers)  # the same on every rank
         self.printed_at = None  # (time, samples trained) at the last printed line
 
     @classmethod
@@ -449,7 +450,7 @@ class Trainer:
         metrics = self.logger.summary()  # train/* since the last validation, over every process
         metrics['train/lr'] = self.applied_lr()
         last = step >= self.max_steps
-        pictures = o.log_images and (last or time.perf_counter() - self.pictured_at >= o.image_interval)
+        pictures = self.logs_pictures and (last or time.perf_counter() - self.pictured_at >= o.image_interval)
         if self.ema is not None:
             self.ema.agree()  # every process validates the average that rank 0 saves
         evaluation = evaluate(

@@ -773,3 +773,18 @@ def test_close_closes_every_tracker_even_when_one_fails():
     with pytest.raises(OSError, match='disk full'):
         Trackers([Failing(), Fine()]).close()
     assert closed == [True]
+
+
+def test_no_pictures_are_drawn_for_trackers_that_keep_none(tiny_shapes, tmp_path, monkeypatch):
+    """With --loggers csv alone, every validation picture was drawn and PNG-encoded, then dropped."""
+    from conftest import run_script, tiny_run_args
+    from tasks.classify import ClassifyTask
+
+    drawn = []
+    original = ClassifyTask.pictures
+    monkeypatch.setattr(ClassifyTask, 'pictures', lambda self, *args: drawn.append(1) or original(self, *args))
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--model_type', 'linear', '--image_interval', '0']
+    assert run_script('train.py', *args, '--loggers', 'csv', '--save_prefix', 'csv').returncode == 0
+    assert not drawn
+    assert run_script('train.py', *args, '--loggers', 'csv', 'tensorboard', '--save_prefix', 'both').returncode == 0
+    assert len(drawn) == 2  # one picture of each validation (--image_interval 0)

@@ -128,6 +128,17 @@ class Trackers:
             raise error
 
 
+def tracker_class(name):
+    """The Tracker class of --loggers `name` (its module imported now; its library only when it starts)."""
+    module, cls = _CLASSES[name].split('.')
+    return getattr(importlib.import_module(f'{__name__}.{module}'), cls)
+
+
+def keeps_pictures(names):
+    """Whether any tracker of `names` (--loggers) keeps pictures: CSV alone does not, so none are drawn for it."""
+    return any(tracker_class(name).log_images is not Tracker.log_images for name in names)
+
+
 def build_trackers(names, folder, run_name, hparams_metric_names=(), resume_step=None, states=None, options=None):
     """The trackers named in `names` (from --loggers) for the experiment folder `folder`.
 
@@ -149,10 +160,8 @@ def build_trackers(names, folder, run_name, hparams_metric_names=(), resume_step
     trackers = Trackers(saved_states=states)
     try:
         for name in dict.fromkeys(names):  # each once, in the order given
-            module, cls = _CLASSES[name].split('.')
-            tracker_class = getattr(importlib.import_module(f'{__name__}.{module}'), cls)
             trackers.trackers.append(
-                tracker_class(
+                tracker_class(name)(
                     folder, run_name, resume_step, (states or {}).get(name), options, tuple(hparams_metric_names)
                 )
             )
