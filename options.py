@@ -706,11 +706,15 @@ def parse_test_args(parser):
     return _add_output_dir(parser)
 
 
+NOT_USED_IN_PREDICTION = ('val_list', 'seed', 'topk')  # common options predict.py has no use for: a note
+
+
 def parse_predict_args(parser):
     """Prediction options on top of the common ones; as in evaluation, every option that decides the
     numbers defaults to what the checkpoint was trained with: --task, --model_type, --data_type,
-    --data_root, --val_list, --num_classes, --img_size, --resize, --crop_pct, --normalize, --topk, --amp,
-    --channels_last (give one to change it; the defaults shown below are training's)."""
+    --data_root, --num_classes, --img_size, --resize, --crop_pct, --normalize, --amp, --channels_last
+    (give one to change it; the defaults shown below are training's). --val_list, --seed and --topk act
+    in training and evaluation only."""
     parser = parse_common_args(parser)
     parser.set_defaults(task=None)
     parser.add_argument(

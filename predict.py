@@ -37,7 +37,7 @@ from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images, image_for
 from data.list_file import read_image_paths
 from data.loader import default_workers, init_worker
 from eval import load_for_inference
-from options import given_options, prefix_map
+from options import NOT_USED_IN_PREDICTION, given_options, prefix_map
 from utils.allocator import keep_freed_memory
 from utils.device import select_device
 from utils.fault_points import fault_point
@@ -161,7 +161,12 @@ def main(argv=None, args=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = args or parse_args(parse_predict_args, argv)
     path = checkpoint_path(args.load_model_path)
-    options, checkpoint, task_type = load_for_inference(args, given_options(parse_predict_args, argv), path)
+    given = given_options(parse_predict_args, argv)
+    options, checkpoint, task_type = load_for_inference(args, given, path)
+    unused = [f'--{name}' for name in NOT_USED_IN_PREDICTION if name in given]
+    if unused:  # a note, not an error: a --config of a training run sets them
+        acts = 'they act' if unused[1:] else 'it acts'
+        print(f'note: predict.py does not use {", ".join(unused)}: {acts} in training and evaluation only')
     if not options.num_classes:
         raise KilnError(f'{path} does not say how many classes it predicts; give --num_classes')
     paths = images_to_predict(options.input)  # before the folder exists: a refused input leaves nothing
