@@ -16,13 +16,13 @@ NPROC=${NPROC:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 
 NNODES=${NNODES:-1}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
 RDZV_ID=${RDZV_ID:-kiln}
-TASK=${TASK:-classify}        # a --task name: tasks/task_entry.py
+TASK=${TASK:-}                # a --task name: tasks/task_entry.py (empty: classify; see train.sh)
 MODEL_TYPE=${MODEL_TYPE:-}    # empty: the task's own model (model/model_entry.py)
 DATA_TYPE=${DATA_TYPE:-}      # empty: the task's own dataset (data/data_entry.py)
 SAVE_PREFIX=${SAVE_PREFIX:-ddp}
-EPOCHS=${EPOCHS:-12}
-BATCH_SIZE=${BATCH_SIZE:-64}
-LR=${LR:-3e-3}
+EPOCHS=${EPOCHS:-}            # empty: 12 (or the --config's, a resumed run's)
+BATCH_SIZE=${BATCH_SIZE:-64}  # per process
+LR=${LR:-}                    # empty: 3e-3
 
 if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
     LAUNCH=(--standalone --nproc-per-node="$NPROC")
@@ -32,6 +32,6 @@ else
 fi
 # utils.torchrun: a module of the project, found through PYTHONPATH from any working folder (-P: not in a
 # `utils` package of the working folder's)
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m utils.torchrun "${LAUNCH[@]}" "$ROOT/train.py" --task "$TASK" ${MODEL_TYPE:+--model_type "$MODEL_TYPE"} \
-    ${DATA_TYPE:+--data_type "$DATA_TYPE"} --save_prefix "$SAVE_PREFIX" --epochs "$EPOCHS" --batch_size "$BATCH_SIZE" \
-    --lr "$LR" "$@"
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m utils.torchrun "${LAUNCH[@]}" "$ROOT/train.py" ${TASK:+--task "$TASK"} ${MODEL_TYPE:+--model_type "$MODEL_TYPE"} \
+    ${DATA_TYPE:+--data_type "$DATA_TYPE"} --save_prefix "$SAVE_PREFIX" ${EPOCHS:+--epochs "$EPOCHS"} \
+    --batch_size "$BATCH_SIZE" ${LR:+--lr "$LR"} "$@"

@@ -774,3 +774,29 @@ def test_a_result_folder_with_a_name_near_the_limit_is_staged_and_named_so(tmp_p
     with StagedResults(str(folder), parse_args(parse_test_args, []), 'choose') as staged:
         assert os.path.isdir(staged.path) and os.path.basename(staged.path).startswith('.')
     assert os.listdir(tmp_path) == [folder.name] and os.path.isfile(folder / 'args.yaml')
+
+
+def test_train_sh_leaves_a_config_and_a_resumed_run_their_settings(tiny_shapes, tmp_path):
+    """scripts/train.sh passed --task classify --epochs 12 --batch_size 128 --lr 3e-3 every time: flags
+    override a --config, so the config's settings were silently lost, and `train.sh --resume` of a run
+    trained otherwise asked to change its batch size."""
+    import sys
+
+    import yaml
+
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    at = args.index('--epochs')
+    del args[at : at + 4]  # --epochs 2 --batch_size 16: the config's
+    config = tmp_path / 'config.yaml'
+    config.write_text('epochs: 1\nbatch_size: 8\nlr: 0.01\nmodel_type: linear\nsave_prefix: configured\n')
+    script = os.path.join(REPO, 'scripts', 'train.sh')
+    env = {'PYTHON': sys.executable}
+    trained = run_script('bash', script, '--config', config, *args, env=env, timeout_seconds=300)
+    assert trained.returncode == 0, trained.stderr
+    folder = tmp_path / 'ck' / 'linear_list_configured'
+    saved = yaml.safe_load((folder / 'args.yaml').read_text())
+    assert (saved['task'], saved['epochs'], saved['batch_size'], saved['lr']) == ('classify', 1, 8, 0.01)
+    resumed = run_script('bash', script, '--resume', folder, env=env, timeout_seconds=300)
+    assert resumed.returncode == 0 and 'nothing left to train' in resumed.stdout, resumed.stderr
+    longer = run_script('bash', script, '--resume', folder, env={**env, 'EPOCHS': '2'}, timeout_seconds=300)
+    assert longer.returncode == 0 and torch.load(folder / 'last.pth', weights_only=True)['position']['epoch'] == 2
