@@ -57,7 +57,7 @@ from utils.logger import Logger
 from utils.model_setup import setup_model
 from utils.monitor import Monitor
 from utils.progress import progress
-from utils.run_folder import checkpoint_path, discard_folder_if_setup_fails, open_experiment
+from utils.run_folder import checkpoint_path, discard_folder_if_setup_fails, open_experiment, set_aside_newer
 from utils.run_history import RunHistory, write_history_json
 from utils.run_records import TrainerRunConfig, append_reproducibility_record, reproducibility_record, save_args
 from utils.seeding import set_deterministic, set_seed
@@ -244,10 +244,18 @@ class Trainer:
         updates_per_epoch, max_steps = schedule_length(options, train_data)
         epochs = math.ceil(max_steps / updates_per_epoch)
         unfreeze_at = finetuning.unfreeze_at_epoch  # None without --freeze_to: nothing is frozen to unfreeze
-        if unfreeze_at is not None and unfreeze_at > epochs and not options.fast_dev_run:
+        resumed_at = checkpoint.get('position') if checkpoint is not None else None  # (checked as it loads)
+        unfrozen = isinstance(resumed_at, dict) and finetuning.is_unfrozen(resumed_at['epoch'], resumed_at['batch'])
+        if unfreeze_at is not None and unfreeze_at > epochs and not unfrozen and not options.fast_dev_run:
+            longer = (  # a resumed run keeps its --unfreeze_at_epoch: only its length can change
+                f'--max_iteration above {(unfreeze_at - 1) * updates_per_epoch}'
+                if options.max_iteration
+                else f'--epochs {unfreeze_at} or more'
+            )
+            advice = f'give {longer}' if checkpoint is not None else f'give an epoch up to {epochs}, or {longer}'
             raise KilnError(
                 f'--unfreeze_at_epoch {options.unfreeze_at_epoch} comes after the last epoch of this run ({epochs}): '
-                f'the layers frozen by --freeze_to would never train; give an epoch up to {epochs}, or more epochs'
+                f'the layers frozen by --freeze_to would never train; {advice}'
             )
         scheduler = SCHEDULERS[options.scheduler](optimizer, options, max_steps, updates_per_epoch)
         scaler = torch.amp.GradScaler(device.type, enabled=options.amp == 'fp16')
@@ -277,9 +285,6 @@ class Trainer:
                 options,
             )
         logger = Logger(trackers, task)
-        keeper = None
-        if is_main_process():
-            keeper = CheckpointKeeper(options.model_dir, options.keep_last, options.keep_best, options.monitor_mode)
         # the stateful parts a checkpoint is made of; `position` before the data order it checks
         parts = {
             'model': setup.model,
@@ -302,7 +307,6 @@ class Trainer:
             per_process=['rng'],
             summed=[name for name in ('recorder', 'train_metrics') if name in parts],
             late_parts={'trackers': logger.trackers},
-            keeper=keeper,
             writer=logger.writer,
         )
         trainer = cls(
@@ -327,7 +331,13 @@ class Trainer:
             start_record=start_record,
         )
         if checkpoint is not None:
-            trainer.resume(checkpoint)
+            trainer.resume(checkpoint)  # refused (other data, options, ...): no file of the folder changed yet
+        if is_main_process():  # rank 0 keeps the files; a resume from an older checkpoint sets the newer aside
+            if checkpoint is not None:
+                set_aside_newer(options.model_dir, checkpoint['position']['step'])
+            checkpointer.keeper = CheckpointKeeper(
+                options.model_dir, options.keep_last, options.keep_best, options.monitor_mode
+            )
         if setup.load_report is not None and is_main_process():
             report = {'source': options.load_model_path, **setup.load_report.to_dict()}
             atomic_write_json(report, os.path.join(options.model_dir, 'load_report.json'))
@@ -551,8 +561,8 @@ class Trainer:
         """Write run_config.json, add this start to reproduce.json, write a resumed run's options (args.txt,
         args.yaml: a resume refused while the run was built changes neither) and give the trackers the
         options (the files on the writer thread). A run resumed at its end trains nothing: its records stay."""
-        o, position = self.options, self.position
-        if self.stopper.stop is not None or (position.step >= self.max_steps and not position.validation_due):
+        o = self.options
+        if not self.work_left():
             return
         self.logger.log_text(
             'args', '\n'.join(f'    {k}: {v}' for k, v in sorted(saved_options(o).items())), self.position.step
@@ -580,6 +590,12 @@ class Trainer:
             self.logger.submit(save_args, o, o.model_dir)
         record, self.start_record = self.start_record or reproducibility_record(o), None  # git's answers read once
         self.logger.submit(append_reproducibility_record, o.model_dir, record)
+
+    def work_left(self):
+        """Whether the run has anything to do: steps to train, or a validation a stop signal left due (False
+        for a finished or early-stopped run resumed)."""
+        position = self.position
+        return self.stopper.stop is None and (position.step < self.max_steps or position.validation_due)
 
     def final_metrics(self):
         """The last value of every metric and the best --monitor value."""
@@ -610,9 +626,9 @@ class Trainer:
             f'{self.updates_per_epoch} {steps} per epoch, {self.max_steps} in all{warmup}; into {o.model_dir}'
         )
 
-    def report(self, stop, seconds):
-        """Say how the run ended and where its files are (only files that exist), with commands to paste
-        (paths quoted for the shell)."""
+    def report(self, stop, seconds, idle=False):
+        """Say how the run ended (`idle`: it had nothing left to do) and where its files are (only files
+        that exist), with commands to paste (paths quoted for the shell)."""
         o, folder = self.options, self.options.model_dir
         best = 'none' if self.monitor.best is None else f'{self.monitor.best:.4f}'
         first = (  # timed from train.py's first line (imports, data, model), the run's seconds from the loop's start
@@ -624,14 +640,14 @@ class Trainer:
             f'{stop.message if stop else "done"} after {seconds:.0f}s at step {self.position.step}{first}; '
             f'best {o.monitor} {best}'
         ]
-        if stop is None and self.first_step_seconds is None:  # resumed at its end
+        if stop is None and idle:  # resumed at its end
             more = (  # --max_iteration ends the run whatever --epochs says
                 f'a --max_iteration above {self.position.step} (or --max_iteration none and more --epochs)'
                 if o.max_iteration
                 else 'more --epochs'
             )
             lines[0] += f' (nothing left to train: give {more} to go on)'
-        elif stop is not None and stop.reason == StopReason.EARLY_STOP and self.first_step_seconds is None:
+        elif stop is not None and stop.reason == StopReason.EARLY_STOP and idle:
             lines[0] += ' (when it was saved: nothing left to train)'
 
         existing = [name for name in (BEST, LAST) if os.path.exists(self.folder(name))]
@@ -675,7 +691,7 @@ class Trainer:
     def run(self):
         """Train, then let the Logger write what is pending, finish and close the trackers, and report;
         returns the Stop (or None)."""
-        start = time.perf_counter()
+        start, idle = time.perf_counter(), not self.work_left()
         if is_main_process():
             print(self.summary_line(), flush=True)
         try:
@@ -694,7 +710,7 @@ class Trainer:
         ended = stop is None or stop.reason == StopReason.EARLY_STOP
         self.logger.close(self.final_metrics() if ended else None)
         if is_main_process():
-            self.report(stop, time.perf_counter() - start)
+            self.report(stop, time.perf_counter() - start, idle)
         return stop
 
 

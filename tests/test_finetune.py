@@ -1,6 +1,7 @@
 """Fine-tuning: partial loading with a saved report, safe loading (.pth and .safetensors), layer
 freezing and gradual unfreezing through resume, discriminative learning rates, pretrained nets."""
 
+import glob
 import json
 import os
 import pickle
@@ -354,6 +355,19 @@ def test_unfreezing_after_the_last_epoch_is_one_line(tiny_shapes, tmp_path, sche
     assert '\n' not in error and (not (tmp_path / 'ck').exists() or not os.listdir(tmp_path / 'ck'))
     args[args.index('--unfreeze_at_epoch') + 1] = '2'  # the start of the last epoch: fine
     assert run_script('train.py', *args).returncode == 0
+    # resumed shorter: refused, with advice a resumed run can take (it keeps --unfreeze_at_epoch), while the
+    # unfreezing is ahead; it said "would never train" of layers already trained, asking for an epoch up to 1
+    (folder,) = glob.glob(str(tmp_path / 'ck' / '*'))
+    first_epoch = sorted(glob.glob(os.path.join(folder, 'epoch001_*.pth')))[0]  # step 6
+    shorter = ['--max_iteration', '5'] if '--max_iteration' in schedule else ['--epochs', '1']
+    files = sorted(os.listdir(folder))
+    refused = run_script('train.py', '--resume', first_epoch, *shorter)
+    assert sorted(os.listdir(folder)) == files  # the newer checkpoints were set aside before the refusal
+    longer = '--max_iteration above 6' if '--max_iteration' in schedule else '--epochs 2 or more'
+    assert refused.returncode == 2 and refused.stderr.strip().endswith(f'would never train; give {longer}'), (
+        refused.stderr
+    )
+    assert run_script('train.py', '--resume', folder, *shorter).returncode == 0  # unfrozen when saved
 
 
 def test_pretrained_path_mistakes_are_one_line_each(tiny_shapes, tmp_path):

@@ -205,7 +205,8 @@ def test_a_stop_signal_at_a_step_due_for_validation_leaves_it_to_the_resumed_run
         patch.setattr(Stopper, 'after_step', signalled_after_step)
         _train(stopped, *extra, code=128 + signal.SIGTERM)
     assert _step(_load(os.path.join(_folder(stopped), 'last.pth'))) == signal_at
-    _train(stopped, *extra, '--resume')
+    resumed = _train(stopped, *extra, '--resume')
+    assert 'nothing left to train' not in resumed.stdout  # the last step's validation was: it said so
     for name in ('last.pth', 'best.pth'):
         ours, theirs = _load(os.path.join(_folder(stopped), name)), _load(os.path.join(_folder(whole), name))
         assert _step(ours) == _step(theirs), name

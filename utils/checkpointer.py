@@ -150,7 +150,8 @@ class Checkpointer:
     each process gets its own back); names in `summed` hold counts that the checkpoint keeps added up
     over every process (restored on rank 0 alone). `late_parts` (the trackers) give their state on the
     writer thread, right before the file is written, after every point they were sent. `keeper`
-    (rank 0's CheckpointKeeper, None elsewhere) writes the files through `writer`.
+    (rank 0's CheckpointKeeper, None elsewhere; train.py sets it once a resumed checkpoint is accepted)
+    writes the files through `writer`.
     """
 
     def __init__(self, parts, *, per_process=(), summed=(), late_parts=None, keeper=None, writer=None):

@@ -336,8 +336,6 @@ def open_experiment(argv, args):
     try:
         if not resume_from:
             print(f'{folder} holds no checkpoint yet; starting the run in it')
-        elif isinstance(checkpoint.get('position'), dict):
-            _set_aside_newer(folder, checkpoint['position']['step'])
         remove_stale_temporaries(folder)  # (its args.txt and args.yaml are written once the Trainer is built)
     except BaseException:
         lock.release()
@@ -359,7 +357,7 @@ def _refuse_a_run_left_in_the_working_folder(argv, folder):
         )
 
 
-def _set_aside_newer(folder, step):
+def set_aside_newer(folder, step):
     """Move the checkpoints of steps after `step` (a resume from an older checkpoint, or past corrupt newer
     ones, abandons them) into `<folder>/superseded/step<step>_<time>/`: kept, but never taken for the
     resumed run's own (its saves would be pruned as older than them, and a later resume would take them).
