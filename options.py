@@ -934,6 +934,12 @@ def ignored_options(options, argv):
     for name in ('limit_train_batches', 'limit_val_batches'):
         if name in given and getattr(options, 'overfit_batches', None):
             notes.append(f'--overfit_batches decides the batches trained and validated: this run ignores --{name}')
+    if 'augment' in given and getattr(options, 'overfit_batches', None) and _augment_names(options.augment):
+        notes.append('--overfit_batches trains on its batches as they are: this run ignores --augment')
+    if 'epochs' in given and getattr(options, 'max_iteration', None):
+        notes.append(f'--max_iteration {options.max_iteration} decides how long it trains: this run ignores --epochs')
+    if getattr(options, 'unfreeze_at_epoch', None) == 1 and options.freeze_to is not None:
+        notes.append('--unfreeze_at_epoch 1 trains every layer from the first step: --freeze_to freezes nothing')
     names = _augment_names(getattr(options, 'augment', 'default'))
     twice = [name for index, name in enumerate(names) if name in names[:index]]
     if twice and 'augment' in given:
