@@ -290,6 +290,33 @@ def test_a_resume_of_a_folder_in_use_says_so_before_reading_its_checkpoints(tiny
         holder.stdout.close()
 
 
+def test_a_resume_started_while_a_new_run_makes_its_folder_finds_it_in_use(tiny_shapes, tmp_path, monkeypatch):
+    """A new run took the folder's lock only after writing its options: a --resume arriving in that moment
+    took the lock and removed the run's half-written args file; the run's failed start then removed the
+    resume's lock file, and a third start trained in the same folder beside the second."""
+    import utils.run_folder
+
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--max_iteration', '2', '--resume']
+    save_args, resumes = utils.run_folder.save_args, []
+
+    def resume_meanwhile(options, folder):  # the same command again, while this one writes its options
+        resumes.append(
+            subprocess.run(
+                [sys.executable, 'train.py', *args], cwd=REPO, capture_output=True, text=True, timeout=timeout(300)
+            )
+        )
+        save_args(options, folder)
+
+    monkeypatch.setattr(utils.run_folder, 'save_args', resume_meanwhile)
+    first = run_script('train.py', *args)
+    assert first.returncode == 0 and 'resuming' not in first.stdout, first.stderr
+    (second,) = resumes
+    _one_error_line(second, 'is in use by process', str(os.getpid()))
+    assert sorted(name for name in os.listdir(_folder(args)) if name.startswith('epoch')) == [
+        'epoch000_step0000002.pth'
+    ]
+
+
 def test_a_forked_child_of_a_dead_run_does_not_hold_its_folder(tmp_path):
     """DataLoader workers are forked from the run; when a SIGKILL ends the run first, they take a moment
     to notice, and a --resume in that moment must not be refused."""
@@ -802,3 +829,29 @@ def test_workers_stop_and_save_when_torchrun_is_killed(tiny_shapes, tmp_path):
     stdout, _ = launcher.communicate(timeout=timeout(60))  # the workers wrote into torchrun's pipes
     # they saved when they noticed (as for a SIGTERM), and ended: no orphans training on
     assert _stopped_at('SIGTERM', stdout) == _load(os.path.join(folder, 'last.pth'))['position']['step']
+
+
+def test_last_pth_replaced_while_it_is_checked_is_not_called_corrupt(tmp_path, monkeypatch):
+    """eval.py checks last.pth against the record while a run saves beside it: a save between finding which
+    checkpoint last.pth is and reading its bytes made a whole checkpoint 'corrupt' (1 in 850 checks)."""
+    import utils.checkpoint_keeper as keeping
+    from utils.checkpoint_keeper import CheckpointKeeper, verify
+    from utils.errors import KilnError
+
+    keeper = CheckpointKeeper(str(tmp_path), keep_last=1)
+    keeper.save({'weights': torch.zeros(3)}, 0, 1)
+    checksum, saves = keeping.checksum, []
+
+    def saved_meanwhile(path):  # the run saves (last.pth to step 2, step 1 pruned) just before the read
+        if not saves:
+            saves.append(keeper.save({'weights': torch.ones(3)}, 0, 2))
+        return checksum(path)
+
+    monkeypatch.setattr(keeping, 'checksum', saved_meanwhile)
+    verify(str(tmp_path / 'last.pth'))
+    assert saves and torch.equal(torch.load(tmp_path / 'last.pth', weights_only=True)['weights'], torch.ones(3))
+    with open(tmp_path / 'last.pth', 'r+b') as f:  # a checkpoint really damaged is still said to be
+        f.seek(-8, os.SEEK_END)
+        f.write(b'\0' * 8)
+    with pytest.raises(KilnError, match='last.pth is corrupt'):
+        verify(str(tmp_path / 'last.pth'))

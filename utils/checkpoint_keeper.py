@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import time
 
 from utils.checkpoint import atomic_write_json, checksum, load_checkpoint, save_checkpoint
 from utils.errors import KilnError
@@ -94,29 +95,47 @@ def _linked_name(folder, link, files):
     return None
 
 
-def verify(path):
+def verify(path, attempts=3):
     """Raise a KilnError when `path`'s bytes differ from the checksum its folder's record holds for it
     (a checkpoint not in a record cannot be checked and passes). last.pth and best.pth that are copies,
     not links (a folder copied without its hard links, a file system without them), must hold the bytes
-    of one of the folder's checkpoints."""
+    of one of the folder's checkpoints. A run saving in the folder meanwhile replaces last.pth and the
+    record, and prunes files, between the reads: a mismatch is looked at again before it is said."""
+    for attempt in range(attempts):
+        try:
+            problem = _mismatch(path)
+        except FileNotFoundError:  # a checkpoint pruned while it was read
+            problem = f'{path} changed while it was checked'
+            if not os.path.isfile(path):
+                return  # loading it says that it does not exist
+        if problem is None:
+            return
+        if attempt + 1 < attempts:
+            time.sleep(0.05 * (attempt + 1))
+    raise KilnError(problem)
+
+
+def _mismatch(path):
+    """What `verify` finds wrong with `path`'s bytes at one look (None: nothing)."""
     folder, name = os.path.split(os.path.abspath(path))
     record = read_record(folder)
     if not record:
-        return
+        return None
     files, link = record['files'], name
     name = name if name in files else _linked_name(folder, name, files)
     expected = files.get(name, {}).get('sha256') if name else None
     if expected and checksum(path) != expected:
-        raise KilnError(f'{path} is corrupt: its bytes do not match the checksum in {os.path.join(folder, RECORD)}')
+        return f'{path} is corrupt: its bytes do not match the checksum in {os.path.join(folder, RECORD)}'
     if name is None and link in (LAST, BEST):
         digest = checksum(path)
         known = {entry.get('sha256') for entry in files.values()}
         unrecorded = [other for other in os.listdir(folder) if step_of(other) is not None and other not in files]
         if digest not in known and all(checksum(os.path.join(folder, other)) != digest for other in unrecorded):
-            raise KilnError(
+            return (
                 f'{path} is none of the checkpoints in {folder} (its bytes match none of the checksums in '
                 f'{RECORD}): damaged, or left over from an earlier run; load one of the epoch*_step*.pth files'
             )
+    return None
 
 
 class CheckpointKeeper:

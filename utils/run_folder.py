@@ -64,17 +64,22 @@ def make_parents(path):
     return made
 
 
-def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_dir'):
-    """Create a new run folder and save the options in it; an existing one is a KilnError saying
-    `what_to_change`, one that cannot be made names `where_option`. A folder whose options could not be
-    written (a full disk) is removed again."""
+def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_dir', exists_ok=False):
+    """Create a new run folder, lock it (before anything is written in it: a --resume started at the same
+    moment finds it in use) and save the options in it; returns the FolderLock. An existing one is a
+    KilnError saying `what_to_change` (None with `exists_ok`), one that cannot be made names `where_option`.
+    A folder whose options could not be written (a full disk) is removed again."""
     try:
         make_parents(folder)
         os.mkdir(folder)  # fails if it exists: two runs never share a folder
     except OSError as error:
+        if exists_ok and isinstance(error, FileExistsError) and os.path.isdir(folder):
+            return None
         raise cannot_create(folder, error, what_to_change, where_option) from None
+    lock = FolderLock(folder)  # refused: a --resume took the folder in the moment since mkdir; it is theirs
     with discard_folder_if_setup_fails(folder):
         save_args(args, folder)
+    return lock
 
 
 def cannot_create(folder, error, what_to_change, where_option):
@@ -307,11 +312,14 @@ def open_experiment(argv, args):
     if args.resume and not named and not os.path.isdir(folder):
         _refuse_a_run_left_in_the_working_folder(argv, folder)
     if not args.resume or not os.path.isdir(folder):
-        create_run_folder(
-            folder, args, 'choose a new --save_prefix, add --resume to continue that run, or move that folder away'
+        lock = create_run_folder(
+            folder,
+            args,
+            'choose a new --save_prefix, add --resume to continue that run, or move that folder away',
+            exists_ok=bool(args.resume),  # made by another --resume just now: reopened as any existing one, below
         )
-        # a new run, with --resume or not: a failed start removes its folder (train.py's train_in_group)
-        return args.replace(model_dir=folder, resume_from=None, resume=None), FolderLock(folder)
+        if lock is not None:  # a new run, with --resume or not: a failed start removes its folder (train_in_group)
+            return args.replace(model_dir=folder, resume_from=None, resume=None), lock
     # read-only checks first: a refused resume touches no file (not even the lock's)
     FolderLock.refuse_if_held(folder)  # a running process may prune the checkpoint about to be read
     resume_from = named or _newest_checkpoint(folder)
