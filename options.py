@@ -910,6 +910,7 @@ ACTS_ONLY_WITH = {
     'unfrozen_lr_scale': ('freeze_to', (SET,)),
     'early_stop_min_delta': ('early_stop_patience', (SET,)),
     'image_interval': ('log_images', (True,)),
+    'log_images': ('loggers', ('tensorboard', 'wandb', 'mlflow')),  # those that keep pictures: trackers' keeps_pictures
     'mlflow_uri': ('loggers', ('mlflow',)),
     'wandb_project': ('loggers', ('wandb',)),
 }
@@ -936,10 +937,10 @@ def ignored_options(options, argv):
             notes.append(f'--overfit_batches decides the batches trained and validated: this run ignores --{name}')
     if 'augment' in given and getattr(options, 'overfit_batches', None) and _augment_names(options.augment):
         notes.append('--overfit_batches trains on its batches as they are: this run ignores --augment')
-    if 'epochs' in given and getattr(options, 'max_iteration', None):
+    if 'epochs' in given and getattr(options, 'max_iteration', None) and not getattr(options, 'fast_dev_run', False):
         notes.append(f'--max_iteration {options.max_iteration} decides how long it trains: this run ignores --epochs')
-    if getattr(options, 'unfreeze_at_epoch', None) == 1 and options.freeze_to is not None:
-        notes.append('--unfreeze_at_epoch 1 trains every layer from the first step: --freeze_to freezes nothing')
+    if 'unfreeze_at_epoch' in given and options.unfreeze_at_epoch == 1 and options.freeze_to is not None:
+        notes.append('--unfreeze_at_epoch 1 unfreezes before the first step: --freeze_to keeps no layer frozen')
     names = _augment_names(getattr(options, 'augment', 'default'))
     twice = [name for index, name in enumerate(names) if name in names[:index]]
     if twice and 'augment' in given:

@@ -138,7 +138,7 @@ class Trainer:
     one method: `train_step` (a second loss term, a teacher model), `optimizer_step`, `validate` or
     `save`. Subclass the Trainer and run it as train.py runs its own, from a script of yours:
     `run_to_exit(lambda argv: train.main(argv, trainer_type=MyTrainer))` (the folder, torchrun, signals,
-    --fast_dev_run and one-line errors as for train.py; the run's "continue" line names your script).
+    --fast_dev_run and one-line errors as for train.py; the run's "continue" or "train more" line names your script).
     """
 
     def __init__(
@@ -672,10 +672,16 @@ class Trainer:
                 else f'torchrun ({count} processes) '
             )
             more = ''  # a run that ended trains nothing more when resumed as it is: say what to change
-            if stop is None:
-                more = f' --max_iteration {2 * o.max_iteration}' if o.max_iteration else f' --epochs {2 * o.epochs}'
-            elif stop.reason == StopReason.EARLY_STOP:
+            early = stop is not None and stop.reason == StopReason.EARLY_STOP
+            if early:
                 more = f' --early_stop_patience {2 * o.early_stop_patience}'
+            if stop is None or early and self.position.step >= self.max_steps:  # a longer run than it reached
+                step, epoch = self.position.step, self.position.epoch
+                more += (
+                    f' --max_iteration {2 * max(o.max_iteration, step)}'
+                    if o.max_iteration
+                    else f' --epochs {2 * max(o.epochs, epoch)}'
+                )
             label = 'train more:' if more else 'continue:'
             lines.append(f'  {label:<13}{launch}{self.script()} --resume {shell_word(self.folder(LAST))}{more}')
         print('\n'.join(lines), flush=True)

@@ -291,7 +291,8 @@ def main(argv=None):
             with open(path) as f:
                 text = f.read()
             with open(path, 'w') as f:
-                f.write(re.sub(r'TASK=\$\{TASK:-\w*\}', lambda match: f'TASK=${{TASK:-{args.task}}}', text))
+                own = f"TASK=${{TASK:-{args.task}}}  # this project's task (tasks/task_entry.py)"
+                f.write(re.sub(r'TASK=\$\{TASK:-\w*\}.*', own.replace('\\', '\\\\'), text))
     if args.dataset:
         cls = camel(args.dataset) + 'Dataset'
         write(os.path.join(dest, 'data', f'{args.dataset}.py'), DATASET_STUB.format(name=args.dataset, cls=cls))

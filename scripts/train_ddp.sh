@@ -19,9 +19,10 @@ RDZV_ID=${RDZV_ID:-kiln}
 TASK=${TASK:-}                # a --task name: tasks/task_entry.py (empty: classify; see train.sh)
 MODEL_TYPE=${MODEL_TYPE:-}    # empty: the task's own model (model/model_entry.py)
 DATA_TYPE=${DATA_TYPE:-}      # empty: the task's own dataset (data/data_entry.py)
-SAVE_PREFIX=${SAVE_PREFIX:-ddp}
+SAVE_PREFIX=${SAVE_PREFIX-ddp}   # these two are passed unless set empty (SAVE_PREFIX= ...): they
+# override a --config's and must match a resumed run's
 EPOCHS=${EPOCHS:-}            # empty: 12 (or the --config's, a resumed run's)
-BATCH_SIZE=${BATCH_SIZE:-64}  # per process
+BATCH_SIZE=${BATCH_SIZE-64}     # per process
 LR=${LR:-}                    # empty: 3e-3
 
 if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
@@ -33,5 +34,5 @@ fi
 # utils.torchrun: a module of the project, found through PYTHONPATH from any working folder (-P: not in a
 # `utils` package of the working folder's)
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m utils.torchrun "${LAUNCH[@]}" "$ROOT/train.py" ${TASK:+--task "$TASK"} ${MODEL_TYPE:+--model_type "$MODEL_TYPE"} \
-    ${DATA_TYPE:+--data_type "$DATA_TYPE"} --save_prefix "$SAVE_PREFIX" ${EPOCHS:+--epochs "$EPOCHS"} \
-    --batch_size "$BATCH_SIZE" ${LR:+--lr "$LR"} "$@"
+    ${DATA_TYPE:+--data_type "$DATA_TYPE"} ${SAVE_PREFIX:+--save_prefix "$SAVE_PREFIX"} \
+    ${EPOCHS:+--epochs "$EPOCHS"} ${BATCH_SIZE:+--batch_size "$BATCH_SIZE"} ${LR:+--lr "$LR"} "$@"

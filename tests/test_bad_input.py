@@ -191,8 +191,9 @@ IGNORED = [
     (['--task', 'detect', '--loss', 'label_smoothing'], '--task detect computes a loss of its own: this run ignores'),
     (['--augment', 'mixup,cutmix', '--batch_size', '1'], 'batches of 1 leave mixup and cutmix nothing to mix'),
     (['--overfit_batches', '2', '--augment', 'mixup'], '--overfit_batches trains on its batches as they are'),
+    (['--loggers', 'csv', '--log_images'], '--log_images acts with tensorboard or wandb or mlflow in --loggers only'),
     (['--max_iteration', '3', '--epochs', '5'], '--max_iteration 3 decides how long it trains: this run ignores'),
-    (['--freeze_to', '-2', '--unfreeze_at_epoch', '1'], '--unfreeze_at_epoch 1 trains every layer from the first'),
+    (['--freeze_to', '-2', '--unfreeze_at_epoch', '1'], '--unfreeze_at_epoch 1 unfreezes before the first step'),
 ]
 
 

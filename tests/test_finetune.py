@@ -362,7 +362,7 @@ def test_unfreezing_after_the_last_epoch_is_one_line(tiny_shapes, tmp_path, sche
     shorter = ['--max_iteration', '5'] if '--max_iteration' in schedule else ['--epochs', '1']
     files = sorted(os.listdir(folder))
     refused = run_script('train.py', '--resume', first_epoch, *shorter)
-    assert sorted(os.listdir(folder)) == files  # the newer checkpoints were set aside before the refusal
+    assert sorted(os.listdir(folder)) == files  # nothing set aside (it was, before the refusal)
     longer = '--max_iteration above 6' if '--max_iteration' in schedule else '--epochs 2 or more'
     assert refused.returncode == 2 and refused.stderr.strip().endswith(f'would never train; give {longer}'), (
         refused.stderr

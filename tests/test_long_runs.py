@@ -422,6 +422,18 @@ def test_early_stopping(tiny_shapes, tmp_path):
     assert results == {n: t for n, t in files.items() if n.startswith(kept)} and len(results) >= 5, results
 
 
+def test_a_run_stopped_early_at_its_last_step_says_to_train_longer_too(tiny_shapes, tmp_path):
+    """Patience ran out at the last validation: the printed line gave only a larger patience, and the run
+    resumed with it had nothing left to train."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--early_stop_patience', '1', '--early_stop_min_delta', '1']
+    stopped = _train(args)
+    assert 'early stop' in stopped.stdout and 'at step 12' in stopped.stdout, stopped.stdout
+    line = f'train more:  python train.py --resume {_folder(args)}/last.pth --early_stop_patience 2 --epochs 4'
+    assert line in stopped.stdout, stopped.stdout
+    more = _train(['--resume', f'{_folder(args)}/last.pth', '--early_stop_patience', '2', '--epochs', '4'])
+    assert 'nothing left to train' not in more.stdout and _step(_load(os.path.join(_folder(args), 'last.pth'))) > 12
+
+
 def test_iteration_mode_validates_and_saves_on_its_intervals(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     _train(args, '--max_iteration', '10', '--valid_interval', '4', '--save_interval', '3', '--keep_last', '10')
@@ -466,6 +478,7 @@ def test_resume_options(tiny_shapes, tmp_path):
     records = {name: _read(_folder(args), name) for name in ('args.yaml', 'run_config.json', 'reproduce.json')}
     shorter = _train(args, '--resume', '--epochs', '1')  # ended before: nothing to train, its records stay
     assert 'nothing left to train' in shorter.stdout  # (they said epochs: 1 then, though it trained 2)
+    assert f'train more:  python train.py --resume {_folder(args)}/last.pth --epochs 4' in shorter.stdout  # not 2
     assert {name: _read(_folder(args), name) for name in records} == records
     more = _train(args, '--resume', '--epochs', '3')  # a longer schedule continues
     assert _step(_load(os.path.join(_folder(args), 'last.pth'))) == 18 and 'epoch 3/3' in more.stdout

@@ -164,7 +164,8 @@ def test_a_new_task_is_what_the_project_s_scripts_train(tmp_path):
     created = run_script('scripts/new_task.py', str(tmp_path / 'spots'), '--task', 'shard_spots')
     assert created.returncode == 0, created.stderr
     for script in ('train.sh', 'train_ddp.sh'):
-        assert 'TASK=${TASK:-shard_spots}' in (tmp_path / 'spots' / 'scripts' / script).read_text()
+        lines = (tmp_path / 'spots' / 'scripts' / script).read_text().splitlines()
+        assert "TASK=${TASK:-shard_spots}  # this project's task (tasks/task_entry.py)" in lines, script
 
 
 @pytest.mark.parametrize(

@@ -788,3 +788,11 @@ def test_no_pictures_are_drawn_for_trackers_that_keep_none(tiny_shapes, tmp_path
     assert not drawn
     assert run_script('train.py', *args, '--loggers', 'csv', 'tensorboard', '--save_prefix', 'both').returncode == 0
     assert len(drawn) == 2  # one picture of each validation (--image_interval 0)
+
+
+def test_the_options_know_which_trackers_keep_pictures():
+    """options.py (torch-free) names them for the --log_images note; the trackers themselves decide."""
+    from options import ACTS_ONLY_WITH
+    from utils.trackers import TRACKER_NAMES, keeps_pictures
+
+    assert set(ACTS_ONLY_WITH['log_images'][1]) == {name for name in TRACKER_NAMES if keeps_pictures([name])}

@@ -906,6 +906,9 @@ def test_a_training_run_whose_peer_is_gone_says_to_resume(monkeypatch):
         def summary_line(self):
             return ''
 
+        def work_left(self):
+            return True
+
         def train(self):
             raise RuntimeError('[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:9124')
 

@@ -154,9 +154,10 @@ class Checkpointer:
     writes the files through `writer`.
     """
 
-    def __init__(self, parts, *, per_process=(), summed=(), late_parts=None, keeper=None, writer=None):
+    def __init__(self, parts, *, per_process=(), summed=(), late_parts=None, writer=None):
         self.parts, self.per_process, self.summed = parts, tuple(per_process), tuple(summed)
-        self.late_parts, self.keeper, self.writer = late_parts or {}, keeper, writer
+        self.late_parts, self.writer = late_parts or {}, writer
+        self.keeper = None  # set by train.py on rank 0 (see the class)
         self.previous_write = None
 
     def state_dict(self):
