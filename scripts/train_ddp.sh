@@ -19,10 +19,11 @@ RDZV_ID=${RDZV_ID:-kiln}
 TASK=${TASK:-}                # a --task name: tasks/task_entry.py (empty: classify; see train.sh)
 MODEL_TYPE=${MODEL_TYPE:-}    # empty: the task's own model (model/model_entry.py)
 DATA_TYPE=${DATA_TYPE:-}      # empty: the task's own dataset (data/data_entry.py)
-SAVE_PREFIX=${SAVE_PREFIX-ddp}   # these two are passed unless set empty (SAVE_PREFIX= ...): they
-# override a --config's and must match a resumed run's
-EPOCHS=${EPOCHS:-}            # empty: 12 (or the --config's, a resumed run's)
-BATCH_SIZE=${BATCH_SIZE-64}     # per process
+# SAVE_PREFIX and BATCH_SIZE are passed unless set empty (SAVE_PREFIX= ...): they override a --config's
+# and must match a resumed run's; the other settings, left empty, are not passed (see train.sh)
+SAVE_PREFIX=${SAVE_PREFIX-ddp}
+EPOCHS=${EPOCHS:-}            # empty: 12
+BATCH_SIZE=${BATCH_SIZE-64}   # per process
 LR=${LR:-}                    # empty: 3e-3
 
 if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
