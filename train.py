@@ -333,7 +333,7 @@ class Trainer:
         if checkpoint is not None:
             trainer.resume(checkpoint)  # refused (other data, options, ...): no file of the folder changed yet
         if is_main_process():  # rank 0 keeps the files; a resume from an older checkpoint sets the newer aside
-            if checkpoint is not None:
+            if checkpoint is not None and trainer.work_left():  # (one that trains nothing changes no file)
                 set_aside_newer(options.model_dir, checkpoint['position']['step'])
             checkpointer.keeper = CheckpointKeeper(
                 options.model_dir, options.keep_last, options.keep_best, options.monitor_mode
@@ -358,6 +358,8 @@ class Trainer:
         if is_main_process():
             where = self.position_text()  # as the printed lines say it, and the optimizer steps made
             steps = '' if self.options.max_iteration else f', step {position.step}'
+            if position.step > self.max_steps:  # a shorter --epochs or --max_iteration than it was trained with
+                steps += f', past the {self.max_steps} steps this run is set to'
             print(f'resuming {self.options.resume_from}: {where}{steps}')
 
     # the loop ---------------------------------------------------------------------------------------
@@ -659,7 +661,12 @@ class Trainer:
         if BEST in existing:
             best = shell_word(self.folder(BEST))
             lines.append(f'  evaluate:    python {program("eval.py")} --load_model_path {best}')
-        if LAST in existing:  # with as many processes: the checkpoint's place in the data counts theirs
+        # where to go on from: last.pth, or the checkpoint a resume that had nothing to train was given (an
+        # older one, with a shorter --epochs, say: last.pth may be a newer, longer run's end)
+        continued, resumed = self.folder(LAST), self.options.resume_from
+        if idle and resumed and not (os.path.isfile(continued) and os.path.samefile(resumed, continued)):
+            continued = resumed
+        if os.path.isfile(continued):  # with as many processes: its place in the data counts theirs
             count, here = world_size(), os.environ.get('LOCAL_WORLD_SIZE')
             torchrun = 'python -m utils.torchrun'  # a module of the project: found from its folder, or so
             if os.getcwd() != os.path.realpath(PROJECT):  # (getcwd gives the real path)
@@ -683,7 +690,7 @@ class Trainer:
                     else f' --epochs {2 * max(o.epochs, epoch)}'
                 )
             label = 'train more:' if more else 'continue:'
-            lines.append(f'  {label:<13}{launch}{self.script()} --resume {shell_word(self.folder(LAST))}{more}')
+            lines.append(f'  {label:<13}{launch}{self.script()} --resume {shell_word(continued)}{more}')
         print('\n'.join(lines), flush=True)
 
     def script(self):

@@ -556,6 +556,29 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tiny_shapes, tmp
         assert _step(_load(os.path.join(folder, name))) <= 12
 
 
+def test_resuming_an_older_checkpoint_with_nothing_to_train_changes_no_file(tiny_shapes, tmp_path):
+    """A resume of an older checkpoint at or past the end of a shorter --epochs trains nothing: it moved the
+    newer checkpoints (last.pth and best.pth with them) aside all the same, leaving checkpoints.json naming
+    files that were gone, and its `train more:` line named last.pth, whose longer run that --epochs ended."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    _train(args, '--epochs', '3', '--save_interval', '8', '--keep_last', '5')  # 6 steps per epoch
+    folder = _folder(args)
+    checkpoints = sorted(name for name in os.listdir(folder) if name.endswith('.pth'))
+    assert 'epoch001_step0000008.pth' in checkpoints, checkpoints
+    files = {name: _read(folder, name) for name in [*checkpoints, 'checkpoints.json', 'args.yaml']}
+    for name, past in (('epoch001_step0000006.pth', False), ('epoch001_step0000008.pth', True)):  # at, past its end
+        older = os.path.join(folder, name)
+        idle = _train(args, '--resume', older, '--epochs', '1')
+        assert 'nothing left to train' in idle.stdout and 'moved to' not in idle.stdout, idle.stdout
+        assert ('past the 6 steps this run is set to' in idle.stdout) == past, idle.stdout
+        assert sorted(name for name in os.listdir(folder) if name.endswith('.pth')) == checkpoints
+        assert {name: _read(folder, name) for name in files} == files
+        assert f'train more:  python train.py --resume {older} --epochs 2' in idle.stdout, idle.stdout
+    # and that line trains on from the checkpoint it was given (not from last.pth, at step 18)
+    more = _train(args, '--resume', os.path.join(folder, 'epoch001_step0000006.pth'), '--epochs', '2')
+    assert 'moved to' in more.stdout and _step(_load(os.path.join(folder, 'last.pth'))) == 12, more.stdout
+
+
 def test_reproducibility_record(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     _train(args, '--epochs', '1', '--deterministic')
