@@ -299,8 +299,9 @@ def test_checkpoint_write_failure_keeps_the_previous_file(tmp_path, monkeypatch)
         raise OSError(28, 'No space left on device')
 
     monkeypatch.setattr(os, 'replace', full_disk)
-    with pytest.raises(OSError, match='No space left'):
+    with pytest.raises(OSError, match='No space left') as error:
         save_checkpoint({'step': torch.tensor(2)}, path)
+    assert error.value.filename == path  # what the one-line error names (the disk's own error names no file)
     assert load_checkpoint(path)['step'].item() == 1
     assert os.listdir(tmp_path) == ['last.pth']  # the temporary file was cleaned up
 

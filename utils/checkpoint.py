@@ -37,9 +37,11 @@ def atomic_write_bytes(data, path, sync_folder=True):
             os.fsync(f.fileno())
         fault_point('temporary_written')
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(temporary):
             os.remove(temporary)
+        if isinstance(error, OSError) and error.filename is None:  # a full disk at write or fsync names no file
+            raise OSError(error.errno, error.strerror, path) from error
         raise
     if sync_folder:
         sync_directory(folder)
