@@ -57,7 +57,13 @@ from utils.logger import Logger
 from utils.model_setup import setup_model
 from utils.monitor import Monitor
 from utils.progress import progress
-from utils.run_folder import checkpoint_path, discard_folder_if_setup_fails, open_experiment, set_aside_newer
+from utils.run_folder import (
+    checkpoint_path,
+    discard_folder_if_setup_fails,
+    open_experiment,
+    remove_unused_runs,
+    set_aside_newer,
+)
 from utils.run_history import RunHistory, write_history_json
 from utils.run_records import TrainerRunConfig, append_reproducibility_record, reproducibility_record, save_args
 from utils.seeding import set_deterministic, set_seed
@@ -884,7 +890,8 @@ def finish(trainer, stop):
 
 def fast_dev_run(argv, args, trainer_type=Trainer):
     """--fast_dev_run: 2 training and 2 validation batches and one save in a throwaway folder under
-    <checkpoints_dir>/fast_dev_run/, then eval.py and predict.py on that checkpoint."""
+    <checkpoints_dir>/fast_dev_run/, then eval.py and predict.py on that checkpoint; the folders of earlier
+    ones go (the newest stays, to look at)."""
     import eval as evaluation_script
     import predict
 
@@ -914,6 +921,7 @@ def fast_dev_run(argv, args, trainer_type=Trainer):
     evaluation_script.main(['--load_model_path', checkpoint, '--no-progress_bar', *device])
     if os.environ.get('RANK', '0') != '0':  # predict.py runs in one process: torchrun's others are done
         return trainer
+    remove_unused_runs(throwaway, trainer.options.model_dir)  # the earlier fast_dev_runs' folders
     images = getattr(trainer.val_data.dataset, 'list_path', None)
     if images is None:  # a dataset of no files (see data/data_entry.py)
         print(

@@ -475,13 +475,33 @@ def test_fast_dev_run_trains_saves_evaluates_and_predicts_in_a_throwaway_folder(
     with open(folder / 'predict' / 'last_val_default' / 'predictions.csv') as f:
         assert len(f.read().splitlines()) == 1 + 48  # a header and every validation image
 
-    # again: 2 batches trained, 2 validated (32 images), a second folder beside the first
+    # again: 2 batches trained, 2 validated (32 images), in a new folder; the first one goes (throwaway
+    # folders piled up, a checkpoint each), not one in use or not a run's
     losses, validations = watched
     losses.clear(), validations.clear()
-    run = train_in_process(args)
+    (throwaway / 'notes').mkdir()
+    running = subprocess.Popen(
+        [sys.executable, '-c', HOLD_LOCK, str(throwaway / 'running')], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert running.stdout.readline() == 'locked\n'
+        run = train_in_process(args)
+    finally:
+        running.kill()
+        running.wait()
     assert [kind for kind, _, _ in losses].count('train') == 2 and validations == [32]
-    assert sorted(os.listdir(throwaway)) == sorted([folder.name, os.path.basename(run.options.model_dir)])
+    assert sorted(os.listdir(throwaway)) == sorted(['notes', 'running', os.path.basename(run.options.model_dir)])
     assert os.listdir(tmp_path / 'ck') == ['fast_dev_run']
+
+
+HOLD_LOCK = """
+import os, sys, time
+from utils.run_folder import FolderLock
+os.makedirs(sys.argv[1])
+lock = FolderLock(sys.argv[1])
+print('locked', flush=True)
+time.sleep(600)
+"""
 
 
 def test_fast_dev_run_refuses_resume_in_one_line(tiny_shapes, tmp_path):

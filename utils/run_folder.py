@@ -223,6 +223,20 @@ def remove_stale_results(parent):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def remove_unused_runs(parent, keep):
+    """Remove the run folders in `parent` but `keep` that no process uses (--fast_dev_run's throwaway
+    folders: the newest stays, to look at). A folder without Kiln's lock file is not a run's: left alone."""
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if os.path.samefile(path, keep) or not os.path.isfile(os.path.join(path, LOCK)):
+            continue
+        try:
+            FolderLock.refuse_if_held(path)
+        except KilnError:  # running now
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _running(pid):
     """Whether process `pid` exists on this host (another user's included)."""
     try:
