@@ -9,7 +9,8 @@ validation runs (utils/evaluation.py), so the numbers agree with training's.
 
 from utils.errors import quiet_interrupts, run_cli, run_to_exit
 
-quiet_interrupts()
+if __name__ == '__main__':  # (imported, it changes no handler: see train.py)
+    quiet_interrupts()
 from options import parse_args, parse_test_args
 
 if __name__ == '__main__':
@@ -18,12 +19,11 @@ if __name__ == '__main__':
 import contextlib
 import csv
 import os
-import sys
 
 from data.data_entry import select_dataset
 from data.list_dataset import match_classes
 from data.loader import Batches
-from options import given_options, inherit, prefix_map
+from options import command_words, given_options, inherit, prefix_map
 from tasks.task_entry import task_class
 from utils.allocator import keep_freed_memory
 from utils.checkpoint import json_text, load_checkpoint
@@ -240,7 +240,7 @@ def main(argv=None, args=None):
     """Join torchrun's processes if any, then evaluate the checkpoint, or each of several and compare them.
     Returns the metrics of one checkpoint ({'loss': ..., 'acc': ...}), or for several the comparison's rows:
     (checkpoint, metrics, list evaluated) each."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = command_words(argv)
     args = args or parse_args(parse_test_args, argv)
     given = given_options(parse_test_args, argv)
     init_distributed(args.cpu, args.gpus)

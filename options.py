@@ -865,13 +865,19 @@ def _config_and_flags(parser, argv, base_config):
 _PARSERS = {}  # add_args -> the parser parse_args built with it last (building one takes milliseconds)
 
 
+def command_words(argv=None):
+    """`argv` as a command line's words: sys.argv[1:] when None; numbers and paths a caller in Python gives
+    (`train.main(['--epochs', 2, '--data_root', Path(...)])`) become their text."""
+    return sys.argv[1:] if argv is None else [str(word) for word in argv]
+
+
 def parse_args(add_args, argv=None, base_config=None):
     """Parse `argv` with the options added by `add_args`, applying `--config FILE` first.
 
     `base_config` (a resumed run's options: its checkpoint's, or its args.yaml) comes before even that.
     Registered names are checked.
     """
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = command_words(argv)
     epilog = (
         f'An option that takes a value and whose default is unset takes {NONE}: back to that default (off, '
         f"the task's choice, or in eval.py and predict.py the checkpoint's), e.g. to undo what a --config set."

@@ -11,7 +11,8 @@ import os
 
 from utils.errors import KilnError, quiet_interrupts, run_cli, run_to_exit
 
-quiet_interrupts()
+if __name__ == '__main__':  # (imported, it changes no handler: see train.py)
+    quiet_interrupts()
 from options import parse_args, parse_predict_args
 
 
@@ -28,7 +29,6 @@ if __name__ == '__main__':
 import csv
 import functools
 import glob
-import sys
 
 import torch
 
@@ -37,7 +37,7 @@ from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images, image_for
 from data.list_file import read_image_paths
 from data.loader import default_workers, init_worker
 from eval import load_for_inference
-from options import NOT_USED_IN_PREDICTION, given_options, prefix_map
+from options import NOT_USED_IN_PREDICTION, command_words, given_options, prefix_map
 from utils.allocator import keep_freed_memory
 from utils.device import select_device
 from utils.fault_points import fault_point
@@ -158,7 +158,7 @@ def _renamed(cell, folder, named):
 
 def main(argv=None, args=None):
     """Resolve the checkpoint and its options, make the result folder and predict."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = command_words(argv)
     args = args or parse_args(parse_predict_args, argv)
     path = checkpoint_path(args.load_model_path)
     given = given_options(parse_predict_args, argv)

@@ -9,11 +9,12 @@ file plus a registry line; nothing here changes for it.
 
 import time
 
-STARTED = time.perf_counter()  # for the time-to-first-step figure
+STARTED = time.perf_counter()  # for the time-to-first-step figure: the first run's counts its imports too
 
 from utils.errors import KilnError, is_peer_lost, quiet_interrupts, run_cli, run_to_exit, shell_word
 
-quiet_interrupts()  # a Ctrl-C while torch loads: one line, exit 130
+if __name__ == '__main__':  # a Ctrl-C while torch loads: one line, exit 130 (imported, it changes no handler)
+    quiet_interrupts()
 from options import parse_args, parse_train_args
 
 if __name__ == '__main__':
@@ -31,7 +32,16 @@ from data.augment import AUGMENTATIONS, MIXES, augmentation_names
 from data.data_entry import select_dataset
 from data.list_dataset import match_classes
 from data.loader import Batches
-from options import PROJECT, as_trained, ignored_options, option_defaults, prefix_map, resolve, saved_options
+from options import (
+    PROJECT,
+    as_trained,
+    command_words,
+    ignored_options,
+    option_defaults,
+    prefix_map,
+    resolve,
+    saved_options,
+)
 from tasks.task_entry import TASKS, task_class
 from utils.allocator import keep_freed_memory
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
@@ -66,7 +76,7 @@ from utils.run_folder import (
 )
 from utils.run_history import RunHistory, write_history_json
 from utils.run_records import TrainerRunConfig, append_reproducibility_record, reproducibility_record, save_args
-from utils.seeding import set_deterministic, set_seed
+from utils.seeding import process_settings_kept, set_deterministic, set_seed
 from utils.stopping import Stopper, StopReason
 from utils.trackers import build_trackers, keeps_pictures
 
@@ -361,6 +371,13 @@ class Trainer:
         if self.finetuning.is_unfrozen(position.epoch, position.batch):  # --unfreeze_at_epoch took effect before
             self.finetuning.unfreeze()
             self.setup.wrap(self.options)
+        trained_by = checkpoint.get('trainer', type(self).__qualname__)  # (absent from earlier Kilns' checkpoints)
+        if trained_by != type(self).__qualname__ and is_main_process():
+            print(
+                f'note: {self.options.resume_from} was trained by {trained_by}, this run trains with '
+                f'{type(self).__qualname__}: to keep its train_step (and the rest), resume with the script that runs '
+                f'{trained_by}'
+            )
         if is_main_process():
             where = self.position_text()  # as the printed lines say it, and the optimizer steps made
             steps = '' if self.options.max_iteration else f', step {position.step}'
@@ -510,6 +527,7 @@ class Trainer:
             'class_names': list(self.task.class_names),
             'monitor_value': monitored,
             'weights': 'ema' if self.ema is not None else 'model',  # which weights were validated: eval.py's
+            'trainer': type(self).__qualname__,  # a subclass's run resumed by another Trainer is told so
         }
         self.checkpointer.save(self.position.epoch, self.position.step, monitored, bool(metrics.get('improved')), extra)
         self.logger.commit(self.position.step)  # after the file: every point up to this step is final
@@ -672,40 +690,43 @@ class Trainer:
         continued, resumed = self.folder(LAST), self.options.resume_from
         if idle and resumed and not (os.path.isfile(continued) and os.path.samefile(resumed, continued)):
             continued = resumed
-        if os.path.isfile(continued):  # with as many processes: its place in the data counts theirs
-            count, here = world_size(), os.environ.get('LOCAL_WORLD_SIZE')
-            torchrun = 'python -m utils.torchrun'  # a module of the project: found from its folder, or so
-            if os.getcwd() != os.path.realpath(PROJECT):  # (getcwd gives the real path)
-                torchrun = f'PYTHONPATH={shell_word(PROJECT)}${{PYTHONPATH:+:$PYTHONPATH}} python -P -m utils.torchrun'
-            launch = (
-                'python '
-                if count == 1
-                else f'{torchrun} --standalone --nproc-per-node={count} '
-                if here == str(count)
-                else f'torchrun ({count} processes) '
-            )
-            more = ''  # a run that ended trains nothing more when resumed as it is: say what to change
+        if os.path.isfile(continued):
+            more = []  # a run that ended trains nothing more when resumed as it is: say what to change
             early = stop is not None and stop.reason == StopReason.EARLY_STOP
             if early:
-                more = f' --early_stop_patience {2 * o.early_stop_patience}'
+                more += ['--early_stop_patience', str(2 * o.early_stop_patience)]
             if stop is None or early and self.position.step >= self.max_steps:  # a longer run than it reached
                 step, epoch = self.position.step, self.position.epoch
                 more += (
-                    f' --max_iteration {2 * max(o.max_iteration, step)}'
+                    ['--max_iteration', str(2 * max(o.max_iteration, step))]
                     if o.max_iteration
-                    else f' --epochs {2 * max(o.epochs, epoch)}'
+                    else ['--epochs', str(2 * max(o.epochs, epoch))]
                 )
             label = 'train more:' if more else 'continue:'
-            lines.append(f'  {label:<13}{launch}{self.script()} --resume {shell_word(continued)}{more}')
+            lines.append(f'  {label:<13}{self.continue_command(continued, more)}')
         print('\n'.join(lines), flush=True)
 
-    def script(self):
-        """The script to continue this run with: train.py, or the one that runs a subclass (its own
-        train_step, ...: resumed by train.py, the run would go on without them)."""
+    def continue_command(self, checkpoint, more=()):
+        """The command that resumes `checkpoint` with the options `more` (words): train.py's, or your script's
+        for a subclass (its own train_step, ...: resumed by train.py, the run would go on without them), with
+        as many processes (the checkpoint's place in the data counts theirs); for a subclass made where no
+        script is (a notebook), the call to make."""
         path = getattr(sys.modules['__main__'], '__file__', None)
-        if type(self) is Trainer or not path:
-            return program('train.py')
-        return shell_word(os.path.relpath(path))
+        if type(self) is not Trainer and not path:
+            return f'train.main({["--resume", checkpoint, *more]!r}, trainer_type={type(self).__qualname__})'
+        count, here = world_size(), os.environ.get('LOCAL_WORLD_SIZE')
+        torchrun = 'python -m utils.torchrun'  # a module of the project: found from its folder, or so
+        if os.getcwd() != os.path.realpath(PROJECT):  # (getcwd gives the real path)
+            torchrun = f'PYTHONPATH={shell_word(PROJECT)}${{PYTHONPATH:+:$PYTHONPATH}} python -P -m utils.torchrun'
+        launch = (
+            'python'
+            if count == 1
+            else f'{torchrun} --standalone --nproc-per-node={count}'
+            if here == str(count)
+            else f'torchrun ({count} processes)'
+        )
+        script = program('train.py') if type(self) is Trainer or not path else shell_word(os.path.relpath(path))
+        return ' '.join([launch, script, '--resume', shell_word(checkpoint), *more])
 
     def run(self):
         """Train, then let the Logger write what is pending, finish and close the trackers, and report;
@@ -831,18 +852,26 @@ def start(argv):
     return Trainer.build(options, lock)
 
 
+RUNS_STARTED = []  # when each `main` of this process started
+
+
 def main(argv=None, args=None, trainer_type=Trainer):
     """Join torchrun's processes if any, make (or reopen) the experiment folder, build the Trainer (or
     `trainer_type`, a subclass) and run it; returns the Trainer."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    global STARTED
+    if RUNS_STARTED:  # a later run of this process (a notebook's, a script's of several): timed from this call
+        STARTED = time.perf_counter()
+    RUNS_STARTED.append(STARTED)
+    argv = command_words(argv)
     args = args or parse_args(parse_train_args, argv)
     if args.fast_dev_run and args.resume:
         raise KilnError('--fast_dev_run trains in a throwaway folder of its own: drop --resume')
     init_distributed(args.cpu, args.gpus)
     try:
-        if args.fast_dev_run:
-            return fast_dev_run(argv, args, trainer_type)
-        trainer, stop = train_in_group(argv, args, trainer_type)
+        with process_settings_kept():  # --deterministic, --detect_anomaly: for this run only
+            if args.fast_dev_run:
+                return fast_dev_run(argv, args, trainer_type)
+            trainer, stop = train_in_group(argv, args, trainer_type)
     finally:
         cleanup_distributed()
     finish(trainer, stop)

@@ -6,6 +6,7 @@ import csv
 import glob
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -157,6 +158,84 @@ def test_a_trainer_subclass_runs_from_its_own_script_as_train_py_does(tiny_shape
     with open(os.path.join(folder, 'metrics.csv')) as f:
         assert 'train/penalty' in f.readline().split(',')
     assert f'train more:  python my_train.py --resume {folder}/last.pth --max_iteration 4' in dev.stdout, dev.stdout
+
+
+PYTHON_SESSION = """
+import json, os, re, signal, sys, time
+from pathlib import Path
+import torch
+sys.path.insert(0, {repo!r})
+handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.excepthook
+import eval, predict, train
+assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.excepthook) == handlers, 'handlers'
+try:  # a Ctrl-C in the session's own code, after the import
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    print('interrupt caught', flush=True)
+
+
+class NoOutputsTrainer(train.Trainer):  # a train_step of the user's that keeps no outputs for train/acc
+    def train_step(self, batch, group_size, update):
+        with self.setup.autocast():
+            loss = self.task.loss(self.task.forward(self.setup.wrapped, batch), batch)
+        loss.backward()
+        self.logger.record('train/loss', loss, self.task.count(batch))
+        try:
+            self.logger.record('train/per_sample', torch.ones(self.task.count(batch)))
+        except ValueError as error:
+            self.wrong_record = str(error)
+        return self.task.count(batch)
+
+
+argv = json.loads(sys.argv[1])
+words = [Path(word) if '/' in word else int(word) if word.isdigit() else word for word in argv]  # not all text
+first = train.main(
+    [*words, '--deterministic', '--detect_anomaly', '--save_prefix', 'one'],
+    trainer_type=NoOutputsTrainer,
+)
+settings = torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled()
+print('settings after the run', settings, os.environ.get('CUBLAS_WORKSPACE_CONFIG'), flush=True)
+print('wrong record:', first.wrong_record, flush=True)
+print('train metrics:', sorted(first.history.get_metric_names()), flush=True)
+time.sleep(2)
+called = time.perf_counter()
+train.main([*argv, '--save_prefix', 'two'])
+print('second run took', time.perf_counter() - called, flush=True)
+train.main(['--resume', str(Path(argv[argv.index('--checkpoints_dir') + 1], 'small_cnn_list_one')), '--epochs', '2'])
+"""
+
+
+def test_a_python_session_keeps_its_ctrl_c_and_settings_and_gets_a_call_to_continue(tiny_shapes, tmp_path):
+    """Importing train.py made any later Ctrl-C end the Python session (exit 130); --deterministic and
+    --detect_anomaly stayed on after the run; a second run's "first step" was timed from the import; a
+    subclass made in a notebook was to be continued with `python train.py` (without its train_step), and
+    resumed so, went on without a word; a train_step without record_outputs showed train/acc 0; record()
+    summed a tensor of values as one mean; numbers and paths in main's list were a TypeError."""
+    argv = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--loggers', 'csv', '--epochs', '1']
+    code = PYTHON_SESSION.format(repo=REPO)
+    result = subprocess.run(
+        [sys.executable, '-c', code, json.dumps([str(word) for word in argv])],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout(300),
+    )
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert 'interrupt caught' in out
+    assert 'settings after the run (False, False) None' in out, out
+    assert "record('train/per_sample', ...) takes one number (a mean), not a tensor of (16,)" in out, out
+    metrics = out.split('train metrics:')[1].splitlines()[0]
+    assert 'train/loss' in metrics and 'train/acc' not in metrics and 'val/acc' in metrics, metrics
+    last = tmp_path / 'ck' / 'small_cnn_list_one' / 'last.pth'
+    call = f"train.main(['--resume', '{last}', '--epochs', '2'], trainer_type=NoOutputsTrainer)"
+    assert f'train more:  {call}' in out, out
+    first_step = [float(seconds) for seconds in re.findall(r'first step ([0-9.]+)s after train.py started', out)]
+    second_run = float(out.split('second run took ')[1].split()[0])
+    assert len(first_step) == 3 and first_step[1] < second_run, out  # timed from its own call, not the import
+    # the subclass's run resumed by train.py's Trainer goes on without its train_step: said
+    assert 'was trained by NoOutputsTrainer, this run trains with Trainer: to keep its train_step' in out, out
 
 
 class MinimalDataset(torch.utils.data.Dataset):

@@ -190,6 +190,7 @@ def quiet_interrupts():
             _interrupted()
         default(kind, value, traceback)
 
+    hook.quiets_interrupts = True
     sys.excepthook = hook
 
 
@@ -198,6 +199,8 @@ def run_cli(main, argv=None):
     KilnError, an OSError from the file system (disk full, read-only, no permission) and running out
     of memory. With `--debug` on the command line the full traceback is shown instead."""
     argv = sys.argv[1:] if argv is None else argv
+    if not getattr(sys.excepthook, 'quiets_interrupts', False):  # a script of yours that imported train.py
+        quiet_interrupts()
     if INTERRUPTED:  # a Ctrl-C while modules loaded, swallowed on its way
         _interrupted()
     RUNNING.append(main)

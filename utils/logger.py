@@ -21,6 +21,10 @@ from utils.viz import save_png
 
 # what a task's train metrics are asked for: every step, at validation, and by each checkpoint
 TRAIN_METRIC_METHODS = ('update', 'compute', 'reset', 'state_dict', 'load_state_dict')
+# the Recorder's count of the batches whose outputs reached the train metrics (no value, no kernel): none
+# since the last summary (a train_step of yours without record_outputs), and there are no train metrics
+# to show, rather than an accuracy of 0
+OUTPUTS_RECORDED = 'batches with outputs recorded'
 
 
 class Logger:
@@ -51,18 +55,22 @@ class Logger:
         """Add a training batch's outputs (as the model gave them) to the task's train metrics (train/acc, ...)."""
         if self.train_metrics is not None:
             self.train_metrics.update(outputs, batch)
+            self.recorder.record(OUTPUTS_RECORDED, 0.0)  # a count on the host
 
     # at print and validation time ----------------------------------------------------------------------
     def running_means(self):
         """This process's means of every recorded value since the last summary (one host sync)."""
-        return self.recorder.means()
+        means = self.recorder.means()
+        means.pop(OUTPUTS_RECORDED, None)
+        return means
 
     def summary(self):
         """The train/* values since the last summary over every process (the recorded means and the train
         metrics), then a fresh start. A collective: every process calls it."""
         metrics = self.recorder.summary(all_ranks=True)
         if self.train_metrics is not None:
-            metrics.update({f'train/{name}': value for name, value in self.train_metrics.compute().items()})
+            if metrics.pop(OUTPUTS_RECORDED, None) is not None:  # the same on every process: a collective's sums
+                metrics.update({f'train/{name}': value for name, value in self.train_metrics.compute().items()})
             self.train_metrics.reset()
         return metrics
 

@@ -26,10 +26,13 @@ class Recorder:
 
     def record(self, name, value, n=1):
         """Add `value` (a tensor or number, the mean over `n` samples) under `name`."""
-        self.counts[name] = self.counts.get(name, 0) + n
         if not torch.is_tensor(value):
+            self.counts[name] = self.counts.get(name, 0) + n
             self.sums[name] = self.sums.get(name, 0.0) + float(value) * n
             return
+        if value.numel() != 1:  # a batch's values, say: their sum would be added up as if it were a mean
+            raise ValueError(f'record({name!r}, ...) takes one number (a mean), not a tensor of {tuple(value.shape)}')
+        self.counts[name] = self.counts.get(name, 0) + n
         kept = self.kept.setdefault(name, {})
         kept.setdefault(n, []).append(value.detach())
         if sum(map(len, kept.values())) >= FOLD_EVERY:

@@ -1,5 +1,6 @@
 """Seeding and the random states a checkpoint keeps, so a resumed run draws the same numbers."""
 
+import contextlib
 import os
 import random
 
@@ -24,6 +25,28 @@ def set_deterministic(enabled):
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # required by deterministic cuBLAS
         torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(enabled)
+
+
+@contextlib.contextmanager
+def process_settings_kept():
+    """Put back, when the block ends, the process-wide settings a run changes (--deterministic's
+    algorithms, cuDNN benchmark and CUBLAS_WORKSPACE_CONFIG, --detect_anomaly), so that a run started
+    from Python (a notebook, a script of several runs) leaves the session as it found it."""
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    anomaly = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+    benchmark, cublas = torch.backends.cudnn.benchmark, os.environ.get('CUBLAS_WORKSPACE_CONFIG')
+    try:
+        yield
+    finally:
+        now = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        if now != deterministic:  # (switching imports torch's compiler: only when it changed)
+            torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.autograd.set_detect_anomaly(*anomaly)
+        torch.backends.cudnn.benchmark = benchmark
+        if cublas is None:
+            os.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)
+        else:
+            os.environ['CUBLAS_WORKSPACE_CONFIG'] = cublas
 
 
 def rng_states():
