@@ -538,7 +538,11 @@ class Trainer:
         most every 30 s (`now`: at once; the run does it at its end); the checkpoint holds the history too."""
         metrics = self.history.for_file(now) if is_main_process() else None
         if metrics is not None:
-            self.logger.submit(write_history_json, metrics, self.folder('history.json'))
+            self.logger.submit(self._write_history_file, metrics)
+
+    def _write_history_file(self, metrics):
+        self.checkpointer.keeper.same_folder.check()  # the run's folder is still at its path
+        write_history_json(metrics, self.folder('history.json'))
 
     # what the run says and writes about itself ---------------------------------------------------------
     def folder(self, name):

@@ -405,6 +405,48 @@ def test_a_write_that_fails_on_the_writer_thread_ends_the_run_with_one_line(tiny
     _one_error_line(result, 'No space left on device')
 
 
+FOLDER_MOVED = """
+import os, sys
+sys.argv[0] = 'train.py'
+import train
+from utils.errors import run_to_exit
+
+
+class MovedTrainer(train.Trainer):  # after its first save, the folder is renamed and another made at its path
+    def save(self, metrics=None):
+        super().save(metrics)
+        if self.position.step == 2:
+            self.logger.wait()
+            folder = self.options.model_dir
+            os.rename(folder, folder + '_moved')
+            os.mkdir(folder)
+            with open(os.path.join(folder, 'theirs.txt'), 'w') as f:
+                f.write('another run')
+
+
+run_to_exit(lambda argv: train.main(argv, trainer_type=MovedTrainer))
+"""
+
+
+def test_a_run_whose_folder_is_moved_writes_nothing_into_the_folder_now_at_its_path(tiny_shapes, tmp_path):
+    """A run went on writing its checkpoints, last.pth, best.pth, checkpoints.json, history.json and
+    metrics.csv by path, into whatever folder was there now: another run's, made at that path since."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    extra = ['--max_iteration', '6', '--valid_interval', '2', '--loggers', 'csv,tensorboard']
+    result = subprocess.run(
+        [sys.executable, '-c', FOLDER_MOVED, *args, *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(120),
+    )
+    folder = tmp_path / 'ck' / 'small_cnn_list_default'
+    _one_error_line(result, f'{folder} was moved or removed while this run wrote into it', '--resume')
+    assert os.listdir(folder) == ['theirs.txt']  # the other run's folder: as it made it
+    moved = tmp_path / 'ck' / 'small_cnn_list_default_moved'
+    assert torch.load(moved / 'last.pth', weights_only=True, map_location='cpu')['position']['step'] == 2
+
+
 def test_a_read_only_file_system_at_resume_is_one_line(tiny_shapes, tmp_path):
     with _read_only_mount(tmp_path / 'mnt') as make_read_only:
         args = tiny_run_args(tiny_shapes, tmp_path / 'mnt') + ['--epochs', '1']

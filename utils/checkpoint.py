@@ -47,6 +47,33 @@ def atomic_write_bytes(data, path, sync_folder=True):
         sync_directory(folder)
 
 
+class SameFolder:
+    """The folder a run writes into, as it was when the run began: `check()` refuses once that path names
+    another folder or none (moved or removed while the run trains). Files written by path would otherwise
+    land in whatever is there now: another run's folder, made at that path since, with a lock of its own."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.identity = self._identity()
+
+    def _identity(self):
+        status = os.stat(self.folder)
+        return status.st_dev, status.st_ino
+
+    def check(self):
+        """Raise a KilnError when the path no longer names the folder this run began in."""
+        try:
+            same = self._identity() == self.identity
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise KilnError(
+                f'{self.folder} was moved or removed while this run wrote into it, so nothing more is written '
+                f'there (another run may use that path now); continue the run with --resume from where its '
+                f'folder is now'
+            )
+
+
 def sync_directory(folder):
     """fsync `folder`: the renames and links made in it survive a power cut (given a file, its bytes do)."""
     directory = os.open(folder, os.O_RDONLY)

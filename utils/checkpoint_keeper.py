@@ -14,7 +14,7 @@ import os
 import re
 import time
 
-from utils.checkpoint import atomic_write_json, checksum, load_checkpoint, save_checkpoint
+from utils.checkpoint import SameFolder, atomic_write_json, checksum, load_checkpoint, save_checkpoint
 from utils.errors import KilnError
 from utils.fault_points import fault_point
 
@@ -143,6 +143,7 @@ class CheckpointKeeper:
 
     def __init__(self, folder, keep_last=1, keep_best=1, mode='max', restore=True):
         self.folder, self.keep_last, self.keep_best, self.mode = folder, keep_last, keep_best, mode
+        self.same_folder = SameFolder(folder)  # each save checks that the path still names it
         record = read_record(folder) or self.rebuild_record()
         # a recorded checkpoint whose file is gone (deleted by hand, say) while last.pth or best.pth still
         # holds its bytes (they were links to it): put back (`restore`; the run's own keeper, which holds
@@ -200,6 +201,7 @@ class CheckpointKeeper:
         `metric` is the monitored value of this state (None between validations); `is_best` says it
         improved on every earlier one (the run's Monitor decides that).
         """
+        self.same_folder.check()
         name = checkpoint_name(epoch, step)
         path = os.path.join(self.folder, name)
         try:

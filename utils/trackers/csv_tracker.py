@@ -6,7 +6,7 @@ import io
 import os
 import time
 
-from utils.checkpoint import atomic_write_bytes
+from utils.checkpoint import SameFolder, atomic_write_bytes
 from utils.trackers import Tracker
 
 WRITE_EVERY_S = 30  # between checkpoints too, so that the file can be watched during long epochs
@@ -39,6 +39,7 @@ class CsvTracker(Tracker):
 
     def __init__(self, folder, run_name, resume_step=None, state=None, options=None, metric_names=()):
         self.path = os.path.join(folder, 'metrics.csv')
+        self.same_folder = SameFolder(folder)  # each write checks that the path still names it
         self.rows = {}  # step -> {'epoch': .., metric: value}
         self.columns = ['step', 'epoch']
         self.dirty = False
@@ -78,6 +79,7 @@ class CsvTracker(Tracker):
     def _write(self):
         if not self.dirty:
             return
+        self.same_folder.check()
         steps = sorted(self.rows)
         append = self.in_file is not None and self.in_file[0] == self.columns and os.path.isfile(self.path)
         last_in_file = self.in_file[1] if append else None
