@@ -38,6 +38,12 @@ def _one_error_line(result, *needles):
     return lines[0]
 
 
+def _python(code, *args, seconds=120):
+    """`python -c code args` from the repo: its CompletedProcess, output as text."""
+    command = [sys.executable, '-c', code, *map(str, args)]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout(seconds))
+
+
 def _ok(result):
     assert result.returncode == 0, result.stdout + result.stderr
     return result
@@ -395,13 +401,7 @@ def test_a_write_that_fails_on_the_writer_thread_ends_the_run_with_one_line(tiny
     waits for that checkpoint, ends the run with the picture's error rather than waiting for ever."""
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     extra = ['--max_iteration', '6', '--valid_interval', '2', '--save_interval', '1', '--image_interval', '0']
-    result = subprocess.run(
-        [sys.executable, '-c', FAILING_PICTURES, *args, *extra],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout(120),
-    )
+    result = _python(FAILING_PICTURES, *args, *extra)
     _one_error_line(result, 'No space left on device')
 
 
@@ -433,13 +433,7 @@ def test_a_run_whose_folder_is_moved_writes_nothing_into_the_folder_now_at_its_p
     metrics.csv by path, into whatever folder was there now: another run's, made at that path since."""
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     extra = ['--max_iteration', '6', '--valid_interval', '2', '--loggers', 'csv,tensorboard']
-    result = subprocess.run(
-        [sys.executable, '-c', FOLDER_MOVED, *args, *extra],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout(120),
-    )
+    result = _python(FOLDER_MOVED, *args, *extra)
     folder = tmp_path / 'ck' / 'small_cnn_list_default'
     _one_error_line(result, f'{folder} was moved or removed while this run wrote into it', '--resume')
     assert os.listdir(folder) == ['theirs.txt']  # the other run's folder: as it made it
@@ -587,13 +581,7 @@ def test_sigterm_to_eval_and_predict_is_one_line_and_leaves_no_folder(
     args = ['--load_model_path', *checkpoints, '--cpu', '--no-progress_bar']
     if script == 'predict.py':
         args += ['--input', os.path.join(tiny_shapes, 'val.txt')]
-    result = subprocess.run(
-        [sys.executable, '-c', SIGTERM_AT, script, target, str(calls), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout(60),
-    )
+    result = _python(SIGTERM_AT, script, target, calls, *args, seconds=60)
     _stopped_with(result, 128 + signal.SIGTERM, TERMINATED)
     assert result.stderr.strip() == TERMINATED
     assert sorted(os.listdir(folder)) == before  # no eval/, predict/ or comparisons/ left
