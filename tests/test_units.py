@@ -18,7 +18,7 @@ from data.shapes import generate_shapes
 from metrics import accuracy_from_confusion, confusion_matrix, topk_hits
 from model.submodules import ConvBNReLU, UpBlock
 from options import parse_args, parse_test_args, parse_train_args
-from utils.checkpoint import load_checkpoint, load_match_dict, load_weights, save_checkpoint, unwrap_model
+from utils.checkpoint import SameFolder, load_checkpoint, load_match_dict, load_weights, save_checkpoint, unwrap_model
 from utils.errors import KilnError
 from utils.recorder import Recorder
 
@@ -304,6 +304,28 @@ def test_checkpoint_write_failure_keeps_the_previous_file(tmp_path, monkeypatch)
     assert error.value.filename == path  # what the one-line error names (the disk's own error names no file)
     assert load_checkpoint(path)['step'].item() == 1
     assert os.listdir(tmp_path) == ['last.pth']  # the temporary file was cleaned up
+
+
+def test_same_folder_tells_a_moved_folder_from_one_whose_inode_was_renumbered(tmp_path, monkeypatch):
+    """Some FUSE mounts number inodes anew: the folder is then still the run's while its lock file
+    names the run's process; another run's folder at the path, or none, is refused."""
+    folder = tmp_path / 'run'
+    folder.mkdir()
+    (folder / '.lock').write_text('process 1 on here')
+    same = SameFolder(str(folder))
+    same.check()
+    identity = same.identity
+    monkeypatch.setattr(SameFolder, '_identity', lambda self: (identity[0], identity[1] + 1))
+    same.check()  # renumbered, the same lock text: still the run's
+    monkeypatch.setattr(SameFolder, '_identity', lambda self: (identity[0], identity[1] + 2))
+    (folder / '.lock').write_text('process 2 on here')  # another run's folder at the path
+    with pytest.raises(KilnError, match='was moved or removed while this run wrote into it'):
+        same.check()
+    monkeypatch.undo()
+    (folder / '.lock').write_text('process 1 on here')
+    os.rename(folder, tmp_path / 'elsewhere')  # gone from the path
+    with pytest.raises(KilnError, match='--resume from where its folder is now'):
+        same.check()
 
 
 def test_random_states_come_back_through_a_safe_load_and_from_the_older_format(tmp_path):
