@@ -306,26 +306,27 @@ def test_checkpoint_write_failure_keeps_the_previous_file(tmp_path, monkeypatch)
     assert os.listdir(tmp_path) == ['last.pth']  # the temporary file was cleaned up
 
 
-def test_same_folder_tells_a_moved_folder_from_one_whose_inode_was_renumbered(tmp_path, monkeypatch):
-    """Some FUSE mounts number inodes anew: the folder is then still the run's while its lock file
-    names the run's process; another run's folder at the path, or none, is refused."""
+def test_same_folder_holds_the_folder_and_never_drops_the_runs_lock(tmp_path):
+    """Checking the folder opened and closed its lock file, which drops this process's POSIX lock on it: a
+    second run of the folder was let in (seen once as a resume reading a checkpoint the run had pruned)."""
+    from utils.run_folder import FolderLock
+
     folder = tmp_path / 'run'
     folder.mkdir()
-    (folder / '.lock').write_text('process 1 on here')
+    lock = FolderLock(str(folder))
     same = SameFolder(str(folder))
     same.check()
-    identity = same.identity
-    monkeypatch.setattr(SameFolder, '_identity', lambda self: (identity[0], identity[1] + 1))
-    same.check()  # renumbered, the same lock text: still the run's
-    monkeypatch.setattr(SameFolder, '_identity', lambda self: (identity[0], identity[1] + 2))
-    (folder / '.lock').write_text('process 2 on here')  # another run's folder at the path
+    code = f'import sys; sys.path.insert(0, {REPO!r}); from utils.run_folder import FolderLock; '
+    code += f'FolderLock.refuse_if_held({str(folder)!r})'
+    held = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=timeout(60))
+    assert held.returncode != 0 and 'is in use by process' in held.stderr, held.stderr  # still locked
+    os.rename(folder, tmp_path / 'elsewhere')
     with pytest.raises(KilnError, match='was moved or removed while this run wrote into it'):
         same.check()
-    monkeypatch.undo()
-    (folder / '.lock').write_text('process 1 on here')
-    os.rename(folder, tmp_path / 'elsewhere')  # gone from the path
+    (tmp_path / 'run').mkdir()  # another folder at the path
     with pytest.raises(KilnError, match='--resume from where its folder is now'):
         same.check()
+    lock.release()
 
 
 def test_random_states_come_back_through_a_safe_load_and_from_the_older_format(tmp_path):

@@ -47,47 +47,31 @@ def atomic_write_bytes(data, path, sync_folder=True):
         sync_directory(folder)
 
 
-LOCK = '.lock'  # a run folder's lock file (utils/run_folder.FolderLock), naming the process that holds it
-
-
 class SameFolder:
     """The folder a run writes into, as it was when the run began: `check()` refuses once that path names
     another folder or none (moved or removed while the run trains). Files written by path would otherwise
     land in whatever is there now: another run's folder, made at that path since, with a lock of its own.
-
-    The folder is known by its device and inode number and, where those change (file systems that number
-    inodes anew, such as some FUSE mounts), by its lock file's text, which names this run's process."""
+    The folder is held open, so that file systems that number inodes as they are used (FUSE mounts) keep
+    its number; it is never its lock file that is opened (closing that would drop the run's lock)."""
 
     def __init__(self, folder):
-        self.folder, self.lock_path = folder, os.path.join(folder, LOCK)
-        self.identity, self.lock_text = self._identity(), self._lock_text()
-
-    def _identity(self):
-        status = os.stat(self.folder)
-        return status.st_dev, status.st_ino
-
-    def _lock_text(self):
-        try:
-            with open(self.lock_path) as f:
-                return f.read() or None
-        except OSError:
-            return None
+        self.folder, self.opened = folder, os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
 
     def check(self):
         """Raise a KilnError when the path no longer names the folder this run began in."""
         try:
-            identity = self._identity()
+            same = os.path.samestat(os.stat(self.folder), os.fstat(self.opened))
         except FileNotFoundError:
-            identity = None
-        if identity != self.identity and identity is not None and self.lock_text is not None:
-            if self._lock_text() == self.lock_text:  # renumbered, not replaced: still this run's
-                self.identity = identity
-        if self.identity != identity:
+            same = False
+        if not same:
             raise KilnError(
                 f'{self.folder} was moved or removed while this run wrote into it, so nothing more is written '
                 f'there (another run may use that path now); continue the run with --resume from where its '
                 f'folder is now'
             )
+
+    def __del__(self):
+        os.close(self.opened)
 
 
 def sync_directory(folder):

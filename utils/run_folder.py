@@ -32,13 +32,14 @@ from options import (
     resolve,
     with_absolute_lists,
 )
-from utils.checkpoint import LOCK, load_checkpoint, sync_directory
+from utils.checkpoint import load_checkpoint, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.distributed import world_size
 from utils.errors import KilnError, file_in_the_way
 from utils.fault_points import fault_point
 from utils.run_records import ARGS_TXT, ARGS_YAML, save_args
 
+LOCK = '.lock'
 # what a run writes into its folder by itself: removed again when a new run fails before its first checkpoint
 RUN_FILES = (
     ARGS_TXT,
