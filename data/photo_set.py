@@ -21,7 +21,7 @@ import tempfile
 
 from PIL import Image
 
-from data.shapes import staging_folder
+from data.shapes import refuse_added_by_hand, staging_folder
 from utils.errors import KilnError, file_in_the_way, run_cli
 
 MANIFEST = 'photo_set.json'  # the settings a set was made with: what marks a folder as one this command made
@@ -94,7 +94,8 @@ def _read_settings(root):
             settings = json.load(f)
     except (OSError, ValueError):
         return None
-    return settings if isinstance(settings, dict) else None
+    ours = isinstance(settings, dict) and {'per_class', 'val_per_class', 'seed'} <= settings.keys()
+    return settings if ours else None
 
 
 def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0):
@@ -145,6 +146,7 @@ def _move_into_place(staging, root):
     rename replaces only an empty folder)."""
     aside = None
     if _read_settings(root) is not None:
+        refuse_added_by_hand(root, staging, 'move them out of it, or choose another DEST')
         aside = tempfile.mkdtemp(prefix='.photo_set-old-', dir=os.path.dirname(os.path.abspath(root)))
         os.rename(root, os.path.join(aside, 'set'))
     try:

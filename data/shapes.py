@@ -206,12 +206,43 @@ def _write_box_split(root, split, count, seed, size, progress):
 
 
 def _read_manifest(path):
-    """The manifest of a generated copy, or None where there is none (or it is unreadable)."""
+    """The manifest of a copy this module generated, or None where there is none, it is unreadable or it
+    is not one of ours (a manifest.json of the user's own data)."""
     try:
         with open(path) as f:
-            return json.load(f)
+            manifest = json.load(f)
     except (OSError, ValueError):
         return None
+    ours = isinstance(manifest, dict) and {'version', 'train_size', 'val_size', 'seed'} <= manifest.keys()
+    return manifest if ours else None
+
+
+def added_by_hand(generated, fresh):
+    """What the generated copy `generated` holds that a fresh one (`fresh`) does not: folders anywhere, and
+    files at the top (where notes and lists of one's own go), sorted. A regeneration keeps those, rather
+    than removing them with the copy. (Files within the generated folders, the images, are compared by
+    their folders: a larger copy has more of them.)"""
+
+    def tree(root):
+        folders, files = set(), set()
+        for folder, subfolders, names in os.walk(root):
+            relative = os.path.relpath(folder, root)
+            folders.update(os.path.normpath(os.path.join(relative, name)) + '/' for name in subfolders)
+            files.update(names if relative == '.' else ())
+        return folders | files
+
+    return sorted(tree(generated) - tree(fresh))
+
+
+def refuse_added_by_hand(generated, fresh, what_to_do):
+    """A KilnError when `generated` holds files or folders that a fresh copy (`fresh`) does not."""
+    extra = added_by_hand(generated, fresh)
+    if extra:
+        shown = ', '.join(extra[:3]) + (f' and {len(extra) - 3} more' if len(extra) > 3 else '')
+        raise KilnError(
+            f'{generated} was generated with other settings, but holds {shown} that the generator did not make; '
+            f'{what_to_do}'
+        )
 
 
 def staging_folder(parent, prefix):
@@ -227,7 +258,7 @@ def staging_folder(parent, prefix):
 def _not_ours(root, where_option):
     """The KilnError for a `root` that exists and is no generated shapes dataset."""
     return KilnError(
-        f'{root} exists and is not a generated shapes dataset (no manifest.json); '
+        f'{root} exists and is not a generated shapes dataset (no manifest.json of the generator); '
         f'move it away or choose another {where_option}'
     )
 
@@ -249,12 +280,8 @@ def _generate(root, manifest, write, total, where_option):
         return root
     if found is None and os.path.lexists(root) and not (os.path.isdir(root) and not os.listdir(root)):
         raise _not_ours(root, where_option)
-    if found is not None:  # made by another generator version or with other settings: replace it
+    if found is not None:  # made by another generator version or with other settings: replaced (below)
         print(f'{root} was generated with other settings; generating it again', flush=True)
-        stale = f'{root}.stale-{os.getpid()}'
-        with contextlib.suppress(FileNotFoundError):  # another process (DDP rank) may have moved it already
-            os.rename(root, stale)
-        shutil.rmtree(stale, ignore_errors=True)
     parent = os.path.dirname(os.path.abspath(root))
     blocker = file_in_the_way(root)
     if blocker is not None:
@@ -273,11 +300,17 @@ def _generate(root, manifest, write, total, where_option):
             write(staging, progress)
         with open(os.path.join(staging, 'manifest.json'), 'w') as f:
             json.dump(manifest, f, indent=1)
+        stale = f'{root}.stale-{os.getpid()}'
+        if found is not None:  # files of yours in it are kept: refused instead
+            refuse_added_by_hand(root, staging, f'move them out of it, or choose another {where_option}')
+            with contextlib.suppress(FileNotFoundError):  # another process (DDP rank) may have moved it already
+                os.rename(root, stale)
         try:
             os.rename(staging, root)
         except OSError:
             if _read_manifest(manifest_path) != manifest:  # not a concurrent writer that won the race
-                raise _not_ours(root, where_option) from None
+                raise _not_ours(root, where_option) from None  # (an older copy moved aside stays there)
+        shutil.rmtree(stale, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return root

@@ -873,7 +873,7 @@ def test_the_shapes_command_refuses_a_folder_it_did_not_make_in_one_line_before_
     result = run_script(sys.executable, '-m', 'data.shapes', dest)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr == (
-        f'error: {dest} exists and is not a generated shapes dataset (no manifest.json); '
+        f'error: {dest} exists and is not a generated shapes dataset (no manifest.json of the generator); '
         f'move it away or choose another DEST\n'
     )
     assert os.listdir(dest) == ['mine'] and os.listdir(tmp_path) == ['x']

@@ -360,3 +360,19 @@ def test_the_photo_set_is_the_same_from_its_seed(tmp_path):
     assert len(files) == 6 * 3 + 1 and all(
         (tmp_path / 'a' / f).read_bytes() == (tmp_path / 'b' / f).read_bytes() for f in files
     )
+
+
+def test_a_photo_set_made_again_with_other_settings_keeps_a_class_folder_of_yours(tmp_path):
+    """It was moved aside and removed whole, with a class folder added to it, without a word."""
+    from data.photo_set import make_photo_set
+    from utils.errors import KilnError
+
+    root = tmp_path / 'set'
+    make_photo_set(str(root), 1, 1, sizes=(40, 60))
+    mine = root / 'train' / 'my_cat'
+    mine.mkdir()
+    (mine / '0000.jpg').write_bytes(b'precious')
+    with pytest.raises(KilnError, match='holds train/my_cat/ that the generator did not make'):
+        make_photo_set(str(root), 2, 1, sizes=(40, 60))
+    assert (mine / '0000.jpg').read_bytes() == b'precious'
+    assert os.listdir(tmp_path) == ['set']

@@ -128,6 +128,27 @@ def test_shapes_generation_is_deterministic_and_reused(tmp_path):
     assert os.listdir(mine) == ['photo.png']
 
 
+def test_shapes_generation_never_removes_data_or_files_it_did_not_make(tmp_path):
+    """Any manifest.json (one of the user's own data) counted as a generated copy with other settings, and
+    a copy generated again with other settings went with whatever had been added to it: the folder
+    was removed whole."""
+    own = tmp_path / 'own'
+    (own / 'images').mkdir(parents=True)
+    (own / 'manifest.json').write_text('{"dataset": "my labelled photos", "version": 3}')
+    (own / 'images' / 'a.jpg').write_bytes(b'precious')
+    with pytest.raises(KilnError, match='not a generated shapes dataset'):
+        generate_shapes(str(own), train_size=12, val_size=6)
+    assert (own / 'images' / 'a.jpg').read_bytes() == b'precious'
+    generated = tmp_path / 'generated'
+    generate_shapes(str(generated), train_size=12, val_size=6)
+    (generated / 'NOTES.md').write_text('notes')
+    (generated / 'images' / 'mine').mkdir()
+    with pytest.raises(KilnError, match=r'holds NOTES.md, images/mine/ that the generator did not make; move them'):
+        generate_shapes(str(generated), train_size=13, val_size=6)
+    assert (generated / 'NOTES.md').read_text() == 'notes' and len((generated / 'train.txt').read_text().split()) == 24
+    assert sorted(os.listdir(tmp_path)) == ['generated', 'own']  # no staging or stale folder left
+
+
 def test_conv_bn_relu_keeps_size_and_up_block_doubles_it():
     x = torch.randn(2, 4, 16, 16)
     assert ConvBNReLU(4, 8, kernel_size=5)(x).shape == (2, 8, 16, 16)
