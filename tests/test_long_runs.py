@@ -2,6 +2,7 @@
 early stopping, non-finite losses and iteration mode, with real processes and real files."""
 
 import errno
+import glob
 import json
 import os
 import random
@@ -506,6 +507,11 @@ def test_resume_options(tiny_shapes, tmp_path):
     unstarted = tmp_path / 'unstarted'  # killed before its first checkpoint: its own options start it
     unstarted.mkdir()
     shutil.copy(os.path.join(_folder(args), 'args.yaml'), unstarted)
+    # a folder of one's own with a copy of a run's args.yaml (a config) is no run: not trained in
+    refused = run_script('train.py', '--resume', unstarted, '--epochs', '1', '--no-progress_bar')
+    assert refused.returncode == 2 and 'not an experiment folder (it has no args.txt)' in refused.stderr
+    assert os.listdir(unstarted) == ['args.yaml']
+    shutil.copy(os.path.join(_folder(args), 'args.txt'), unstarted)  # as a run leaves it: both args files
     started = run_script('train.py', '--resume', unstarted, '--epochs', '1', '--no-progress_bar')
     assert started.returncode == 0 and 'holds no checkpoint yet' in started.stdout, started.stdout + started.stderr
     assert _step(_load(os.path.join(unstarted, 'last.pth'))) == 6  # the tiny list's 6 steps, not the shapes'
@@ -514,6 +520,13 @@ def test_resume_options(tiny_shapes, tmp_path):
     assert not (tmp_path / 'other').exists()  # it was ignored, and recorded in args.yaml
     not_a_run = run_script('train.py', *args, '--resume', str(tmp_path))
     assert not_a_run.returncode == 2 and 'not an experiment folder' in not_a_run.stderr, not_a_run.stderr
+    results = run_script('eval.py', '--load_model_path', os.path.join(moved, 'last.pth'), '--no-progress_bar')
+    assert results.returncode == 0, results.stderr
+    (result_folder,) = glob.glob(str(moved / 'eval' / '*'))  # its args files beside result.json: no run's folder
+    before = sorted(os.listdir(result_folder))
+    into_results = run_script('train.py', '--resume', result_folder, '--no-progress_bar')
+    assert into_results.returncode == 2 and 'it holds result.json: results of eval.py' in into_results.stderr
+    assert sorted(os.listdir(result_folder)) == before
 
     missing = run_script('train.py', *args, '--resume', str(tmp_path / 'nope.pth'))
     assert missing.returncode == 2 and 'no such checkpoint' in missing.stderr

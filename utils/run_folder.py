@@ -40,6 +40,7 @@ from utils.fault_points import fault_point
 from utils.run_records import ARGS_TXT, ARGS_YAML, save_args
 
 LOCK = '.lock'
+RESULT_FILES = ('result.json', 'predictions.csv')  # what eval.py and predict.py write (beside their args files)
 # what a run writes into its folder by itself: removed again when a new run fails before its first checkpoint
 RUN_FILES = (
     ARGS_TXT,
@@ -304,10 +305,13 @@ def open_experiment(argv, args):
     named = args.resume if args.resume and args.resume != 'last' else None  # a checkpoint file, or a folder
     named_folder = named and os.path.isdir(named)
     if named_folder:  # an experiment folder: its options and newest trustworthy checkpoint
-        if not os.path.isfile(os.path.join(named, ARGS_YAML)):
+        results = [name for name in RESULT_FILES if os.path.isfile(os.path.join(named, name))]
+        missing = [name for name in (ARGS_YAML, ARGS_TXT) if not os.path.isfile(os.path.join(named, name))]
+        if results or missing:  # (a folder of yours with an args.yaml, an eval.py result folder: not trained in)
+            why = f'it holds {results[0]}: results of eval.py or predict.py' if results else f'it has no {missing[0]}'
             raise KilnError(
-                f'--resume {named}: not an experiment folder (it has no {ARGS_YAML}); give the folder a '
-                f'training run made, or one of its .pth files'
+                f'--resume {named}: not an experiment folder ({why}); give the folder a training run made, or '
+                f'one of its .pth files'
             )
         folder, named = os.path.abspath(named), None
     elif named:
