@@ -1044,6 +1044,13 @@ def with_absolute_lists(options):
     )
 
 
+def changed_options(saved, options):
+    """The names of the options a resume may not change whose values in `options` differ from a run's
+    saved ones (its args.yaml); options left to the task (None) match whatever it chose."""
+    fixed = set(vars(options)) - set(RESUME_CHANGEABLE + NOT_SAVED + DERIVED)
+    return sorted(name for name in fixed if getattr(options, name) not in (None, saved.get(name)))
+
+
 def monitor_mode_of(metric, task):
     """The direction a --monitor metric improves in: 'min' for losses and errors, the task's mode for its
     own monitor, else 'max' (accuracy, IoU, mAP, ...)."""

@@ -46,11 +46,9 @@ import sys
 import yaml
 
 from options import (
-    DERIVED,
-    NOT_SAVED,
-    RESUME_CHANGEABLE,
     KilnArgumentParser,
     Options,
+    changed_options,
     choice_read_as,
     experiment_folder,
     parse_args,
@@ -338,13 +336,6 @@ def newest_step(folder, record=None):
         last = record['last']
         return record['files'][last]['step'] if os.path.isfile(os.path.join(folder, last)) else -1
     return -1
-
-
-def changed_options(saved, options):
-    """The names of the options a resume may not change whose values in `options` differ from a run's
-    saved ones (its args.yaml); options left to the task (None) match whatever it chose."""
-    fixed = set(vars(options)) - set(RESUME_CHANGEABLE + NOT_SAVED + DERIVED)
-    return sorted(name for name in fixed if getattr(options, name) not in (None, saved.get(name)))
 
 
 def check_earlier_runs(runs, name):

@@ -32,6 +32,7 @@ class Trainer:
 
         sys.path.insert(0, REPO)
         import train
+        from utils.errors import run_cli
         from utils.stopping import StopSignals
 
         self._export_distributed_environment(submitit.JobEnvironment())
@@ -47,8 +48,8 @@ class Trainer:
                 requeue(signum, frame)
 
         signal.signal(signal.SIGUSR2, time_limit_near)
-        try:
-            run = train.main([*self.argv, '--resume'])
+        try:  # a mistake found in the job (its data gone, say): one line in its log, as from train.py
+            run = run_cli(train.main, [*self.argv, '--resume'])
         except SystemExit:  # stopped by a signal, after saving
             if warned:
                 requeue(signal.SIGUSR2, None)
@@ -90,9 +91,9 @@ def parse(argv):
     parser.add_argument('--name', default='kiln', help='job name; the run is ..._submitit_<name>')
     parser.add_argument(
         '--folder',
-        default=os.path.join('checkpoints', 'submitit'),
+        default=os.path.join(REPO, 'checkpoints', 'submitit'),
         type=os.path.expanduser,
-        help="submitit's logs and pickles",
+        help="submitit's logs and pickles (default: the project's checkpoints/submitit)",
     )
     parser.add_argument('--cluster', default=None, choices=['slurm', 'local'], help='default: SLURM if found')
     if '--' in argv:
@@ -133,12 +134,50 @@ def slurm_executor(args):
     return executor
 
 
+def refuse_other_options(parsed, train_argv, name):
+    """A KilnError when the run the job resumes was trained with other options (given in `train_argv`) than
+    a resume may change: its job would be refused in the queue, not here."""
+    import yaml
+
+    from options import (
+        Options,
+        changed_options,
+        experiment_folder,
+        given_options,
+        parse_train_args,
+        resolve,
+        with_absolute_lists,
+    )
+    from utils.checkpoint_keeper import step_of
+    from utils.errors import KilnError
+
+    folder = experiment_folder(resolve(parsed))  # (the model the task decides names it)
+    if not any(step_of(file) is not None for file in (os.listdir(folder) if os.path.isdir(folder) else [])):
+        return  # nothing trained yet: the job starts the run with these options
+    try:
+        with open(os.path.join(folder, 'args.yaml')) as f:
+            saved = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return  # the job's resume says what is wrong with the folder
+    if not isinstance(saved, dict):
+        return
+    given = given_options(parse_train_args, train_argv)
+    options = with_absolute_lists(Options.of(parsed))  # as train.py saved them
+    changed = [option for option in changed_options(saved, options) if option in given]
+    if changed:
+        shown = ', '.join(f'--{option} {getattr(options, option)} (it has {saved.get(option)})' for option in changed)
+        raise KilnError(
+            f'{shown}: the job resumes {folder}, trained with other options, which a resumed run keeps; give this '
+            f'job its own --name (or the options that run was trained with)'
+        )
+
+
 def submit(args, train_argv):
     """Check the train.py options here (a typo: one line now, not in the queue), then submit."""
     from options import parse_args, parse_train_args
 
     train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
-    parse_args(parse_train_args, train_argv)
+    refuse_other_options(parse_args(parse_train_args, train_argv), train_argv, args.name)
     made, path = [], os.path.abspath(args.folder)  # the folders submitit will make, deepest first
     while not os.path.exists(path):
         made.append(path)

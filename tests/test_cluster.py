@@ -720,3 +720,18 @@ def test_submit_checks_the_train_options_before_submitting(tmp_path):
         'error: unrecognized arguments: --batchsize 8 (did you mean --batch_size?) (see --help)'
     ], result.stderr
     assert not (tmp_path / 'jobs').exists()  # nothing submitted
+
+
+def test_submit_refuses_options_the_run_it_resumes_was_not_trained_with(tiny_shapes, tmp_path):
+    """Every job resumes its run (..._submitit_<name>): a second submission with another --lr was
+    submitted, then refused in the queue, with a traceback in its log."""
+    pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--cpu', '--epochs', '1']
+    trained = run_script('train.py', *args, '--save_prefix', 'submitit_mine')
+    assert trained.returncode == 0, trained.stderr
+    submit = ['scripts/submit.py', '--cluster', 'local', '--gpus_per_node', '0', '--name', 'mine']
+    result = run_script(*submit, '--folder', tmp_path / 'jobs', '--', *args, '--lr', '0.5')
+    assert result.returncode == 2 and result.stderr.startswith('error: --lr 0.5 (it has 0.003): the job resumes '), (
+        result.stderr
+    )
+    assert 'give this job its own --name' in result.stderr and not (tmp_path / 'jobs').exists()
