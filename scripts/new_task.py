@@ -233,6 +233,38 @@ def write(path, text):
         f.write(text)
 
 
+def make_project(args, dest, name):
+    """Copy the template into `dest` as project `name`, with the stubs `args` asks for; return how it was copied."""
+    how = copy_template(dest)
+    rename(dest, name)
+    os.makedirs(os.path.join(dest, 'checkpoints'), exist_ok=True)
+    open(os.path.join(dest, 'checkpoints', '.gitkeep'), 'a').close()
+    if args.task:
+        cls = camel(args.task) + 'Task'
+        write(os.path.join(dest, 'tasks', f'{args.task}.py'), TASK_STUB.format(name=args.task, cls=cls))
+        register(os.path.join(dest, 'tasks', 'task_entry.py'), 'TASKS', args.task, f'tasks.{args.task}:{cls}')
+        for script in ('train.sh', 'train_ddp.sh'):  # the project's own task is what its scripts train
+            path = os.path.join(dest, 'scripts', script)
+            with open(path) as f:
+                text = f.read()
+            with open(path, 'w') as f:
+                own = f"TASK=${{TASK:-{args.task}}}  # this project's task (tasks/task_entry.py)"
+                f.write(re.sub(r'TASK=\$\{TASK:-\w*\}.*', own.replace('\\', '\\\\'), text))
+    if args.dataset:
+        cls = camel(args.dataset) + 'Dataset'
+        write(os.path.join(dest, 'data', f'{args.dataset}.py'), DATASET_STUB.format(name=args.dataset, cls=cls))
+        register(os.path.join(dest, 'data', 'data_entry.py'), 'DATASETS', args.dataset, f'data.{args.dataset}:{cls}')
+    if args.model:
+        cls = camel(args.model)
+        write(os.path.join(dest, 'model', args.model, f'{args.model}.py'), MODEL_STUB.format(name=args.model, cls=cls))
+        write(
+            os.path.join(dest, 'model', args.model, '__init__.py'),
+            f"from model.{args.model}.{args.model} import {cls}\n\n__all__ = ['{cls}']\n",
+        )
+        register(os.path.join(dest, 'model', 'model_entry.py'), 'MODELS', args.model, f'model.{args.model}:{cls}')
+    return how
+
+
 def main(argv=None):
     """Create the new project."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[1])
@@ -267,8 +299,8 @@ def main(argv=None):
         fail('DEST is empty; give the folder for the new project, e.g. ../my_project')
     if os.path.exists(args.dest) and (not os.path.isdir(args.dest) or os.listdir(args.dest)):
         fail(f'{args.dest} exists and is not an empty folder; choose a new DEST (nothing was written)')
-    dest = os.path.abspath(args.dest)
-    if dest == TEMPLATE or dest.startswith(TEMPLATE + os.sep):
+    dest, template, real = os.path.abspath(args.dest), os.path.realpath(TEMPLATE), os.path.realpath(args.dest)
+    if real == template or real.startswith(template + os.sep):  # by the real path: a link into it counts
         fail(f'{args.dest} is inside the template; choose a folder outside it')
     name = os.path.basename(dest) if args.name is None else args.name
     if not PROJECT_NAME.fullmatch(name):
@@ -278,33 +310,23 @@ def main(argv=None):
             f'first), as it is written into code and is the package name; give --name with those'
         )
 
-    how = copy_template(dest)
-    rename(dest, name)
-    os.makedirs(os.path.join(dest, 'checkpoints'), exist_ok=True)
-    open(os.path.join(dest, 'checkpoints', '.gitkeep'), 'a').close()
-    if args.task:
-        cls = camel(args.task) + 'Task'
-        write(os.path.join(dest, 'tasks', f'{args.task}.py'), TASK_STUB.format(name=args.task, cls=cls))
-        register(os.path.join(dest, 'tasks', 'task_entry.py'), 'TASKS', args.task, f'tasks.{args.task}:{cls}')
-        for script in ('train.sh', 'train_ddp.sh'):  # the project's own task is what its scripts train
-            path = os.path.join(dest, 'scripts', script)
-            with open(path) as f:
-                text = f.read()
-            with open(path, 'w') as f:
-                own = f"TASK=${{TASK:-{args.task}}}  # this project's task (tasks/task_entry.py)"
-                f.write(re.sub(r'TASK=\$\{TASK:-\w*\}.*', own.replace('\\', '\\\\'), text))
-    if args.dataset:
-        cls = camel(args.dataset) + 'Dataset'
-        write(os.path.join(dest, 'data', f'{args.dataset}.py'), DATASET_STUB.format(name=args.dataset, cls=cls))
-        register(os.path.join(dest, 'data', 'data_entry.py'), 'DATASETS', args.dataset, f'data.{args.dataset}:{cls}')
-    if args.model:
-        cls = camel(args.model)
-        write(os.path.join(dest, 'model', args.model, f'{args.model}.py'), MODEL_STUB.format(name=args.model, cls=cls))
-        write(
-            os.path.join(dest, 'model', args.model, '__init__.py'),
-            f"from model.{args.model}.{args.model} import {cls}\n\n__all__ = ['{cls}']\n",
+    existed = os.path.isdir(dest)
+    try:
+        how = make_project(args, dest, name)
+    except OSError as error:  # a DEST that cannot be written (under a file, a read-only place): what it made goes
+        for entry in os.listdir(dest) if existed else ():  # an empty folder given: empty again
+            path = os.path.join(dest, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+        if not existed:
+            shutil.rmtree(dest, ignore_errors=True)
+        where = f' ({error.filename})' if error.filename else ''
+        fail(
+            f'cannot write the new project into {args.dest}: {error.strerror or error}{where}; choose a folder '
+            f'you can write to'
         )
-        register(os.path.join(dest, 'model', 'model_entry.py'), 'MODELS', args.model, f'model.{args.model}:{cls}')
     print(f'new project {name} in {dest}, from {how}')
     flags = ''.join(
         f' --{option} {getattr(args, value)}'

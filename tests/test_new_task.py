@@ -94,6 +94,21 @@ def test_generator_refuses_a_non_empty_destination(tmp_path):
     assert os.listdir(tmp_path) == ['mine.txt'] and (tmp_path / 'mine.txt').read_text() == 'keep me'
 
 
+def test_a_destination_that_cannot_be_written_or_links_into_the_template_is_one_line(tmp_path):
+    """A DEST under a file gave a NotADirectoryError traceback; a DEST reached through a link into the
+    template was taken as outside it, and the project was written into the template."""
+    (tmp_path / 'afile').write_text('mine')
+    under_a_file = run_script('scripts/new_task.py', str(tmp_path / 'afile' / 'project'))
+    assert under_a_file.returncode == 2 and under_a_file.stderr.startswith(
+        f'error: cannot write the new project into {tmp_path / "afile" / "project"}: Not a directory'
+    ), under_a_file.stderr
+    assert 'Traceback' not in under_a_file.stderr and os.listdir(tmp_path) == ['afile']
+    os.symlink(REPO, tmp_path / 'kiln')
+    linked = run_script('scripts/new_task.py', str(tmp_path / 'kiln' / 'my_project'))
+    assert linked.returncode == 2 and 'is inside the template' in linked.stderr, linked.stderr
+    assert not os.path.exists(os.path.join(REPO, 'my_project'))
+
+
 def test_a_project_name_is_written_as_given_and_its_code_compiles(tmp_path):
     """--name went into re.sub as a replacement: 'Proj\\1' failed with a traceback half-way through the
     copy, 'C:\\new' wrote a newline into every file (such names are refused now: see below)."""
