@@ -889,7 +889,8 @@ def train_in_group(argv, args, trainer_type=Trainer):
     # a failed start removes a folder it just made, never one that --resume reopened
     fresh = is_main_process() and options.resume_from is None and not options.resume
     try:
-        with discard_folder_if_setup_fails(options.model_dir) if fresh else contextlib.nullcontext():
+        made_parents = lock.made_parents if lock else ()  # (--checkpoints_dir's folders made for this run)
+        with discard_folder_if_setup_fails(options.model_dir, made_parents) if fresh else contextlib.nullcontext():
             trainer = trainer_type.build(options, lock)
             if is_main_process():
                 for note in ignored_options(trainer.judged_options(), argv):  # does nothing here: said, not refused

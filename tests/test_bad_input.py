@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import run_script, tiny_run_args
 
 FAST = ['--epochs', '1', '--batch_size', '8', '--no-progress_bar']
 
@@ -773,3 +773,13 @@ def test_a_path_option_given_with_equals_or_in_a_config_expands_the_home_folder(
     assert evaluate.output_dir == str(tmp_path / 'out')
     predict = parse_args(parse_predict_args, ['--load_model_path=~/a.pth', '--input=~/photos'])
     assert (predict.load_model_path, predict.input) == (str(tmp_path / 'a.pth'), str(tmp_path / 'photos'))
+
+
+def test_a_new_run_that_fails_to_start_leaves_no_folder_of_its_checkpoints_dir(tiny_shapes, tmp_path):
+    """The run's folder went, but the --checkpoints_dir folders made above it for it stayed, empty."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'new' / 'a' / 'b')
+    missing = args.index('--train_list') + 1
+    args[missing] = str(tmp_path / 'gone.txt')
+    result = run_script('train.py', *args)
+    assert result.returncode == 2 and 'gone.txt does not exist' in result.stderr, result.stderr
+    assert not (tmp_path / 'new').exists()

@@ -70,15 +70,17 @@ def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_
     moment finds it in use) and save the options in it; returns the FolderLock. An existing one is a
     KilnError saying `what_to_change` (None with `exists_ok`), one that cannot be made names `where_option`.
     A folder whose options could not be written (a full disk) is removed again."""
+    made = []
     try:
-        make_parents(folder)
+        made = make_parents(folder)
         os.mkdir(folder)  # fails if it exists: two runs never share a folder
     except OSError as error:
         if exists_ok and isinstance(error, FileExistsError) and os.path.isdir(folder):
             return None
         raise cannot_create(folder, error, what_to_change, where_option) from None
     lock = FolderLock(folder)  # refused: a --resume took the folder in the moment since mkdir; it is theirs
-    with discard_folder_if_setup_fails(folder):
+    lock.made_parents = made  # a run that fails to start removes them too, while empty
+    with discard_folder_if_setup_fails(folder, made):
         save_args(args, folder)
     return lock
 
@@ -102,8 +104,9 @@ def shown_value(value):
 
 
 @contextlib.contextmanager
-def discard_folder_if_setup_fails(folder):
-    """Remove a just-created run folder again if what follows fails, so the same command can be re-run.
+def discard_folder_if_setup_fails(folder, made_parents=()):
+    """Remove a just-created run folder again if what follows fails, so the same command can be re-run,
+    and the folders made above it for it (`made_parents`, deepest first) while they are empty.
 
     Only what runs write by themselves (RUN_FILES, TensorBoard event files) is removed, and only
     while the folder holds no checkpoint; a folder holding anything else is left alone.
@@ -118,7 +121,8 @@ def discard_folder_if_setup_fails(folder):
                     with contextlib.suppress(OSError):
                         os.remove(os.path.join(folder, name))
         with contextlib.suppress(OSError):
-            os.rmdir(folder)  # only succeeds when nothing else is in it
+            for empty in (folder, *made_parents):
+                os.rmdir(empty)  # only succeeds when nothing else is in it
         raise
 
 
@@ -256,6 +260,7 @@ class FolderLock:
     refused in the moment they take to notice that a killed run is gone."""
 
     def __init__(self, folder):
+        self.made_parents = ()  # the folders made above a new run's folder (create_run_folder)
         self.path = os.path.join(folder, LOCK)
         self.file = open(self.path, 'a+')
         _lock_or_refuse(self.file, fcntl.LOCK_EX, folder)
