@@ -743,7 +743,7 @@ def test_a_file_given_as_a_folder_option_says_it_is_a_file(tmp_path):
         2,
         f'error: {file} is a file, not a folder; give a folder as --data_root\n',
     )
-    assert os.listdir(tmp_path / 'ck') == []  # the run folder made before the data is gone again
+    assert not (tmp_path / 'ck').exists()  # the run folder made before the data is gone again, and ck/
 
 
 def test_making_a_folder_where_a_file_is_is_one_line_saying_so_wherever_it_is_made(tmp_path, capsys):

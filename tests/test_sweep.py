@@ -311,7 +311,7 @@ def test_a_sweep_whose_runs_failed_to_start_runs_again_after_the_fix(tiny_shapes
     grid = ['--name', 'fixed', '--grid', 'lr=1e-3']
     failed = _sweep(*grid, '--', *train, '--freeze_to', '10', code=1)
     assert 'failed: fixed_lr0.001: exit code 2: error: --freeze_to 10' in failed.stdout
-    assert os.listdir(tmp_path / 'ck') == []  # nothing trained, nothing left
+    assert not (tmp_path / 'ck').exists()  # nothing trained, nothing left
     _sweep(*grid, '--', *train)  # without the mistake
     assert _last_step(_folder(tmp_path / 'ck', 'fixed_lr0.001')) == 2
     # a run's folder left with its options but no checkpoint (a kill while it was built) starts anew too
