@@ -45,9 +45,13 @@ def _decode(path, data):
     if b'\0' in data:
         if kind := image_format(path):
             raise KilnError(f'{path} is an image ({kind}), not a list file: give a list file or a folder')
-        raise KilnError(
-            f'list file {path} looks like UTF-16 or UTF-32 text without a byte-order mark; save it as UTF-8'
-        )
+        head = data[:1024]
+        if any(head[start::step].count(0) >= len(head) // step // 2 for step in (2, 4) for start in range(step)):
+            raise KilnError(  # ASCII in UTF-16 or UTF-32: every second or fourth byte is zero
+                f'list file {path} looks like UTF-16 or UTF-32 text without a byte-order mark; save it as UTF-8'
+            )
+        what = ' (a zip archive, as a checkpoint is)' if data.startswith(b'PK\x03\x04') else ''
+        raise KilnError(f'{path} is a binary file{what}, not a list file: give a list file or a folder')
     return data.decode('utf-8', 'surrogateescape')
 
 

@@ -749,6 +749,17 @@ def test_an_image_without_a_known_extension_is_predicted_and_refused_as_a_list(t
     utf16 = list_file(tmp_path, 'photo_noext 0\n'.encode('utf-16-le'), 'utf16.txt')
     with pytest.raises(KilnError, match='looks like UTF-16 or UTF-32 text without a byte-order mark'):
         read_list_file(utf16)
+    wide = list_file(tmp_path, '照片/猫.png 0\n'.encode('utf-32-le'), 'utf32.txt')  # no ASCII in the names
+    with pytest.raises(KilnError, match='looks like UTF-16 or UTF-32 text without a byte-order mark'):
+        read_list_file(wide)
+    checkpoint = tmp_path / 'last.pth'  # given as a list by mistake: it was said to be UTF-16 text
+    torch.save({'weights': torch.zeros(64)}, checkpoint)
+    with pytest.raises(KilnError) as caught:
+        read_list_file(str(checkpoint))
+    assert str(caught.value) == (
+        f'{checkpoint} is a binary file (a zip archive, as a checkpoint is), not a list file: give a list file or '
+        f'a folder'
+    )
 
 
 def test_an_image_listed_with_two_labels_is_refused_naming_both_lines(tmp_path):
