@@ -44,6 +44,12 @@ from utils.fault_points import fault_point
 from utils.model_setup import setup_model
 from utils.progress import progress
 from utils.run_folder import StagedResults, checkpoint_path, plain_name, result_folder
+from utils.run_records import ARGS_TXT, ARGS_YAML
+
+
+def is_run(folder):
+    """Whether `folder` is an experiment folder or a result folder of Kiln's (its options files)."""
+    return all(os.path.isfile(os.path.join(folder, name)) for name in (ARGS_YAML, ARGS_TXT))
 
 
 def images_to_predict(source):
@@ -51,6 +57,12 @@ def images_to_predict(source):
     any extension or none, if Pillow reads it), a quoted glob of image files (as eval.py takes checkpoints), or
     a list file (the first field of each entry; labels, masks or boxes after it are ignored)."""
     if os.path.isdir(source):
+        runs = [folder for folder in (source, *glob.glob(os.path.join(glob.escape(source), '*', ''))) if is_run(folder)]
+        if runs:  # (their pictures would be predicted: confusion matrices, validation grids)
+            raise KilnError(
+                f'--input {source} is a folder of Kiln runs or results, not of images ({os.path.normpath(runs[0])} '
+                f'holds {ARGS_YAML}): give the folder of the images to predict'
+            )
         paths = find_images(source)
     elif os.path.isfile(source) and (source.lower().endswith(IMAGE_EXTENSIONS) or image_format(source)):
         paths = [source]

@@ -895,6 +895,9 @@ def train_in_group(argv, args, trainer_type=Trainer):
             if is_main_process():
                 for note in ignored_options(trainer.judged_options(), argv):  # does nothing here: said, not refused
                     print(f'note: {note}')
+                lists = [options.train_list, options.val_list]
+                if all(lists) and os.path.realpath(lists[0]) == os.path.realpath(lists[1]):
+                    print('note: --val_list is the --train_list: val/* measure the data the run trains on')
             try:
                 stop = trainer.run()
                 barrier()  # each process returns once rank 0's files are written (--fast_dev_run reads them next)

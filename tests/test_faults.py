@@ -734,6 +734,19 @@ def test_a_refused_prediction_leaves_no_folder(tiny_shapes, tmp_path):
     )  # an experiment folder means its best.pth, as in eval.py and train.py
     _one_error_line(result, 'nothing')
     assert not os.path.exists(os.path.join(_folder(args), 'predict'))
+    # the run's folder, or the folder of runs, given as the images: its own pictures were predicted
+    for runs in (_folder(args), tmp_path / 'ck'):
+        result = run_script('predict.py', '--load_model_path', _folder(args), '--input', runs, '--cpu')
+        _one_error_line(result, f'--input {runs} is a folder of Kiln runs or results, not of images')
+    assert not os.path.exists(os.path.join(_folder(args), 'predict'))
+
+
+def test_validating_on_the_training_list_is_said(tiny_shapes, tmp_path):
+    """The same list as --train_list and --val_list trained without a word, val/* measuring training data."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--max_iteration', '1']
+    args[args.index('--val_list') + 1] = args[args.index('--train_list') + 1]
+    result = _ok(run_script('train.py', *args))
+    assert 'note: --val_list is the --train_list: val/* measure the data the run trains on' in result.stdout
 
 
 # processes that lose their parent --------------------------------------------------------------------
