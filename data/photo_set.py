@@ -21,7 +21,7 @@ import tempfile
 
 from PIL import Image
 
-from data.shapes import refuse_added_by_hand, staging_folder
+from data.shapes import record_made, refuse_added_by_hand, staging_folder
 from utils.errors import KilnError, file_in_the_way, run_cli
 
 MANIFEST = 'photo_set.json'  # the settings a set was made with: what marks a folder as one this command made
@@ -109,6 +109,8 @@ def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0
         return root
     if found is None and os.path.lexists(root) and not (os.path.isdir(root) and not os.listdir(root)):
         raise KilnError(_not_a_photo_set(root))
+    if found is not None:  # files of yours in it: not replaced
+        refuse_added_by_hand(root, 'move them out of it, or choose another DEST')
     blocker = file_in_the_way(root)
     if blocker is not None:
         raise KilnError(f'{blocker} is a file, not a folder; give a folder as DEST')
@@ -127,7 +129,9 @@ def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0
                     _save(_sample(photo, rng, sizes), os.path.join(folder, f'{index:04d}'), rng)
         with open(os.path.join(staging, MANIFEST), 'w') as f:
             json.dump(settings, f)
-        _move_into_place(staging, root)
+        record_made(staging)
+        if _read_settings(root) != settings:  # (else another process finished the same set first: kept)
+            _move_into_place(staging, root)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return root
@@ -146,7 +150,7 @@ def _move_into_place(staging, root):
     rename replaces only an empty folder)."""
     aside = None
     if _read_settings(root) is not None:
-        refuse_added_by_hand(root, staging, 'move them out of it, or choose another DEST')
+        refuse_added_by_hand(root, 'move them out of it, or choose another DEST')  # (added since the start)
         aside = tempfile.mkdtemp(prefix='.photo_set-old-', dir=os.path.dirname(os.path.abspath(root)))
         os.rename(root, os.path.join(aside, 'set'))
     try:

@@ -217,28 +217,45 @@ def _read_manifest(path):
     return manifest if ours else None
 
 
-def added_by_hand(generated, fresh):
-    """What the generated copy `generated` holds that a fresh one (`fresh`) does not: folders anywhere, and
-    files at the top (where notes and lists of one's own go), sorted. A regeneration keeps those, rather
-    than removing them with the copy. (Files within the generated folders, the images, are compared by
-    their folders: a larger copy has more of them.)"""
-
-    def tree(root):
-        folders, files = set(), set()
-        for folder, subfolders, names in os.walk(root):
-            relative = os.path.relpath(folder, root)
-            folders.update(os.path.normpath(os.path.join(relative, name)) + '/' for name in subfolders)
-            files.update(names if relative == '.' else ())
-        return folders | files
-
-    return sorted(tree(generated) - tree(fresh))
+MADE = '.made.json'  # in a generated copy: its files and folders as the generator left them
 
 
-def refuse_added_by_hand(generated, fresh, what_to_do):
-    """A KilnError when `generated` holds files or folders that a fresh copy (`fresh`) does not."""
-    extra = added_by_hand(generated, fresh)
-    if extra:
-        shown = ', '.join(extra[:3]) + (f' and {len(extra) - 3} more' if len(extra) > 3 else '')
+def _tree(root):
+    """{'files': the files at the top, 'folders': {folder: number of files in it}} of `root` (MADE aside)."""
+    files, folders = [], {}
+    for folder, _, names in os.walk(root):
+        relative = os.path.relpath(folder, root)
+        if relative == '.':
+            files = sorted(name for name in names if name != MADE)
+        else:
+            folders[relative] = len(names)
+    return {'files': files, 'folders': folders}
+
+
+def record_made(staging):
+    """Write what the generator made into `staging` (its MADE file), for `refuse_added_by_hand`."""
+    with open(os.path.join(staging, MADE), 'w') as f:
+        json.dump(_tree(staging), f)
+
+
+def refuse_added_by_hand(generated, what_to_do):
+    """A KilnError when the generated copy `generated` holds what its generator did not make (its MADE
+    record): a file or folder of one's own, or more files in one of its folders. Such a copy is not
+    replaced when made again with other settings. A copy of an earlier Kiln, without the record, is."""
+    try:
+        with open(os.path.join(generated, MADE)) as f:
+            made = json.load(f)
+    except (OSError, ValueError):
+        return
+    now = _tree(generated)
+    added = [name for name in now['files'] if name not in made.get('files', ())]
+    for folder, count in sorted(now['folders'].items()):
+        if folder not in made.get('folders', {}):
+            added.append(f'{folder}/')
+        elif count > made['folders'][folder]:
+            added.append(f'files in {folder}/')
+    if added:
+        shown = ', '.join(added[:3]) + (f' and {len(added) - 3} more' if len(added) > 3 else '')
         raise KilnError(
             f'{generated} was generated with other settings, but holds {shown} that the generator did not make; '
             f'{what_to_do}'
@@ -281,6 +298,7 @@ def _generate(root, manifest, write, total, where_option):
     if found is None and os.path.lexists(root) and not (os.path.isdir(root) and not os.listdir(root)):
         raise _not_ours(root, where_option)
     if found is not None:  # made by another generator version or with other settings: replaced (below)
+        refuse_added_by_hand(root, f'move them out of it, or choose another {where_option}')  # files of yours
         print(f'{root} was generated with other settings; generating it again', flush=True)
     parent = os.path.dirname(os.path.abspath(root))
     blocker = file_in_the_way(root)
@@ -300,9 +318,12 @@ def _generate(root, manifest, write, total, where_option):
             write(staging, progress)
         with open(os.path.join(staging, 'manifest.json'), 'w') as f:
             json.dump(manifest, f, indent=1)
+        record_made(staging)
+        if _read_manifest(manifest_path) == manifest:  # another process (a DDP rank) finished first: keep it
+            return root
         stale = f'{root}.stale-{os.getpid()}'
-        if found is not None:  # files of yours in it are kept: refused instead
-            refuse_added_by_hand(root, staging, f'move them out of it, or choose another {where_option}')
+        if found is not None:
+            refuse_added_by_hand(root, f'move them out of it, or choose another {where_option}')  # (added since)
             with contextlib.suppress(FileNotFoundError):  # another process (DDP rank) may have moved it already
                 os.rename(root, stale)
         try:

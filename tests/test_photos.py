@@ -357,7 +357,7 @@ def test_the_photo_set_is_the_same_from_its_seed(tmp_path):
     files = sorted(
         os.path.relpath(os.path.join(root, name), first) for root, _, names in os.walk(first) for name in names
     )
-    assert len(files) == 6 * 3 + 1 and all(
+    assert len(files) == 6 * 3 + 2 and all(  # the photos, photo_set.json and .made.json
         (tmp_path / 'a' / f).read_bytes() == (tmp_path / 'b' / f).read_bytes() for f in files
     )
 

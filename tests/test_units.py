@@ -14,7 +14,7 @@ from torch import nn
 from conftest import REPO, timeout
 from data.list_dataset import ListDataset
 from data.mem_list_dataset import MemListDataset
-from data.shapes import generate_shapes
+from data.shapes import generate_shape_boxes, generate_shapes
 from metrics import accuracy_from_confusion, confusion_matrix, topk_hits
 from model.submodules import ConvBNReLU, UpBlock
 from options import parse_args, parse_test_args, parse_train_args
@@ -143,10 +143,16 @@ def test_shapes_generation_never_removes_data_or_files_it_did_not_make(tmp_path)
     generate_shapes(str(generated), train_size=12, val_size=6)
     (generated / 'NOTES.md').write_text('notes')
     (generated / 'images' / 'mine').mkdir()
-    with pytest.raises(KilnError, match=r'holds NOTES.md, images/mine/ that the generator did not make; move them'):
+    (generated / 'images' / 'train' / 'my_notes.txt').write_text('notes')
+    with pytest.raises(KilnError, match=r'holds NOTES.md, images/mine/, files in images/train/ that the generator'):
         generate_shapes(str(generated), train_size=13, val_size=6)
     assert (generated / 'NOTES.md').read_text() == 'notes' and len((generated / 'train.txt').read_text().split()) == 24
     assert sorted(os.listdir(tmp_path)) == ['generated', 'own']  # no staging or stale folder left
+    for added in ('NOTES.md', 'images/mine', 'images/train/my_notes.txt'):
+        (os.remove if '.' in added else os.rmdir)(generated / added)
+    generate_shapes(str(generated), train_size=13, val_size=6)  # as it was made: made again
+    generate_shape_boxes(str(generated), train_size=8, val_size=4)  # another of its variants, with its own folders
+    assert len((generated / 'train.txt').read_text().splitlines()) == 8
 
 
 def test_conv_bn_relu_keeps_size_and_up_block_doubles_it():
