@@ -882,9 +882,10 @@ def main(argv=None, args=None, trainer_type=Trainer):
     return trainer
 
 
-def train_in_group(argv, args, trainer_type=Trainer):
+def train_in_group(argv, args, trainer_type=Trainer, keep_lock=False):
     """Open the experiment folder, build the Trainer (or `trainer_type`) and run it, in the process
-    group already joined; returns (the Trainer, its Stop or None)."""
+    group already joined; returns (the Trainer, its Stop or None). The folder's lock is released at the
+    end, or with `keep_lock` left to the caller (`trainer.lock`) once the run succeeded."""
     options, lock = open_run(argv, resolve(args))
     # a failed start removes a folder it just made, never one that --resume reopened
     fresh = is_main_process() and options.resume_from is None and not options.resume
@@ -904,8 +905,11 @@ def train_in_group(argv, args, trainer_type=Trainer):
             finally:
                 trainer.train_data.close()
                 trainer.val_data.close()
+    except BaseException:
+        keep_lock = False
+        raise
     finally:
-        if lock is not None:  # the folder is free for a --resume in this process too (a script's, a test's)
+        if lock is not None and not keep_lock:  # the folder is free for a --resume in this process too
             lock.release()
     return trainer, stop
 
@@ -929,9 +933,6 @@ def fast_dev_run(argv, args, trainer_type=Trainer):
     """--fast_dev_run: 2 training and 2 validation batches and one save in a throwaway folder under
     <checkpoints_dir>/fast_dev_run/, then eval.py and predict.py on that checkpoint; the folders of earlier
     ones go (the newest stays, to look at)."""
-    import eval as evaluation_script
-    import predict
-
     stamp = time.strftime('%Y%m%d_%H%M%S') + f'_{os.getpid()}_{time.time_ns() % 10**9}'
     throwaway = os.path.join(args.checkpoints_dir, 'fast_dev_run')
     dev_argv = [
@@ -950,7 +951,20 @@ def fast_dev_run(argv, args, trainer_type=Trainer):
         '2',
     ]
     # --fast_dev_run stays among its options: Trainer.build knows its 2 steps are not the run's schedule
-    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv), trainer_type)
+    # the folder stays locked until predict.py is done: another --fast_dev_run removes only unlocked ones
+    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv), trainer_type, keep_lock=True)
+    try:
+        return check_dev_run(trainer, stop, args, throwaway)
+    finally:
+        if trainer.lock is not None:
+            trainer.lock.release()
+
+
+def check_dev_run(trainer, stop, args, throwaway):
+    """--fast_dev_run's eval.py and predict.py on the run's checkpoint, then the earlier runs' folders go."""
+    import eval as evaluation_script
+    import predict
+
     finish(trainer, stop)
     checkpoint = trainer.folder(LAST)
     device = ['--cpu'] if args.cpu else []

@@ -494,6 +494,27 @@ def test_fast_dev_run_trains_saves_evaluates_and_predicts_in_a_throwaway_folder(
     assert os.listdir(tmp_path / 'ck') == ['fast_dev_run']
 
 
+def test_a_fast_dev_run_keeps_its_folder_locked_through_eval_and_predict(tiny_shapes, tmp_path, monkeypatch):
+    """Its lock went with the training: another --fast_dev_run, finishing meanwhile, removed the folder
+    while this one's eval.py and predict.py read it."""
+    import predict
+
+    seen = []
+
+    def checked(argv):
+        folder = os.path.dirname(argv[argv.index('--load_model_path') + 1])
+        code = f'import sys; sys.path.insert(0, {REPO!r}); from utils.run_folder import FolderLock; '
+        code += f'FolderLock.refuse_if_held({folder!r})'
+        seen.append(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=timeout(60)))
+        return real(argv)
+
+    real = predict.main
+    monkeypatch.setattr(predict, 'main', checked)
+    result = run_script('train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--fast_dev_run')
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(seen) == 1 and seen[0].returncode != 0 and 'is in use by process' in seen[0].stderr, seen
+
+
 HOLD_LOCK = """
 import os, sys, time
 from utils.run_folder import FolderLock

@@ -233,11 +233,11 @@ def remove_unused_runs(parent, keep):
     folders: the newest stays, to look at). A folder without Kiln's lock file is not a run's: left alone."""
     for name in os.listdir(parent):
         path = os.path.join(parent, name)
-        if os.path.samefile(path, keep) or not os.path.isfile(os.path.join(path, LOCK)):
-            continue
-        try:
+        try:  # (a link, or one another run removes at the same moment: left alone)
+            if os.path.islink(path) or os.path.samefile(path, keep) or not os.path.isfile(os.path.join(path, LOCK)):
+                continue
             FolderLock.refuse_if_held(path)
-        except KilnError:  # running now
+        except (OSError, KilnError):  # KilnError: in use, by its training or its eval.py and predict.py
             continue
         shutil.rmtree(path, ignore_errors=True)
 
