@@ -740,7 +740,8 @@ class Trainer:
             print(self.summary_line(), flush=True)
         try:
             stop = self.train()
-            self.write_history(now=True)
+            if not idle:  # (one resumed with nothing to do leaves the folder's history.json as it is)
+                self.write_history(now=True)
         except BaseException as error:
             if is_peer_lost(error):  # the line that says so (utils/errors.py) says what to do next
                 error.add_note('the newest checkpoint is whole: continue with --resume')
@@ -863,8 +864,8 @@ def main(argv=None, args=None, trainer_type=Trainer):
     """Join torchrun's processes if any, make (or reopen) the experiment folder, build the Trainer (or
     `trainer_type`, a subclass) and run it; returns the Trainer."""
     global STARTED
-    if RUNS_STARTED:  # a later run of this process (a notebook's, a script's of several): timed from this call
-        STARTED = time.perf_counter()
+    if RUNS_STARTED or not getattr(sys.modules['__main__'], '__file__', None):  # a later run of this process (a
+        STARTED = time.perf_counter()  # script's of several), or one from a notebook: timed from this call
     RUNS_STARTED.append(STARTED)
     argv = command_words(argv)
     args = args or parse_args(parse_train_args, argv)

@@ -578,7 +578,7 @@ def test_resuming_an_older_checkpoint_with_nothing_to_train_changes_no_file(tiny
     folder = _folder(args)
     checkpoints = sorted(name for name in os.listdir(folder) if name.endswith('.pth'))
     assert 'epoch001_step0000008.pth' in checkpoints, checkpoints
-    files = {name: _read(folder, name) for name in [*checkpoints, 'checkpoints.json', 'args.yaml']}
+    files = {name: _read(folder, name) for name in [*checkpoints, 'checkpoints.json', 'args.yaml', 'history.json']}
     for name, past in (('epoch001_step0000006.pth', False), ('epoch001_step0000008.pth', True)):  # at, past its end
         older = os.path.join(folder, name)
         idle = _train(args, '--resume', older, '--epochs', '1')

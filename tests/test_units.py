@@ -354,6 +354,14 @@ def test_same_folder_holds_the_folder_and_never_drops_the_runs_lock(tmp_path):
     with pytest.raises(KilnError, match='--resume from where its folder is now'):
         same.check()
     lock.release()
+    (tmp_path / 'parent' / 'run').mkdir(parents=True)
+    inner = SameFolder(str(tmp_path / 'parent' / 'run'))
+    os.rename(tmp_path / 'parent', tmp_path / 'parent_moved')
+    (tmp_path / 'parent').write_text('a file where a folder on its path was')  # os.stat: NotADirectoryError
+    with pytest.raises(KilnError, match='was moved or removed'):
+        inner.check()
+    with pytest.raises(FileNotFoundError):  # a folder that is not there: no half-made object left to close
+        SameFolder(str(tmp_path / 'nowhere'))
 
 
 def test_random_states_come_back_through_a_safe_load_and_from_the_older_format(tmp_path):

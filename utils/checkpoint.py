@@ -55,13 +55,14 @@ class SameFolder:
     its number; it is never its lock file that is opened (closing that would drop the run's lock)."""
 
     def __init__(self, folder):
-        self.folder, self.opened = folder, os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        self.folder, self.opened = folder, None
+        self.opened = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
 
     def check(self):
         """Raise a KilnError when the path no longer names the folder this run began in."""
         try:
             same = os.path.samestat(os.stat(self.folder), os.fstat(self.opened))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # gone, or a file where a folder on its path was
             same = False
         if not same:
             raise KilnError(
@@ -71,7 +72,8 @@ class SameFolder:
             )
 
     def __del__(self):
-        os.close(self.opened)
+        if self.opened is not None:
+            os.close(self.opened)
 
 
 def sync_directory(folder):
