@@ -45,14 +45,26 @@ def _decode(path, data):
     if b'\0' in data:
         if kind := image_format(path):
             raise KilnError(f'{path} is an image ({kind}), not a list file: give a list file or a folder')
-        head = data[:1024]
-        if any(head[start::step].count(0) >= len(head) // step // 2 for step in (2, 4) for start in range(step)):
-            raise KilnError(  # ASCII in UTF-16 or UTF-32: every second or fourth byte is zero
+        if data.startswith(b'PK\x03\x04'):
+            raise KilnError(
+                f'{path} is a zip archive (as a checkpoint is), not a list file: give a list file or a folder'
+            )
+        if _wide_text(data[:4096]):
+            raise KilnError(
                 f'list file {path} looks like UTF-16 or UTF-32 text without a byte-order mark; save it as UTF-8'
             )
-        what = ' (a zip archive, as a checkpoint is)' if data.startswith(b'PK\x03\x04') else ''
-        raise KilnError(f'{path} is a binary file{what}, not a list file: give a list file or a folder')
+        raise KilnError(f'{path} is a binary file, not a list file: give a list file or a folder')
     return data.decode('utf-8', 'surrogateescape')
+
+
+def _wide_text(head):
+    """Whether `head` (a file's first bytes, with zero bytes) reads as text in UTF-16 or UTF-32: lines of
+    printable characters, not numbers or a format's bytes."""
+    for encoding, width in (('utf-16-le', 2), ('utf-16-be', 2), ('utf-32-le', 4), ('utf-32-be', 4)):
+        text = head[: len(head) // width * width].decode(encoding, 'ignore')
+        if len(text) >= 4 and sum(c.isprintable() or c in '\t\r\n' for c in text) >= 0.95 * len(head) / width:
+            return True
+    return False
 
 
 # a field of a line without quotes or comments: a run of non-space characters, or with tabs, what lies

@@ -32,7 +32,7 @@ class Trainer:
 
         sys.path.insert(0, REPO)
         import train
-        from utils.errors import run_cli
+        from utils.errors import KilnError
         from utils.stopping import StopSignals
 
         self._export_distributed_environment(submitit.JobEnvironment())
@@ -48,8 +48,12 @@ class Trainer:
                 requeue(signum, frame)
 
         signal.signal(signal.SIGUSR2, time_limit_near)
-        try:  # a mistake found in the job (its data gone, say): one line in its log, as from train.py
-            run = run_cli(train.main, [*self.argv, '--resume'])
+        try:
+            run = train.main([*self.argv, '--resume'])
+        except KilnError as error:  # a mistake found in the job (its data gone, say): a line in its log, not requeued
+            rank = os.environ.get('RANK', '0')
+            print(f'{"" if rank == "0" else f"rank {rank}: "}error: {error}', file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         except SystemExit:  # stopped by a signal, after saving
             if warned:
                 requeue(signal.SIGUSR2, None)

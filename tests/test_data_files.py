@@ -757,9 +757,14 @@ def test_an_image_without_a_known_extension_is_predicted_and_refused_as_a_list(t
     with pytest.raises(KilnError) as caught:
         read_list_file(str(checkpoint))
     assert str(caught.value) == (
-        f'{checkpoint} is a binary file (a zip archive, as a checkpoint is), not a list file: give a list file or '
-        f'a folder'
+        f'{checkpoint} is a zip archive (as a checkpoint is), not a list file: give a list file or a folder'
     )
+    labels = tmp_path / 'labels.npy'  # numbers, with zero bytes every 4: no UTF-32 text for all that
+    labels.write_bytes(bytes(range(6)).replace(b'', b'\0\0\0')[3:] * 40)
+    short = list_file(tmp_path, b'\x01\x00\xff', 'short.bin')
+    for binary in (str(labels), short):
+        with pytest.raises(KilnError, match='is a binary file, not a list file'):
+            read_list_file(binary)
 
 
 def test_an_image_listed_with_two_labels_is_refused_naming_both_lines(tmp_path):
