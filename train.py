@@ -157,6 +157,9 @@ class Trainer:
     --fast_dev_run and one-line errors as for train.py; the run's "continue" or "train more" line names your script).
     """
 
+    # the metrics a subclass of yours adds (e.g. 'val/kd' from its validate), that --monitor may name
+    own_metrics = ()
+
     def __init__(
         self,
         *,
@@ -220,7 +223,7 @@ class Trainer:
             # a dataset that does not say gave whole images: predict.py reads files the same way
             resize=options.resize or getattr(train_set, 'resize', None) or 'squash',
         )
-        check_monitor(options, task_type)
+        check_monitor(options, task_type, cls.own_metrics)
         task = task_type(options, train_set.class_names)
         task.check_dataset(train_set, options.data_type)
         mixing = set(augmentation_names(options.augment, getattr(train_set, 'augment', ()))) & set(MIXES)
@@ -503,6 +506,11 @@ class Trainer:
         metrics.update({f'val/{k}': v for k, v in evaluation.metrics.items()})
         for name, value in metrics.items():
             self.history.update_metric(name, value)
+        if o.monitor not in metrics:  # one of a subclass's own_metrics that this validation did not give
+            raise KilnError(
+                f'--monitor {o.monitor}: the validation at step {step} gave no such metric (it gave '
+                f'{", ".join(sorted(metrics))}); log it there, or monitor another'
+            )
         value = metrics[o.monitor]
         if o.scheduler == 'plateau':
             self.scheduler.step(value)
@@ -785,9 +793,11 @@ def check_trained_task(options, checkpoint, source):
     )
 
 
-def check_monitor(options, task_type):
-    """A KilnError when --monitor is not one of the task's train/ or val/ metrics."""
+def check_monitor(options, task_type, own_metrics=()):
+    """A KilnError when --monitor is not one of the task's train/ or val/ metrics, nor of `own_metrics`
+    (those a Trainer subclass logs)."""
     metric_names = [f'{split}/{name}' for split in ('val', 'train') for name in task_type.metric_names(options)]
+    metric_names += [name for name in own_metrics if name not in metric_names]
     if options.monitor not in metric_names:
         raise KilnError(
             f'--monitor {options.monitor} is not a metric of --task {options.task}; choose one of: '

@@ -240,6 +240,28 @@ def test_a_python_session_keeps_its_ctrl_c_and_settings_and_gets_a_call_to_conti
     assert 'was trained by NoOutputsTrainer, this run trains with Trainer: to keep its train_step' in out, out
 
 
+def test_a_subclass_can_monitor_a_metric_of_its_own(tiny_shapes, tmp_path):
+    """--monitor took only the task's metrics: a curve a subclass records (train/penalty) was refused."""
+    import train
+
+    class Penalized(train.Trainer):
+        own_metrics = ('train/penalty', 'val/never_logged')
+
+        def train_step(self, batch, group_size, update):
+            count = super().train_step(batch, group_size, update)
+            self.logger.record('train/penalty', torch.tensor(0.01 * self.position.step), count)
+            return count
+
+    argv = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--loggers', 'csv', '--epochs', '1']
+    with pytest.raises(train.KilnError, match='--monitor train/penalty is not a metric of --task classify'):
+        train.main([*argv, '--monitor', 'train/penalty'])
+    run = train.main([*argv, '--monitor', 'train/penalty', '--monitor_mode', 'min'], trainer_type=Penalized)
+    monitored = torch.load(run.folder('best.pth'), weights_only=True, map_location='cpu')['monitor_value']
+    assert monitored == pytest.approx(run.history.get_latest_metric('train/penalty')) and monitored > 0
+    with pytest.raises(train.KilnError, match='--monitor val/never_logged: the validation at step 6 gave no such'):
+        train.main([*argv, '--monitor', 'val/never_logged', '--save_prefix', 'b'], trainer_type=Penalized)
+
+
 class MinimalDataset(torch.utils.data.Dataset):
     """Only what data/data_entry.py says a dataset must have: 48 random 16x16 images of 2 classes."""
 
