@@ -867,7 +867,7 @@ def start(argv):
     return Trainer.build(options, lock)
 
 
-RUNS_STARTED = []  # when each `main` of this process started
+RUNS_STARTED = []  # one entry per `main` of this process so far
 
 
 def main(argv=None, args=None, trainer_type=Trainer):
@@ -876,7 +876,7 @@ def main(argv=None, args=None, trainer_type=Trainer):
     global STARTED
     if RUNS_STARTED or not getattr(sys.modules['__main__'], '__file__', None):  # a later run of this process (a
         STARTED = time.perf_counter()  # script's of several), or one from a notebook: timed from this call
-    RUNS_STARTED.append(STARTED)
+    RUNS_STARTED.append(main)
     argv = command_words(argv)
     args = args or parse_args(parse_train_args, argv)
     if args.fast_dev_run and args.resume:

@@ -138,7 +138,7 @@ def slurm_executor(args):
     return executor
 
 
-def refuse_other_options(parsed, train_argv, name):
+def refuse_other_options(parsed, train_argv):
     """A KilnError when the run the job resumes was trained with other options (given in `train_argv`) than
     a resume may change: its job would be refused in the queue, not here."""
     import yaml
@@ -181,7 +181,7 @@ def submit(args, train_argv):
     from options import parse_args, parse_train_args
 
     train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
-    refuse_other_options(parse_args(parse_train_args, train_argv), train_argv, args.name)
+    refuse_other_options(parse_args(parse_train_args, train_argv), train_argv)
     made, path = [], os.path.abspath(args.folder)  # the folders submitit will make, deepest first
     while not os.path.exists(path):
         made.append(path)
