@@ -341,6 +341,41 @@ def test_torchrun_names_the_failed_rank_not_the_one_that_lost_it(tmp_path):
     pytest.fail(f'torchrun never saw both failures at one look in 5 runs; the last:\n{result.stderr[-3000:]}')
 
 
+COUNTED_WORKER = """
+import sys
+with open(sys.argv[1], 'a') as f:
+    f.write('started\\n')
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize('code, starts', [(2, 1), (1, 3)])
+def test_torchrun_restarts_after_a_crash_not_after_a_mistake(tmp_path, code, starts):
+    """A mistake (exit code 2: an option, a missing file) was said again by each of --max-restarts' starts
+    (4 times under scripts/slurm_train.sh, a rendezvous each); a crash (1) is still started again."""
+    script, starts_file = tmp_path / 'worker.py', tmp_path / 'starts.txt'
+    script.write_text(COUNTED_WORKER)
+    result = subprocess.run(
+        [
+            *TORCHRUN,
+            '--standalone',
+            '--nproc-per-node=1',
+            '--max-restarts=2',
+            '--monitor-interval=0.1',
+            script,
+            starts_file,
+            str(code),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO)},
+        timeout=timeout(120),
+    )
+    assert result.returncode == code, result.stderr[-3000:]
+    assert starts_file.read_text().count('started') == starts, result.stderr[-3000:]
+
+
 # --- scripts/slurm_train.sh under stand-in SLURM commands -------------------------------------------
 
 STANDINS = {

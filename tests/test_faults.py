@@ -469,14 +469,15 @@ def test_ctrl_c_during_start_up_is_one_line(tiny_shapes, tmp_path, after):
     assert process.returncode == 130 and stderr.strip() == 'interrupted', stderr
 
 
-SIGTERM_WHILE_BUILDING = """
+SIGNAL_WHILE_BUILDING = """
 import os, signal, sys, time
+signum = getattr(signal, sys.argv.pop(1))
 sys.argv[0] = 'train.py'
 import train
 from utils.errors import run_to_exit
 
 def build(*args, **kwargs):  # the folder is made; a `kill` arrives while the data loads
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signum)
     time.sleep(30)
 
 train.Trainer.build = build
@@ -495,15 +496,17 @@ def _stopped_with(result_or_stderr, code, line, returncode=None):
     assert lines[-1:] == [line], stderr
 
 
-def test_sigterm_during_start_up_ends_with_143_and_leaves_no_folder(tiny_shapes, tmp_path):
+@pytest.mark.parametrize('name', ['SIGTERM', 'SIGUSR1'])
+def test_stop_signal_during_start_up_is_one_line_and_leaves_no_folder(tiny_shapes, tmp_path, name):
     """SIGTERM's default action ended the process before the new folder was removed: the same command
-    was then refused ('already exists'). Then it ended with no word at all."""
+    was then refused ('already exists'). Then it ended with no word at all. SIGUSR1 (SLURM's warning
+    before a time limit, to `srun python train.py`) still did both."""
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     result = subprocess.run(
-        [sys.executable, '-c', SIGTERM_WHILE_BUILDING, *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, '-c', SIGNAL_WHILE_BUILDING, name, *args], cwd=REPO, capture_output=True, text=True, timeout=60
     )
-    _stopped_with(result, 128 + signal.SIGTERM, TERMINATED)
-    assert result.stderr.strip() == TERMINATED
+    _stopped_with(result, 128 + getattr(signal, name), f'terminated ({name})')
+    assert result.stderr.strip() == f'terminated ({name})'
     assert not (tmp_path / 'ck').exists()
 
 
@@ -644,6 +647,39 @@ def test_a_second_sigterm_stops_at_once_with_143_and_says_so(tiny_shapes, tmp_pa
     assert stderr.strip().splitlines()[0].startswith('SIGTERM received: finishing the current step and saving')
     assert len(stderr.strip().splitlines()) == 2, stderr
     _load(os.path.join(_folder(args), 'last.pth'))  # whole: the save cut short, if any, is left out
+
+
+SECOND_SIGNAL_BEFORE_SAVING = """
+import os, signal, sys
+sys.argv[0] = 'train.py'
+import train
+from utils.errors import run_to_exit
+
+step, save = train.Trainer.train_step, train.Trainer.save
+
+def first(self, *args, **kwargs):  # a SIGUSR1 in the first step
+    if not self.stopper.signals.received:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return step(self, *args, **kwargs)
+
+def second(self, *args, **kwargs):  # and another as the save it asks for begins
+    os.kill(os.getpid(), signal.SIGUSR1)
+    return save(self, *args, **kwargs)
+
+train.Trainer.train_step, train.Trainer.save = first, second
+run_to_exit(train.main)
+"""
+
+
+def test_a_second_signal_before_the_first_checkpoint_says_nothing_was_saved(tiny_shapes, tmp_path):
+    """It said 'the newest checkpoint is whole: continue with --resume' where there was none, and the
+    run's folder had been removed."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    result = _python(SECOND_SIGNAL_BEFORE_SAVING, *args, seconds=60)
+    line = 'stopped at once on a second SIGUSR1, before the first checkpoint: nothing was saved'
+    _stopped_with(result, 128 + signal.SIGUSR1, line)
+    assert result.stderr.strip().splitlines()[0].startswith('SIGUSR1 received: finishing the current step and saving')
+    assert not (tmp_path / 'ck').exists()
 
 
 LAUNCHER_WITH_THREADS = """

@@ -43,6 +43,9 @@ def not_a_folder(path, blocker):
     return f'cannot make the folder {path}: {blocker} is a file, not a folder'
 
 
+# the exit code of a mistake said in one line (an option, a missing file, a full disk), as argparse's:
+# starting the process again (torchrun's --max-restarts) meets it again
+MISTAKE_EXIT_CODE = 2
 # the exit code of a torchrun worker that went down because another process is gone: not 1 (an unexpected
 # traceback) nor 2 (an error of its own), so that utils/torchrun.py blames the process that failed first
 PEER_LOST_EXIT_CODE = 3
@@ -50,7 +53,7 @@ PEER_LOST_EXIT_CODE = 3
 SHARED_ERROR_WAIT = 30.0  # seconds a rank other than 0 gives rank 0 to say the same error first
 
 
-def exit_with_error(line, code=2):
+def exit_with_error(line, code=MISTAKE_EXIT_CODE):
     """Print `line` (`error: ...`) to stderr and exit with `code`, once per torchrun job.
 
     Under torchrun every rank usually meets a mistake alike (an option, a missing file or checkpoint):
@@ -117,9 +120,15 @@ class StoppedBySignal(SystemExit):
         super().__init__(128 + signum)
         self.signum, self.line, self.second = signum, line, second
 
+    def nothing_saved(self):
+        """Say so, for the run folder with no checkpoint that a second signal left, and that was removed."""
+        if self.second:
+            name = signal.Signals(self.signum).name
+            self.line = f'stopped at once on a second {name}, before the first checkpoint: nothing was saved'
+
 
 def terminated(signum):
-    """What a stop signal (SIGTERM) raises in eval.py, predict.py, or train.py before its loop takes it."""
+    """What a stop signal (SIGTERM, SIGUSR1) raises in eval.py, predict.py, or train.py before its loop takes it."""
     return StoppedBySignal(signum, f'terminated ({signal.Signals(signum).name})')
 
 
@@ -149,14 +158,16 @@ def _stopped(stop, at_once=False):
 INTERRUPTED = []  # the Ctrl-Cs quiet_interrupts saw
 RUNNING = []  # the entry points run_cli is running now (none while modules load)
 STOPPING = []  # the stop signal a training run took up (utils/stopping.py): another one stops it at once
+# the stop signals other than Ctrl-C: `kill`, a cluster's pre-emption, SLURM's warning before a time limit
+TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ('SIGTERM', 'SIGUSR1') if hasattr(signal, name))
 
 
 def quiet_interrupts():
     """Make a Ctrl-C before `run_cli` takes over (while torch loads, say) print one line and exit 130, and
-    a SIGTERM before training takes it over (utils/stopping.py), or in eval.py and predict.py, print one
-    line (`terminated (SIGTERM)`) and end the process with 143 as its default does, but through the
-    `finally` blocks (a run folder just made is removed again). A SIGTERM after a training run took up
-    a stop signal (while it writes its last files) is a second one: it stops at once.
+    a SIGTERM or SIGUSR1 before training takes it over (utils/stopping.py), or in eval.py and predict.py,
+    print one line (`terminated (SIGTERM)`) and end the process with 128 + its number as its default
+    does, but through the `finally` blocks (a run folder just made is removed again). One after a
+    training run took up a stop signal (while it writes its last files) is a second one: it stops at once.
 
     By the time the hook runs the stack has unwound, so every `finally` (e.g. removing a half-generated
     dataset) has already run. A Ctrl-C can also surface as another error: one that lands while a C
@@ -182,8 +193,9 @@ def quiet_interrupts():
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
         signal.signal(signal.SIGINT, on_interrupt)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, on_terminate)
+    for signum in TERMINATING_SIGNALS:  # SLURM's USR1 before a time limit too: by default it ends a process silently
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, on_terminate)
 
     def hook(kind, value, traceback):
         if issubclass(kind, KeyboardInterrupt) or INTERRUPTED:

@@ -35,7 +35,7 @@ from options import (
 from utils.checkpoint import load_checkpoint, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.distributed import world_size
-from utils.errors import KilnError, file_in_the_way
+from utils.errors import KilnError, StoppedBySignal, file_in_the_way
 from utils.fault_points import fault_point
 from utils.run_records import ARGS_TXT, ARGS_YAML, save_args
 
@@ -113,9 +113,11 @@ def discard_folder_if_setup_fails(folder, made_parents=()):
     """
     try:
         yield
-    except BaseException:
+    except BaseException as error:
         names = os.listdir(folder) if os.path.isdir(folder) else []
         if not any(step_of(name) is not None for name in names):
+            if isinstance(error, StoppedBySignal):  # not 'continue with --resume'
+                error.nothing_saved()
             for name in names:
                 if name in RUN_FILES or name.startswith(('events.out.tfevents.', '.')):
                     with contextlib.suppress(OSError):

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed import all_reduce_max, collective_device, host_group, is_distributed
-from utils.errors import STOPPING, second_stop_signal
+from utils.errors import STOPPING, TERMINATING_SIGNALS, second_stop_signal
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ('SIGINT', 'SIGTERM', 'SIGUSR1') if hasattr(signal, name))
+STOP_SIGNALS = (signal.SIGINT, *TERMINATING_SIGNALS)
 
 
 class StopReason(enum.Enum):

@@ -9,18 +9,23 @@ endings changed:
 - when a worker fails, the worker's own `error: ...` line is the cause the user sees; this adds one
   line naming the failed rank (the likeliest cause: see `_blame`) and its exit code instead of
   torchrun's error dump, and exits with that code.
+And --max-restarts starts the workers again after a crash, not after a mistake (an option, a missing
+file: exit code 2), which each start would only say again.
 """
 
 import os
 import signal
 import sys
 
-from utils.errors import PEER_LOST_EXIT_CODE, quiet_interrupts
+from utils.errors import MISTAKE_EXIT_CODE, PEER_LOST_EXIT_CODE, quiet_interrupts
 
 quiet_interrupts()  # a Ctrl-C while torch loads or the rendezvous waits: one line, not a traceback
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher import api as launcher
 
 from utils.distributed import LAUNCHER_PID
 
@@ -41,11 +46,24 @@ def _blame(exitcode):
     return 0 if exitcode < 0 else 1
 
 
+class RestartAfterCrashesOnly(LocalElasticAgent):
+    """torchrun's agent, whose --max-restarts are not spent on a worker that exited with a mistake."""
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and any(
+            failure.exitcode == MISTAKE_EXIT_CODE for failure in result.failures.values()
+        ):
+            self._remaining_restarts = 0
+        return result
+
+
 def main(argv=None):
     """Run torchrun with `argv` (default: the command line); exit as the module docstring says."""
     parser = torchrun.get_args_parser()
     parser.allow_abbrev = False  # what follows the script is the script's: --monitor is not --monitor-interval
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers know whose death to stop at, even before they ask
+    launcher.LocalElasticAgent = RestartAfterCrashesOnly  # the agent torchrun's launcher makes
     try:
         torchrun.run(parser.parse_args(argv))
     except SignalException as error:
