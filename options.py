@@ -134,7 +134,7 @@ class KilnArgumentParser(argparse.ArgumentParser):
             return super()._get_values(action, arg_strings)
         except argparse.ArgumentError as error:
             if getattr(action, 'turns_off', False):
-                error.message += f', or {NONE} to turn it off'
+                error.message += f', or {NONE} {Store.none_does(action)}'
             raise
 
     def error(self, message):
@@ -143,7 +143,7 @@ class KilnArgumentParser(argparse.ArgumentParser):
             unknown = next((token for token in message.split()[2:] if token.startswith('--')), '').split('=')[0]
             meant = flags.get(unknown.replace('--no-', '--', 1))
             if unknown.startswith('--no-') and getattr(meant, 'turns_off', False):
-                message += f' (use {meant.option_strings[0]} {NONE} to turn it off)'
+                message += f' (use {meant.option_strings[0]} {NONE} {Store.none_does(meant)})'
             else:
                 message += did_you_mean(unknown, flags)
         from utils.errors import exit_with_error
@@ -163,6 +163,12 @@ class Store(argparse._StoreAction):
     def takes_none(action):
         """Whether `action` is an optional flag that is off (None) unless given."""
         return action.default is None and not action.required and bool(action.option_strings)
+
+    @staticmethod
+    def none_does(action):
+        """What `none` does to `action`, in words: an option whose help names a default (--num_workers:
+        min(4, CPUs)) gets that default, any other is turned off."""
+        return 'for its default' if 'default' in (action.help or '') else 'to turn it off'
 
 
 class Switch(argparse.BooleanOptionalAction):
@@ -187,8 +193,14 @@ def _number(convert, test, requirement):
     return parse
 
 
-_positive_int = _number(int, lambda v: v > 0, 'a positive integer')
-_non_negative_int = _number(int, lambda v: v >= 0, '0 or more')
+def count_at_least(least):
+    """An argparse type: an integer of at least `least`."""
+    words = {0: '0 or more', 1: 'a positive integer'}.get(least, f'an integer of {least} or more')
+    return _number(int, lambda v: v >= least, words)
+
+
+_positive_int = count_at_least(1)
+_non_negative_int = count_at_least(0)
 _positive_float = _number(float, lambda v: v > 0, 'a positive number')
 _non_negative_float = _number(float, lambda v: v >= 0, '0 or more')
 _image_side = _number(int, lambda v: 8 <= v <= 4096, 'an image side from 8 to 4096 pixels')

@@ -470,11 +470,11 @@ SBATCH = """#!/usr/bin/env bash
 # Kiln sweep {name}: one array task per line of {combos} (train.py options), written by sweep.py.
 # SIGTERM (pre-emption, or B: two minutes before the time limit to this shell, which execs train.py) makes
 # train.py save and stop; a requeued task resumes the run (every line has --resume).
-#SBATCH --job-name={name}
+#SBATCH --job-name={job_name}
 #SBATCH --array=0-{last}
 #SBATCH --requeue
 #SBATCH --signal=B:TERM@120
-#SBATCH --output={folder}/slurm-%A_%a.out
+#SBATCH --output={output}
 #SBATCH --chdir={cwd}
 set -euo pipefail
 # an array submitted by hand (sbatch was missing where sweep.py ran) is recorded too, once a task starts
@@ -499,11 +499,14 @@ def submit(runs, name, base, sbatch_options, dry_run):
     submitted = os.path.join(folder, 'submitted.txt')  # job ids of the arrays sbatch took: they read the files
     script = SBATCH.format(
         name=name,
+        job_name=shlex.quote(name),
         combos=shlex.quote(combos),
         submitted=shlex.quote(submitted),
         last=len(runs) - 1,
-        folder=folder,
-        cwd=os.getcwd(),
+        output=shlex.quote(
+            os.path.join(folder, 'slurm-%A_%a.out')
+        ),  # sbatch reads #SBATCH lines' quotes as a shell does
+        cwd=shlex.quote(os.getcwd()),
         python=shlex.quote(sys.executable),
         train=shlex.quote(TRAIN),
     )

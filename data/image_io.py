@@ -8,6 +8,7 @@ pixel values it cannot map to 0..255 rather than guessing.
 import io
 import math
 import os
+import stat
 import struct
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,17 @@ def to_rgb(image):
         white = Image.new('RGBA', rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert('RGB')
     return image.convert('RGB')
+
+
+def special_file(path):
+    """What `path` is when it exists but is no regular file, in words ('a named pipe', ...), else None.
+    Reading a named pipe waits for a writer forever, and a device may never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    kinds = {stat.S_ISDIR: 'a folder', stat.S_ISFIFO: 'a named pipe', stat.S_ISSOCK: 'a socket'}
+    return None if stat.S_ISREG(mode) else next((kind for test, kind in kinds.items() if test(mode)), 'a device')
 
 
 # what folders are searched for
@@ -180,6 +192,9 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
     Any failure raises a one-line KilnError naming the file; `where` (e.g. ' (list.txt:12)') says
     where it was listed.
     """
+    kind = special_file(path)
+    if kind is not None:
+        raise KilnError(f'cannot read image {path}{where}: it is {kind}, not a file; remove it')
     try:
         with open(path, 'rb') as f:
             data = f.read()

@@ -15,7 +15,7 @@ import gc
 import os
 import re
 
-from data.image_io import image_format
+from data.image_io import image_format, special_file
 from utils.errors import KilnError
 
 # checked in this order: the UTF-32 LE mark starts with the UTF-16 LE one
@@ -221,9 +221,11 @@ def read_image_paths(path):
 
 
 def not_a_file(list_path, file):
-    """Why the listed `file` is no file to read: it is a folder, or it does not exist (and what to check)."""
-    if os.path.isdir(file):
-        return 'is a folder, not a file'
+    """Why the listed `file` is no file to read: it is a folder, a named pipe, ..., or it does not exist (and
+    what to check)."""
+    kind = special_file(file)
+    if kind is not None:
+        return f'is {kind}, not a file'
     return f'does not exist{missing_file_hint(list_path, file)}'
 
 

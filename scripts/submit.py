@@ -14,6 +14,7 @@ TERM makes them save too, and SLURM requeues the job.
 
 import argparse
 import contextlib
+import io
 import os
 import signal
 import sys
@@ -81,16 +82,22 @@ class Trainer:
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser(
+    """This script's options (a mistake: one line, exit code 2) and the train.py options after `--`."""
+    sys.path.insert(0, REPO)
+    from options import KilnArgumentParser, count_at_least
+
+    parser = KilnArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage='%(prog)s [options] -- [train.py options]',
     )
-    parser.add_argument('--nodes', type=int, default=1)
-    parser.add_argument('--gpus_per_node', type=int, default=1, help='one process per GPU; 0: CPU nodes (with --cpu)')
-    parser.add_argument('--nproc', type=int, default=1, help='processes per node on CPU nodes')
-    parser.add_argument('--cpus_per_task', type=int, default=None)
-    parser.add_argument('--time', type=int, default=24 * 60, help='time limit in minutes')
+    parser.add_argument('--nodes', type=count_at_least(1), default=1)
+    parser.add_argument(
+        '--gpus_per_node', type=count_at_least(0), default=1, help='one process per GPU; 0: CPU nodes (with --cpu)'
+    )
+    parser.add_argument('--nproc', type=count_at_least(1), default=1, help='processes per node on CPU nodes')
+    parser.add_argument('--cpus_per_task', type=count_at_least(1), default=None)
+    parser.add_argument('--time', type=count_at_least(1), default=24 * 60, help='time limit in minutes')
     parser.add_argument('--partition', default=None)
     parser.add_argument('--name', default='kiln', help='job name; the run is ..._submitit_<name>')
     parser.add_argument(
@@ -110,7 +117,6 @@ def parse(argv):
 def main(argv=None):
     """Submit the job; returns the submitit Job (a mistake, submitit missing or no SLURM here: one line)."""
     args, train_argv = parse(sys.argv[1:] if argv is None else list(argv))  # --help needs no submitit
-    sys.path.insert(0, REPO)
     from utils.errors import run_cli
 
     return run_cli(lambda train_argv: submit(args, train_argv), train_argv)
@@ -136,6 +142,41 @@ def slurm_executor(args):
             'this machine'
         )
     return executor
+
+
+@contextlib.contextmanager
+def removed_if_refused(made, files_in=None):
+    """On an error in the block, remove the files it wrote into the folder `files_in` (submitit's job file
+    and pickle) and the folders `made` (deepest first) again; sbatch refusing the job (a partition, an
+    account or a time limit it does not take) is one line."""
+    from utils.errors import KilnError
+
+    independent = None if files_in is None else first_folder_without_job_id(files_in)
+    before = set(os.listdir(independent)) if independent and os.path.isdir(independent) else set()
+    try:
+        yield
+    except BaseException as error:
+        if independent and os.path.isdir(independent):
+            for name in set(os.listdir(independent)) - before:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(independent, name))
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        failed = getattr(sys.modules.get('submitit.core.utils'), 'FailedJobError', ())
+        if isinstance(error, failed):  # submitit's, with what sbatch said
+            said = ' '.join(str(error).split()) or 'no reason given'
+            raise KilnError(f'sbatch refused the job: {said}') from None
+        raise
+
+
+def first_folder_without_job_id(folder):
+    """The deepest folder above `folder` whose path has no %j, %A, ... in it, where submitit writes its files
+    before the job has an id."""
+    path = os.path.abspath(folder)
+    while '%' in path:
+        path = os.path.dirname(path)
+    return path
 
 
 def refuse_other_options(parsed, train_argv):
@@ -186,13 +227,8 @@ def submit(args, train_argv):
     while not os.path.exists(path):
         made.append(path)
         path = os.path.dirname(path)
-    try:
+    with removed_if_refused(made):
         executor = slurm_executor(args)
-    except BaseException:  # refused: the folders submitit just made go again
-        for path in made:
-            with contextlib.suppress(OSError):
-                os.rmdir(path)
-        raise
     executor.update_parameters(
         name=args.name,
         nodes=args.nodes,
@@ -203,7 +239,10 @@ def submit(args, train_argv):
         slurm_partition=args.partition,
         slurm_signal_delay_s=120,
     )
-    job = executor.submit(Trainer(train_argv))
+    said = io.StringIO()  # what submitit prints of sbatch's errors: said once, in the refusal's line
+    with removed_if_refused(made, executor.folder), contextlib.redirect_stderr(said):
+        job = executor.submit(Trainer(train_argv))
+    sys.stderr.write(said.getvalue())
     print(f'submitted job {job.job_id}; its output: {job.paths.stdout}', flush=True)
     return job
 

@@ -248,12 +248,14 @@ def test_only_flags_given_are_said_to_be_ignored(data, tmp_path):
         (['--ema_decay', '0'], ['--ema_decay', 'got 0', 'or none to turn it off']),
         (['--clip_grad_norm', '0'], ['--clip_grad_norm', 'got 0', 'or none to turn it off']),
         (['--freeze_to', 'all'], ['--freeze_to', "'all'", 'or none to turn it off']),
-        (['--monitor_mode', 'up'], ['--monitor_mode', "'up'", 'or none to turn it off']),
+        (['--monitor_mode', 'up'], ['--monitor_mode', "'up'", 'or none for its default']),
+        # `none` starts the default number of workers: it said 'to turn it off'
+        (['--num_workers', '-1'], ['--num_workers', 'got -1', 'or none for its default']),
         (['--no-ema_decay'], ['--no-ema_decay', 'use --ema_decay none to turn it off']),
     ],
-    ids=['ema_decay', 'clip_grad_norm', 'freeze_to', 'monitor_mode', 'no_ema_decay'],
+    ids=['ema_decay', 'clip_grad_norm', 'freeze_to', 'monitor_mode', 'num_workers', 'no_ema_decay'],
 )
-def test_an_option_that_is_off_unless_given_says_none_turns_it_off(data, tmp_path, argv, needles):
+def test_an_option_that_is_off_unless_given_says_what_none_does(data, tmp_path, argv, needles):
     assert_one_error_line(train(tmp_path / 'ck', data, *argv), *needles)
     assert leftovers(tmp_path / 'ck') == []
 

@@ -647,6 +647,67 @@ def test_submit_without_slurm_is_one_line(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize('folder', ['jobs/%j', 'existing'])
+def test_a_job_sbatch_refuses_is_one_line_and_leaves_nothing(tmp_path, folder):
+    """sbatch refusing the job (a partition, account or time limit it does not take) was submitit's 43-line
+    traceback, and its job file and pickle stayed in the log folder."""
+    pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
+    bin_folder = tmp_path / 'bin'
+    bin_folder.mkdir()
+    for name, body in {
+        'srun': 'exit 0',
+        'sbatch': 'echo "sbatch: error: invalid partition specified: nosuch" >&2; exit 1',
+    }.items():
+        (bin_folder / name).write_text(f'#!/bin/sh\n{body}\n')
+        (bin_folder / name).chmod(0o755)
+    (tmp_path / 'existing').mkdir()
+    (tmp_path / 'existing' / 'mine.txt').write_text('kept')
+    before = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob('*'))
+    result = subprocess.run(
+        [
+            sys.executable,
+            'scripts/submit.py',
+            '--folder',
+            tmp_path / folder,
+            '--partition',
+            'nosuch',
+            '--',
+            '--epochs',
+            '1',
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, 'PATH': f'{bin_folder}{os.pathsep}{os.environ["PATH"]}'},
+        timeout=timeout(60),
+    )
+    assert result.returncode == 2 and result.stderr == (
+        'error: sbatch refused the job: sbatch: error: invalid partition specified: nosuch\n'
+    ), result.stderr
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob('*')) == before
+
+
+@pytest.mark.parametrize(
+    'option, line',
+    [
+        (['--gpus_per_node', '-1'], 'error: argument --gpus_per_node: must be 0 or more, got -1 (see --help)'),
+        (['--nproc', '0'], 'error: argument --nproc: must be a positive integer, got 0 (see --help)'),
+        (['--nodes', 'two'], 'error: argument --nodes: must be a positive integer, got two (see --help)'),
+    ],
+)
+def test_submit_refuses_resources_that_are_no_count_in_one_line(tmp_path, option, line):
+    """--gpus_per_node -1 was submitit's IndexError traceback; --nodes 0 and --nproc 0 were submitted."""
+    result = subprocess.run(
+        [sys.executable, 'scripts/submit.py', '--folder', tmp_path / 'jobs', '--cluster', 'local', *option],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(60),
+    )
+    assert result.returncode == 2 and result.stderr == line + '\n', result.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def _children(pid):
     return [
         int(child)

@@ -825,6 +825,42 @@ def test_a_listed_folder_an_empty_image_and_a_missing_folder_say_what_they_are(t
     )
 
 
+PREDICT_A_PIPE = """
+import argparse, sys
+from predict import DecodedImages
+print(DecodedImages([sys.argv[1]], argparse.Namespace(img_size=8, resize='squash', crop_pct=0.875))[0][1])
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, 'mkfifo'), reason='no named pipes on this system')
+def test_a_named_pipe_named_as_an_image_is_said_not_waited_for(tmp_path):
+    """predict.py waited forever on a named pipe among the images of its --input (its open waits for a
+    writer), and train.py said of one in a class folder that it 'does not exist'."""
+    import argparse
+    import subprocess
+    import sys
+
+    from conftest import REPO, timeout
+    from data.list_dataset import ListDataset
+
+    for name in ('red', 'blue'):
+        (tmp_path / name).mkdir()
+        save(Image.new('RGB', (8, 8)), tmp_path / name / 'a.png')
+    pipe = tmp_path / 'red' / 'pipe.png'
+    os.mkfifo(pipe)
+    with pytest.raises(KilnError) as caught:
+        ListDataset(argparse.Namespace(train_list=str(tmp_path), img_size=8, num_classes=None), 'train')
+    assert str(caught.value) == f'{tmp_path}:red/pipe.png: image {pipe} is a named pipe, not a file'
+    # predict.py's reading of each image, which lists the reason in unreadable.txt (in a process of its own:
+    # a wait for a writer would never end)
+    result = subprocess.run(
+        [sys.executable, '-c', PREDICT_A_PIPE, str(pipe)], cwd=REPO, capture_output=True, text=True, timeout=timeout(60)
+    )
+    assert result.stdout.strip() == f'cannot read image {pipe}: it is a named pipe, not a file; remove it', (
+        result.stderr
+    )
+
+
 def test_the_photo_set_command_refuses_a_folder_it_did_not_make_and_leaves_it_whole(tmp_path):
     """`python3 -m data.photo_set DEST` deleted an existing DEST and everything in it: one that is not a
     photo set it made (no photo_set.json) is now refused in one line, before anything is written."""

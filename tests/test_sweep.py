@@ -284,6 +284,29 @@ def test_slurm_writes_a_job_array_and_submits_it(tiny_shapes, tmp_path):
     assert shell.communicate(timeout=timeout(60))[0].strip() == str(shell.pid)  # exec: the same process
 
 
+def test_slurm_script_quotes_its_paths_as_sbatch_reads_them(tiny_shapes, tmp_path, monkeypatch):
+    """#SBATCH --output and --chdir were written unquoted: sbatch splits an #SBATCH line at spaces (as a
+    shell does, quotes kept together) and takes an unquoted # for a comment."""
+    import shlex
+
+    import sweep
+
+    here = tmp_path / 'my project #2'
+    here.mkdir()
+    monkeypatch.chdir(here)
+    checkpoints = tmp_path / 'check points'
+    train = tiny_run_args(tiny_shapes, checkpoints)
+    monkeypatch.setenv('PATH', str(tmp_path))  # no sbatch: the script is written, then the submission refused
+    with pytest.raises(KilnError, match='^sbatch not found'):
+        sweep.main(['--grid', 'lr=1e-3,3e-3', '--slurm', '--name', 'try', '--', *train])
+    text = (checkpoints / 'sweeps' / 'try' / 'sweep.sbatch').read_text()
+    lines = [line for line in text.splitlines() if line.startswith('#SBATCH --') and '=' in line]
+    options = dict(shlex.split(line)[1].split('=', 1) for line in lines)
+    assert options['--output'] == f'{checkpoints}/sweeps/try/slurm-%A_%a.out'
+    assert options['--chdir'] == str(here) and options['--job-name'] == 'try'
+    assert all(len(shlex.split(line)) == 2 for line in text.splitlines() if line.startswith('#SBATCH'))
+
+
 def test_random_ranges_are_log_uniform_over_a_decade_else_uniform():
     import sweep
 
