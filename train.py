@@ -807,7 +807,8 @@ def check_monitor(options, task_type, own_metrics=()):
 
 def hparams(options):
     """The options shown in TensorBoard's HParams tab and given to other trackers: the main ones, and
-    every option set to something else than its default (so a sweep's options are there)."""
+    every option set to something else than its default (so a sweep's options are there); an unset one
+    (None) left out, so that a column of numbers (--max_iteration) holds numbers only."""
     main = (
         'task',
         'model_type',
@@ -827,7 +828,8 @@ def hparams(options):
     shown = {
         name: value
         for name, value in sorted(saved_options(options).items())
-        if name in main or (name in defaults and value != defaults[name] and name not in ('checkpoints_dir',))
+        if value is not None
+        and (name in main or (name in defaults and value != defaults[name] and name not in ('checkpoints_dir',)))
     }
     return {name: value if isinstance(value, (int, float, str, bool)) else str(value) for name, value in shown.items()}
 

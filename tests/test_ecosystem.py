@@ -722,6 +722,17 @@ def test_detect_anomaly_names_the_operation_whose_backward_made_a_nan(tiny_shape
 # --- 3. TensorBoard's HParams view across tasks --------------------------------------------------
 
 
+def test_an_unset_option_is_left_out_of_the_hparams_not_shown_as_text():
+    """--max_iteration unset was the text 'None', so its HParams column was one of text, not numbers."""
+    from options import parse_args, parse_train_args, resolve
+    from train import hparams
+
+    unset = hparams(resolve(parse_args(parse_train_args, ['--cpu'])))
+    assert 'max_iteration' not in unset and unset['epochs'] == 12
+    assert all(value is not None and value != 'None' for value in unset.values()), unset
+    assert hparams(resolve(parse_args(parse_train_args, ['--max_iteration', '30'])))['max_iteration'] == 30
+
+
 def test_hparams_rows_of_a_classify_and_a_segment_run_in_one_logdir(tiny_shapes, tmp_path):
     classify = train_in_process(tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1', '--no-log_images'])
     segment = train_in_process(

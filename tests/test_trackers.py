@@ -169,8 +169,11 @@ def test_tensorboard_resume_has_every_point_once(tmp_path, kill):
 
 def test_tensorboard_run_extended_past_its_end_shows_its_end_once(tmp_path):
     """A finished run resumed from its last checkpoint with a larger --max_iteration: the end of the first
-    start (final and best points, HParams row) is purged, the extended run's end is shown once."""
+    start (final and best points, HParams row) is purged, the extended run's end is shown once. The
+    HParams row showed the first start's options (TensorBoard keeps a tag's first description, and a
+    purge drops only points) beside the extended run's results."""
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
     folder = tmp_path / 'run'
     saved = resume_to_the_end(['tensorboard'], folder, options(tmp_path), None, None)
@@ -185,6 +188,35 @@ def test_tensorboard_run_extended_past_its_end_shows_its_end_once(tmp_path):
     hparams.Reload()
     for tag in ('_hparams_/experiment', '_hparams_/session_start_info', '_hparams_/session_end_info'):
         assert [e.step for e in hparams.Tensors(tag)] == [LAST_STEP + 6]
+    content = hparams.PluginTagToContent('hparams')['_hparams_/session_start_info']
+    assert HParamsPluginData.FromString(content).session_start_info.hparams['max_iteration'].number_value == (
+        LAST_STEP + 5
+    )
+
+
+def test_dropping_hparams_keeps_every_other_record_and_a_cut_short_end(tmp_path):
+    """What a rewrite of an earlier event file leaves: the same bytes without the HParams summaries."""
+    import os
+
+    from utils.trackers.tb_tracker import EventFile, drop_hparams, hparams_summaries, text_summary
+
+    (tmp_path / 'run').mkdir()
+    file = EventFile(str(tmp_path / 'run'))
+    file.add_summary(text_summary('args', '_hparams_/ in a text'), 1)  # the tag's bytes, in no HParams summary
+    before = os.path.getsize(file.records.name)
+    for summary in hparams_summaries({'lr': 0.1}, ['final/val/acc']):
+        file.add_summary(summary, 2)
+    after = os.path.getsize(file.records.name)
+    file.add_summary(text_summary('notes', 'last'), 3)
+    file.close()
+    with open(file.records.name, 'rb') as f:
+        data = f.read()
+    cut = data + data[:20]  # a record cut short by a kill
+    with open(file.records.name, 'wb') as f:
+        f.write(cut)
+    drop_hparams(file.records.name)
+    with open(file.records.name, 'rb') as f:
+        assert f.read() == cut[:before] + cut[after:]
 
 
 def test_tensorboard_reads_a_resumed_run_after_the_run_it_continues(tmp_path):

@@ -50,6 +50,47 @@ class EventFile:
         self.records.close()
 
 
+HPARAMS_TAG = b'_hparams_/'  # the start of the tags of the HParams summaries (hparams_summaries)
+
+
+def drop_hparams(path):
+    """Rewrite the event file `path` without its HParams summaries, if it holds any. TensorBoard keeps the
+    first description it reads of a tag, and a resume's purge drops points, not descriptions: the HParams
+    row of a run extended past its end would keep the options of its first end. Every other record, and
+    a last one cut short by a kill, stays as it was; a crash while rewriting leaves the file as it was."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    from utils.checkpoint import atomic_write_bytes
+
+    with open(path, 'rb') as f:
+        data = f.read()
+    if HPARAMS_TAG not in data:
+        return
+    kept, start = [], 0
+    while start + 12 <= len(data):
+        (length,) = struct.unpack('<Q', data[start : start + 8])
+        end = start + 12 + length + 4  # length, its checksum, the record, its checksum
+        if end > len(data):
+            break
+        if not _is_hparams(data[start + 12 : start + 12 + length], Event):
+            kept.append(data[start:end])
+        start = end
+    atomic_write_bytes(b''.join(kept) + data[start:], path)
+
+
+def _is_hparams(record, event_type):
+    """Whether the event file record `record` holds an HParams summary (a damaged one is kept: not)."""
+    if HPARAMS_TAG not in record:
+        return False
+    from google.protobuf.message import DecodeError
+
+    try:
+        values = event_type.FromString(record).summary.value
+    except DecodeError:
+        return False
+    return any(value.tag.startswith(HPARAMS_TAG.decode()) for value in values)
+
+
 def masked_crc32c(data):
     """The checksum a TFRecord stores after its length and after its data, as 4 bytes: CRC-32C,
     rotated and offset as TFRecord masks it. Computed by google-crc32c in C: TensorBoard's own, used
@@ -194,6 +235,9 @@ class TensorBoardTracker(Tracker):
         for summary in hparams_summaries(values, declared):
             file.add_summary(summary, end_step)
         self.log_metrics({name: value for name, value in final_metrics.items() if value is not None}, end_step, None)
+        for name in os.listdir(self.folder):  # an end of an earlier start (a run extended): this row replaces it
+            if EVENT_FILE.match(name) and os.path.join(self.folder, name) != file.records.name:
+                drop_hparams(os.path.join(self.folder, name))
 
     def close(self):
         if self.file:
