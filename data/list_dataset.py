@@ -21,8 +21,12 @@ from torch.utils.data import Dataset
 
 from data.image_io import CROP_PCT, IMAGE_EXTENSIONS, check_images, decode_image, find_images
 from data.list_file import collections_paused, not_a_file, read_list_file, resolve_path
-from utils.checkpoint import atomic_write_bytes
+from utils.checkpoint import atomic_write_bytes, remove_abandoned_temporaries
 from utils.errors import KilnError
+
+# `<data_root>/.cache`: what reading the data found out (decoded images, passed header checks); hidden, so
+# that a --data_root that is itself a folder of class folders does not read it as a class
+CACHE_FOLDER = '.cache'
 
 
 def read_class_folders(folder):
@@ -119,7 +123,7 @@ class ListDataset(Dataset):
 
     def __init__(self, args, split):
         root = getattr(args, 'data_root', None)
-        self.cache_folder = os.path.join(root, 'cache') if root else None  # what reading the data found out
+        self.cache_folder = os.path.join(root, CACHE_FOLDER) if root else None  # what reading the data found out
         self._files_digest = None
         self.list_path = getattr(args, f'{split}_list', None) or self.default_list(args, split)
         self.size = args.img_size
@@ -187,8 +191,8 @@ class ListDataset(Dataset):
     def check_files(self):
         """Stop before training at the first listed file that is missing or not a readable image. The
         header check takes about 60 us an image, over a minute for a million: images that passed it
-        before, unchanged since (the same list, sizes and modification times), are not checked again
-        (`<data_root>/cache/checked_<list>_<hash of its path>` keeps the `files_digest` that passed)."""
+        before, unchanged since (the same list, sizes and times: see `files_digest`), are not checked again
+        (`<data_root>/.cache/checked_<list>_<hash of its path>` keeps the `files_digest` that passed)."""
         digest, passed = self.files_digest(), self.cache_file('checked', '.txt')
         if passed:
             try:
@@ -205,10 +209,11 @@ class ListDataset(Dataset):
         if passed:
             with contextlib.suppress(OSError):  # a read-only disk: they are checked again next time
                 os.makedirs(self.cache_folder, exist_ok=True)
+                remove_abandoned_temporaries(self.cache_folder)
                 atomic_write_bytes(digest.encode(), passed)
 
     def cache_file(self, kind, suffix):
-        """`<data_root>/cache/<kind>_<list name>_<hash of the list's path><suffix>`: one file per list and
+        """`<data_root>/.cache/<kind>_<list name>_<hash of the list's path><suffix>`: one file per list and
         kind, so the cache does not grow as lists change (None without a data root)."""
         if not self.cache_folder:
             return None
@@ -218,7 +223,9 @@ class ListDataset(Dataset):
 
     def files_digest(self):
         """A digest of the list file (its bytes; a folder: its path) and of every file it names (path,
-        size, modification time); a KilnError names the first listed file that does not exist."""
+        size, modification and change times: a file rewritten with its size and modification time kept,
+        by `cp -p`, `rsync -a` or an archive, has a new change time, which no tool sets); a KilnError names
+        the first listed file that does not exist."""
         if self._files_digest is None:
             digest = hashlib.sha256()
             if self.from_folder:
@@ -235,7 +242,8 @@ class ListDataset(Dataset):
                     if stat is None or not S_ISREG(stat.st_mode):
                         kind = 'image' if file == path else 'file'
                         raise KilnError(f'{self.list_path}:{number}: {kind} {file} {not_a_file(self.list_path, file)}')
-                    digest.update(os.fsencode(file) + f' {stat.st_size} {stat.st_mtime_ns}'.encode())
+                    times = f'{stat.st_mtime_ns} {stat.st_ctime_ns}'
+                    digest.update(os.fsencode(file) + f' {stat.st_size} {times}'.encode())
             self._files_digest = digest.hexdigest()
         return self._files_digest
 

@@ -1,8 +1,8 @@
 """In-memory datasets: decoded once into uint8 tensors that the training device batches by indexing.
 
-The decoded tensors are cached in `<data_root>/cache/` (a file per list and image size, checked
-against the list's bytes and every file's size and modification time), so a later run loads them in
-milliseconds instead of decoding every image again.
+The decoded tensors are cached in `<data_root>/.cache/` (a file per list, image size and resize mode,
+replaced as they change, checked against the list's bytes and every file's size, modification and
+change times), so a later run loads them in milliseconds instead of decoding every image again.
 """
 
 import hashlib
@@ -13,7 +13,7 @@ import torch
 
 from data.list_dataset import ListDataset
 from data.loader import pad_collate
-from utils.checkpoint import atomic_write_bytes
+from utils.checkpoint import atomic_write_bytes, remove_abandoned_temporaries
 from utils.errors import KilnError
 
 
@@ -53,6 +53,7 @@ class InMemory:
         if self.cache_folder:
             try:
                 os.makedirs(self.cache_folder, exist_ok=True)
+                remove_abandoned_temporaries(self.cache_folder)
                 buffer = io.BytesIO()
                 torch.save({'key': self.cache_key(), 'tensors': tensors}, buffer)
                 atomic_write_bytes(buffer.getvalue(), self.cache_path())

@@ -77,11 +77,11 @@ def run_in_process(script, *args):
 
 @pytest.fixture(scope='session', autouse=True)
 def no_cache_left_for_temporary_lists(tmp_path_factory):
-    """data/generated/cache keeps a file per list that runs read (decoded images, passed header checks),
+    """data/generated/.cache keeps a file per list that runs read (decoded images, passed header checks),
     named by a hash of the list's path. The suite's lists live in its temporary folders: at the end,
     their cache files go too, so that the suite leaves the working tree as it found it."""
     yield
-    cache = os.path.join(REPO, 'data', 'generated', 'cache')
+    cache = os.path.join(REPO, 'data', 'generated', '.cache')
     if not os.path.isdir(cache):
         return
     temporary = set()

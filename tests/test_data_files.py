@@ -350,7 +350,7 @@ def test_images_that_passed_the_header_check_are_not_checked_again_until_they_ch
     ListDataset(args, 'train')
     ListDataset(args, 'train')
     assert checked == [3, 3, 1]
-    assert len(os.listdir(tmp_path / 'root' / 'cache')) == 1, 'one record per list, whatever its versions'
+    assert len(os.listdir(tmp_path / 'root' / '.cache')) == 1, 'one record per list, whatever its versions'
     os.remove(images[0])
     with pytest.raises(KilnError, match='train.txt:1: image .*0.png does not exist'):
         ListDataset(args, 'train')

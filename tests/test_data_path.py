@@ -88,6 +88,54 @@ def test_the_decoded_cache_follows_a_classes_file_edited_since(tmp_path):
         assert dataset.tensors()['label'].tolist() == labels, names
 
 
+def test_the_decoded_cache_sees_a_file_rewritten_with_its_size_and_time_kept(tmp_path):
+    """The cache was checked against each file's size and modification time only: an image rewritten
+    with both kept (`cp -p`, `rsync -a`, an archive unpacked again; fixed-size formats such as BMP)
+    gave the old pixels. And a run killed while writing the cache left its temporary copy forever."""
+    from PIL import Image
+
+    from data.list_dataset import CACHE_FOLDER
+
+    image = tmp_path / 'a.bmp'
+    Image.new('RGB', (8, 8), (0, 0, 0)).save(image)
+    (tmp_path / 'val.txt').write_text('a.bmp 0\n')
+    args = argparse.Namespace(
+        val_list=str(tmp_path / 'val.txt'), img_size=8, num_classes=None, data_type='mem_list',
+        data_root=str(tmp_path / 'root'), resize=None, crop_pct=None,
+    )  # fmt: skip
+    assert MemListDataset(args, 'val').tensors()['image'].max() == 0  # decoded, and cached
+    stat = os.stat(image)
+    Image.new('RGB', (8, 8), (255, 255, 255)).save(image)  # the same size: 8x8 BMP
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(image).st_size == stat.st_size
+    cache = tmp_path / 'root' / CACHE_FOLDER
+    dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+    dead.wait()  # a process that is gone, and one that runs (this one)
+    for pid in (dead.pid, os.getpid()):
+        (cache / f'.MemListDataset_val.pt.tmp{pid}').write_bytes(b'half written')
+    assert MemListDataset(args, 'val').tensors()['image'].min() == 255
+    assert sorted(name for name in os.listdir(cache) if '.tmp' in name) == [f'.MemListDataset_val.pt.tmp{os.getpid()}']
+
+
+def test_a_data_root_that_is_the_class_folders_itself_trains_again(tmp_path):
+    """Its cache folder, made inside by the first run's header check, was read as a class by the next
+    split or run: 'cache holds no images', and again after deleting it."""
+    from PIL import Image
+
+    for name in ('black', 'white'):
+        (tmp_path / 'data' / name).mkdir(parents=True)
+        for index in range(2):
+            Image.new('RGB', (8, 8), (255 * (name == 'white'),) * 3).save(tmp_path / 'data' / name / f'{index}.png')
+    data = str(tmp_path / 'data')
+    args = argparse.Namespace(train_list=data, val_list=data, img_size=8, num_classes=None, data_type='list',
+                              data_root=data, resize=None, crop_pct=None)  # fmt: skip
+    for _ in range(2):
+        for split in ('train', 'val'):
+            dataset = ListDataset(args, split)
+            dataset.check_files()
+            assert dataset.class_names == ['black', 'white'] and len(dataset) == 4
+
+
 def test_the_epochs_augmentation_draws_are_seeded_apart_from_every_sample():
     """The epoch's augmentation generator was seeded as the sample at position 2566 was (mix(seed, epoch,
     0xA06)): their random numbers were the same."""

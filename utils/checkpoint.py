@@ -5,6 +5,7 @@ fsynced and renamed; it is always read with `weights_only=True` onto the CPU (`m
 a file cannot run code when loaded and a checkpoint written on a GPU loads on any machine.
 """
 
+import contextlib
 import hashlib
 import io
 import json
@@ -45,6 +46,36 @@ def atomic_write_bytes(data, path, sync_folder=True):
         raise
     if sync_folder:
         sync_directory(folder)
+
+
+def process_running(pid):
+    """Whether process `pid` exists on this host (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # not ours to signal: it exists
+        return True
+    return True
+
+
+ABANDONED = re.compile(r'\..+\.tmp(\d+)')  # atomic_write_bytes's temporary files: .<name>.tmp<pid>
+
+
+def remove_abandoned_temporaries(folder):
+    """Remove the temporary files in `folder` of atomic_write_bytes calls whose process is gone (killed
+    while writing: an out-of-memory kill as a cache of decoded images is written, say). For a folder that
+    several processes write without a lock; one on another host sharing it may lose its temporary file:
+    its write then fails (an OSError), as on a full disk."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        match = ABANDONED.fullmatch(name)
+        if match and int(match.group(1)) != os.getpid() and not process_running(int(match.group(1))):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
 
 
 class SameFolder:

@@ -32,7 +32,7 @@ from options import (
     resolve,
     with_absolute_lists,
 )
-from utils.checkpoint import load_checkpoint, sync_directory
+from utils.checkpoint import load_checkpoint, process_running, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.distributed import world_size
 from utils.errors import KilnError, StoppedBySignal, file_in_the_way
@@ -224,7 +224,7 @@ def remove_stale_results(parent):
         if not match or match.group(3) != socket.gethostname():
             continue
         pid = int(match.group(2))
-        if os.path.abspath(path) in BEING_STAGED or (pid != os.getpid() and _running(pid)):
+        if os.path.abspath(path) in BEING_STAGED or (pid != os.getpid() and process_running(pid)):
             continue
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -242,17 +242,6 @@ def remove_unused_runs(parent, keep):
         except (OSError, KilnError):  # KilnError: in use, by its training or its eval.py and predict.py
             continue
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _running(pid):
-    """Whether process `pid` exists on this host (another user's included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # not ours to signal: it exists
-        return True
-    return True
 
 
 class FolderLock:
