@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from data.sampler import in_global_order
 from tasks.task import Task
 from utils.distributed import all_gather_objects
-from utils.viz import font_for
+from utils.viz import caption, font_for
 
 STRIDE = 4  # input pixels per heatmap cell
 MIN_SCORE = 0.3  # detections shown in pictures and written as rows
@@ -119,7 +119,7 @@ class DetectionMetrics:
         # for the order decides between detections of equal score
         images = [image for batch in in_global_order(all_gather_objects(batches)) for image in batch]
         return mean_average_precision(
-            [image[:3] for image in images], [image[3:] for image in images], self.num_classes
+            [image[:3] for image in images], [image[3:] for image in images], self.num_classes, class_names
         )
 
 
@@ -231,8 +231,9 @@ def _match(ious, thresholds):
     return hits
 
 
-def mean_average_precision(predictions, targets, num_classes, max_detections=100):
-    """COCO-style box mAP: {'map50': AP at IoU 0.5, 'map': AP averaged over IoU 0.50:0.05:0.95}.
+def mean_average_precision(predictions, targets, num_classes, class_names=None, max_detections=100):
+    """COCO-style box mAP: {'map50': AP at IoU 0.5, 'map': AP averaged over IoU 0.50:0.05:0.95}; with
+    `class_names`, each class's AP at IoU 0.5 too ('ap50/<name>', NaN for a class without true boxes).
 
     `predictions` is a list per image of (boxes, scores, labels) tensors, `targets` a list per
     image of (boxes, labels); boxes xyxy. As pycocotools computes it (area range 'all', at most
@@ -250,7 +251,7 @@ def mean_average_precision(predictions, targets, num_classes, max_detections=100
         )
         for (pb, ps, pl), (tb, tl) in zip(predictions, targets)
     ]
-    precision = []  # per class with true boxes: (T, R)
+    precision = {}  # per class with true boxes: (T, R)
     for c in range(num_classes):
         scores, hits, true_count = [], [], 0
         for pred_boxes, pred_scores, pred_labels, true_boxes, true_labels in images:
@@ -272,11 +273,13 @@ def mean_average_precision(predictions, targets, num_classes, max_detections=100
             envelope = np.maximum.accumulate((tp[t] / (tp[t] + fp[t] + np.spacing(1)))[::-1])[::-1]
             at = np.searchsorted(recall, RECALL_THRESHOLDS, side='left')
             q[t, at < len(envelope)] = envelope[at[at < len(envelope)]]
-        precision.append(q)
+        precision[c] = q
+    per_class = {f'ap50/{name}': float(precision[c][0].mean()) if c in precision else float('nan')
+                 for c, name in enumerate(class_names or ())}  # fmt: skip
     if not precision:
-        return {'map50': -1.0, 'map': -1.0}
-    precision = np.stack(precision)
-    return {'map50': float(precision[:, 0].mean()), 'map': float(precision.mean())}
+        return {'map50': -1.0, 'map': -1.0, **per_class}
+    stacked = np.stack(list(precision.values()))
+    return {'map50': float(stacked[:, 0].mean()), 'map': float(stacked.mean()), **per_class}
 
 
 def draw_detections(
@@ -292,35 +295,49 @@ def draw_detections(
     columns=4,
     scale=4,
 ):
-    """An HxWx3 uint8 grid of the first `count` images, enlarged `scale` times, with the predicted
-    boxes scoring at least `min_score` in a colour per class, labelled 'class score', and the true
-    boxes in thin white. Per-image box lists may be padded (labels -1 are skipped)."""
-    from torchvision.utils import draw_bounding_boxes, make_grid  # here: torchvision is slow to import
+    """An HxWx3 uint8 grid of the first `count` images, enlarged `scale` times, under a line saying what is
+    drawn: the true boxes in thin white, the predicted boxes scoring at least `min_score` in a colour per
+    class, each labelled 'class score' on that colour (labels of boxes that overlap are stacked, not drawn
+    over each other). Per-image box lists may be padded (labels -1 are skipped)."""
+    from PIL import Image, ImageDraw
 
-    # names that Pillow's own font lacks glyphs for are drawn with a system font (torchvision takes its file)
-    font = font_for(' '.join(map(str, class_names or [])), 10)
-    text_font = {'font': font.path, 'font_size': 10} if isinstance(font.path, str) else {}
-    tiles = []
+    pictures = []
     for i in range(min(count, len(images_uint8))):
-        image = images_uint8[i].detach().cpu()
-        image = image.repeat_interleave(scale, dim=1).repeat_interleave(scale, dim=2)
+        pixels = images_uint8[i].detach().cpu().numpy().transpose(1, 2, 0).repeat(scale, 0).repeat(scale, 1)
+        picture = Image.fromarray(np.ascontiguousarray(pixels))
+        draw = ImageDraw.Draw(picture)
         truth = torch.as_tensor(true_boxes[i]).detach().cpu().float().reshape(-1, 4)
-        truth = truth[torch.as_tensor(true_labels[i]).cpu().reshape(-1) >= 0]
-        if len(truth):
-            image = draw_bounding_boxes(image, truth * scale, colors='white', width=1)
+        for box in truth[torch.as_tensor(true_labels[i]).cpu().reshape(-1) >= 0].mul(scale).round().int().tolist():
+            draw.rectangle(box, outline='white', width=1)
         keep = (torch.as_tensor(scores[i]).cpu() >= min_score) & (torch.as_tensor(labels[i]).cpu() >= 0)
-        found = boxes[i].detach().cpu().float()[keep]
+        found = boxes[i].detach().cpu().float()[keep].mul(scale).round().int().tolist()
         kinds, confidence = labels[i].cpu()[keep].tolist(), scores[i].cpu()[keep].tolist()
-        if len(found):
-            names = [f'{class_names[k] if class_names else k} {s:.2f}' for k, s in zip(kinds, confidence)]
-            image = draw_bounding_boxes(
-                image,
-                found * scale,
-                labels=names,
-                width=2,
-                colors=[PALETTE[k % len(PALETTE)] for k in kinds],
-                **text_font,
-            )
-        tiles.append(image)
-    grid = make_grid(torch.stack(tiles), nrow=min(columns, len(tiles)), padding=4, pad_value=255)
-    return grid.permute(1, 2, 0).numpy()
+        ranked = sorted(zip(confidence, kinds, found), key=lambda item: -item[0])  # the likeliest labelled first
+        for _, kind, box in ranked:
+            draw.rectangle(box, outline=PALETTE[kind % len(PALETTE)], width=2)
+        taken = []  # the labels' rectangles so far
+        for score, kind, box in ranked:
+            text = f'{class_names[kind] if class_names else kind} {score:.2f}'
+            font = font_for(text, 10)
+            width, height = int(font.getlength(text)) + 4, 12
+            x, y = max(0, min(box[0], picture.width - width)), max(0, box[1])
+            while any(x < r[2] and r[0] < x + width and y < r[3] and r[1] < y + height for r in taken):
+                y += height  # below the label it would cover
+            colour = PALETTE[kind % len(PALETTE)]
+            draw.rectangle((x, y, x + width - 1, y + height - 1), fill=colour)
+            draw.text((x + 2, y), text, fill='black' if sum(colour) > 400 else 'white', font=font)
+            taken.append((x, y, x + width, y + height))
+        pictures.append(np.asarray(picture))
+    return picture_grid(pictures, columns, 'white: true boxes; coloured: predicted (class, score)')
+
+
+def picture_grid(pictures, columns, title, padding=4):
+    """Equal-sized HxWx3 uint8 pictures in rows of `columns` on white, `padding` pixels apart, under `title`."""
+    height, width = pictures[0].shape[:2]
+    columns = min(columns, len(pictures))
+    rows = -(-len(pictures) // columns)
+    grid = np.full((rows * (height + padding) + padding, columns * (width + padding) + padding, 3), 255, np.uint8)
+    for index, picture in enumerate(pictures):
+        y, x = padding + index // columns * (height + padding), padding + index % columns * (width + padding)
+        grid[y : y + height, x : x + width] = picture
+    return np.concatenate([caption(title, (0, 0, 0), grid.shape[1]), grid])

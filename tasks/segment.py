@@ -29,7 +29,10 @@ class SegmentTask(Task):
     def pictures(self, batch, outputs):
         count = min(self.pictured, self.count(batch))
         predicted, true = self.to_host(outputs[:count].argmax(1), batch['mask'][:count])
-        return {'segmentation': segmentation_grid(self.display_images(batch, count), predicted, true, self.num_classes)}
+        images = self.display_images(batch, count)
+        return {
+            'segmentation': segmentation_grid(images, predicted, true, self.num_classes, class_names=self.class_names)
+        }
 
     def result_pictures(self, metrics):
         return {'confusion_matrix': confusion_matrix_image(metrics.confusion, self.class_names)}

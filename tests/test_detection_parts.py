@@ -349,6 +349,17 @@ def test_mean_average_precision_hand_made_cases():
             assert mean_average_precision(predictions, targets, num_classes=4) == pytest.approx(expected, abs=1e-12)
 
 
+def test_each_class_has_its_ap50_and_map50_is_their_mean():
+    """result.txt of a detection run had mAP only: which class fails was not to be seen."""
+    for predictions, targets, _ in _hand_made_cases():
+        scored = mean_average_precision(predictions, targets, num_classes=4, class_names=['a', 'b', 'c', 'd'])
+        present = {int(label) for _, labels in targets for label in torch.as_tensor(labels).reshape(-1).tolist()}
+        per_class = [scored[f'ap50/{name}'] for name in 'abcd']
+        assert [not np.isnan(value) for value in per_class] == [c in present for c in range(4)], scored
+        if present:
+            assert scored['map50'] == pytest.approx(np.nanmean(per_class), abs=1e-12)
+
+
 def test_mean_average_precision_agrees_with_torchmetrics():
     detection = pytest.importorskip(
         'torchmetrics.detection',
@@ -379,3 +390,13 @@ def test_draw_detections_returns_a_picture():
     assert picture.shape[0] >= 4 * 64 and picture.shape[1] >= 2 * 4 * 64  # two enlarged tiles side by side
     plain = draw_detections(images, boxes, labels, scores * 0, None, [b[:0] for b in BOXES], LABELS[:, :0])
     assert plain.shape == picture.shape and (plain != picture).any()  # nothing drawn on the same images
+    # two predictions of one box: their labels were drawn over each other ('sqring 0.495'); now the less
+    # likely one's label is under the other's, each on its class's colour
+    from tasks.detect import PALETTE
+    from utils.viz import CAPTION
+
+    box = torch.tensor([[[8.0, 8.0, 40.0, 40.0], [8.0, 8.0, 40.0, 40.0]]])
+    twice = draw_detections(images[:1], box, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.9]]), list(CLASS_NAMES),
+                            [box[0][:0]], torch.zeros(1, 0))  # fmt: skip
+    top, left = CAPTION + 4 + 8 * 4, 4 + 8 * 4  # the box's corner: under the title, past the padding
+    assert tuple(twice[top + 6, left + 1]) == PALETTE[2] and tuple(twice[top + 12 + 6, left + 1]) == PALETTE[1]

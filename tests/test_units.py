@@ -708,10 +708,13 @@ def test_segmentation_pictures_name_their_columns():
 
     images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     predicted, true = torch.zeros(2, 16, 16, dtype=torch.long), torch.ones(2, 16, 16, dtype=torch.long)
-    grid = segmentation_grid(images, predicted, true, num_classes=3, tile=32)
-    assert grid.shape == (CAPTION + 2 * 32, 3 * 32, 3)
+    grid = segmentation_grid(images, predicted, true, num_classes=3, tile=32, class_names=['sky', 'cat', 'dog'])
+    assert grid.shape[1:] == (3 * 32, 3) and grid.shape[0] > CAPTION + 2 * 32  # the classes' colours under
     assert (grid[:CAPTION, 32:64] == caption('predicted', (0, 0, 0), 32)).all()
     assert (grid[CAPTION + 5, 40] != grid[CAPTION + 5, 72]).any()  # predicted and true masks differ in colour
+    # the key: which colour is which class (there was none: a star and a cross were two similar pinks)
+    key = grid[CAPTION + 64 :]
+    assert (key[8, 8] == grid[CAPTION + 5, 40]).all() and (key == grid[CAPTION + 5, 72]).all(-1).any()
 
 
 def test_prediction_captions_fit_their_tiles():
@@ -722,11 +725,12 @@ def test_prediction_captions_fit_their_tiles():
     images = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     names = ['astronaut', 'retina', 'a class name far too long for a tile']
     grid = labeled_grid(images, [0, 1, 2], [1, 1, 2], names)
-    assert grid.shape == (96 + 2 * CAPTION, 3 * 96, 3)
-    assert (grid[96:, :96] == caption('astronaut /\nretina', BAD, 96)).all()
-    assert (grid[96:, 96:192] == caption('retina /\nretina', GOOD, 96)).all()
+    assert grid.shape == (CAPTION + 96 + 2 * CAPTION, 3 * 96, 3)  # under a line saying which name is which
+    assert (grid[:CAPTION] == caption('predicted / true', (0, 0, 0), 3 * 96)).all()
+    assert (grid[CAPTION + 96 :, :96] == caption('astronaut /\nretina', BAD, 96)).all()
+    assert (grid[CAPTION + 96 :, 96:192] == caption('retina /\nretina', GOOD, 96)).all()
     assert text_width(f'{names[2]} / {names[2]}') > 92  # so every caption of this grid takes two lines
-    short = labeled_grid(images[:2], [0, 1], [0, 1], ['cat', 'dog'])  # one line where every caption fits
+    short = labeled_grid(images[:2], [0, 1], [0, 1], ['cat', 'dog'])[CAPTION:]  # one line where all fit
     assert short.shape == (96 + CAPTION, 2 * 96, 3) and (short[96:, :96] == caption('cat / cat', GOOD, 96)).all()
     drawn = caption(names[2], GOOD, 96)
     assert drawn.shape == (CAPTION, 96, 3) and (drawn[:, -2:] == 255).all()  # cut short: nothing at the edge
@@ -735,6 +739,22 @@ def test_prediction_captions_fit_their_tiles():
 
     assert fitted('background', 40).endswith('…') and text_width(fitted('background', 40)) <= 40
     assert fitted('cat', 40) == 'cat'
+
+
+def test_the_confusion_matrix_shows_whole_counts_and_names_and_how_to_read_it():
+    """A segmentation's 14497110 pixels showed as '144971' (the rest under the next cell), and column names
+    were cut to about five characters ('turtle_…' four times)."""
+    import numpy as np
+
+    from utils.viz import compact_count, confusion_matrix_image, text_width
+
+    assert [compact_count(n) for n in (0, 99_999, 144_971, 14_497_110, 999_600, 3 * 10**12)] == [
+        '0', '99999', '145k', '14.5M', '1M', '3T'
+    ]  # fmt: skip
+    names = ['turtle_green_sea', 'turtle_leatherback', 'Élan café crème']
+    picture = confusion_matrix_image(np.array([[14_497_110, 3, 0], [1, 2, 3], [0, 0, 5]]), names)
+    margin = int(max(text_width(name) for name in names)) + 8  # the widest name, whole, beside the rows
+    assert picture.shape[1] >= margin + 3 * 44 and picture.shape[0] >= margin + 3 * 44
 
 
 def test_checkpoints_to_evaluate_names_each_once_and_skips_non_experiments(tmp_path):

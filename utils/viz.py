@@ -93,9 +93,9 @@ def area_resize(images, size):
 
 
 def labeled_grid(images, predicted, true, class_names=None, columns=8, tile=96):
-    """Grid of images, each captioned 'predicted / true' in green when right, red when wrong: on one
-    line where every caption fits the tile, else the two names on two lines (a name too long for one
-    ends in '…'). Tiles are at least `tile` wide, smaller images centred in them.
+    """Grid of images under a line saying how to read it, each captioned 'predicted / true' in green when
+    right, red when wrong: on one line where every caption fits the tile, else the two names on two lines
+    (a name too long for one ends in '…'). Tiles are at least `tile` wide, smaller images centred in them.
 
     `images` is a float tensor (N, 3, H, W) in [0, 1]; `predicted` and `true` are label lists.
     """
@@ -115,7 +115,7 @@ def labeled_grid(images, predicted, true, class_names=None, columns=8, tile=96):
         grid[y + margin : y + margin + size, x + margin : x + margin + size] = pixels[i]
         colour = GOOD if predicted[i] == true[i] else BAD
         grid[y + side : y + side + height, x : x + side] = caption(texts[i], colour, side)
-    return grid
+    return np.concatenate([caption('predicted / true', (0, 0, 0), grid.shape[1]), grid])
 
 
 CAPTION = 16  # pixels of caption under a tile, per line
@@ -146,47 +146,110 @@ def caption(text, colour, width):
     return np.asarray(image)
 
 
+# colours told apart at a glance (Tableau's ten), for the classes of masks and boxes
+DISTINCT = (
+    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
+    (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207),
+)  # fmt: skip
+
+
 def mask_colours(num_classes):
-    """A fixed colour per class: black for class 0 (background), distinct hues for the others."""
+    """A fixed colour per class: black for class 0 (background), DISTINCT for the next ten, then random."""
     rng = np.random.default_rng(7)
     colours = rng.integers(60, 256, size=(max(num_classes, 1), 3)).astype(np.uint8)
+    distinct = min(len(DISTINCT), len(colours) - 1)
+    colours[1 : 1 + distinct] = np.array(DISTINCT[:distinct], np.uint8).reshape(-1, 3)
     colours[0] = 0
     return colours
 
 
-def segmentation_grid(images, predicted, true, num_classes, tile=96):
-    """Rows of image | predicted mask | true mask under a header naming the columns (HxWx3 uint8);
-    `images` in [0, 1], masks (N, H, W)."""
-    colours = mask_colours(num_classes).astype(np.float32) / 255  # numpy: see `tiles`
-    masks = [colours[m.cpu().numpy().clip(0, num_classes - 1)].transpose(0, 3, 1, 2) for m in (predicted, true)]
+def segmentation_grid(images, predicted, true, num_classes, tile=96, class_names=None):
+    """Rows of image | predicted mask | true mask under a header naming the columns, over a key of each
+    class's colour (HxWx3 uint8); `images` in [0, 1], masks (N, H, W)."""
+    colours = mask_colours(num_classes)
+    shares = colours.astype(np.float32) / 255  # numpy: see `tiles`
+    masks = [shares[m.cpu().numpy().clip(0, num_classes - 1)].transpose(0, 3, 1, 2) for m in (predicted, true)]
     pixels = [tiles(picture, tile) for picture in (images, *masks)]  # (N, T, T, 3) each
     side = pixels[0].shape[2]
     header = np.concatenate([caption(name, (0, 0, 0), side) for name in ('image', 'predicted', 'true')], axis=1)
-    return np.concatenate([header] + [np.concatenate(row, axis=1) for row in zip(*pixels)], axis=0)
+    rows = [np.concatenate(row, axis=1) for row in zip(*pixels)]
+    names = [str(name) for name in (class_names or range(num_classes))]
+    return np.concatenate([header, *rows, colour_key(names, colours, 3 * side)], axis=0)
 
 
-def confusion_matrix_image(matrix, class_names=None, cell=44):
-    """A confusion matrix (rows: true class, columns: predicted class) drawn with counts."""
+def colour_key(names, colours, width):
+    """Each name beside a square of its colour, in lines of `width` pixels (HxWx3 uint8)."""
+    entries = [(fitted(name, width - 20), colour) for name, colour in zip(names, colours)]
+    lines, line, used = [], [], 0
+    for name, colour in entries:
+        size = 18 + int(text_width(name)) + 10
+        if line and used + size > width:
+            lines.append(line)
+            line, used = [], 0
+        line.append((used, name, colour))
+        used += size
+    lines.append(line)
+    key = Image.new('RGB', (width, CAPTION * len(lines)), 'white')
+    draw = ImageDraw.Draw(key)
+    for row, line in enumerate(lines):
+        for x, name, colour in line:
+            y = row * CAPTION
+            draw.rectangle((x + 2, y + 2, x + 14, y + 13), fill=tuple(int(c) for c in colour), outline='gray')
+            draw.text((x + 18, y + 1), name, fill='black', font=font_for(name))
+    return np.asarray(key)
+
+
+def compact_count(count):
+    """`count` in at most 5 characters, to fit a cell: 14497110 as '14.5M' (a segmentation's pixels)."""
+    if count < 100_000:
+        return str(count)
+    for suffix, scale in (('k', 1e3), ('M', 1e6), ('G', 1e9)):
+        text = f'{count / scale:.3g}'
+        if 'e' not in text and float(text) < 1000:
+            return text + suffix
+    return f'{count / 1e12:.3g}T'
+
+
+def _turned(text, font):
+    """`text` in black on white, turned to read upwards, as an L image (a column's name)."""
+    image = Image.new('L', (int(font.getlength(text)) + 4, CAPTION), 255)
+    ImageDraw.Draw(image).text((2, 1), text, fill=0, font=font)
+    return image.transpose(Image.Transpose.ROTATE_90)
+
+
+def confusion_matrix_image(matrix, class_names=None, cell=44, longest=150):
+    """A confusion matrix drawn with counts (k, M above 99999), under a line saying how to read it: rows
+    the true class, columns the predicted one (names written upwards), each cell shaded by its share of
+    its row (the recall of the row's class on the diagonal). Names longer than `longest` pixels end in '…'."""
     matrix = np.asarray(matrix.cpu() if hasattr(matrix, 'cpu') else matrix)
     count = len(matrix)
-    names = class_names or [str(i) for i in range(count)]
-    margin = 70
-    canvas = Image.new('RGB', (margin + count * cell + 4, margin + count * cell + 4), 'white')
+    names = [fitted(str(name), longest) for name in (class_names or range(count))]
+    margin = int(max(text_width(name) for name in names)) + 8
+    title = 'rows: true class; columns: predicted; shade: share of the row'
+    top = CAPTION + margin
+    width = max(margin + count * cell + 4, int(text_width(title)) + 8)
+    canvas = Image.new('RGB', (width, top + count * cell + 4), 'white')
     draw = ImageDraw.Draw(canvas)
-    font = font_for(' '.join(names))
-    draw.text((margin, 2), 'predicted', fill='black', font=font)
-    draw.text((2, 2), 'true', fill='black', font=font)
+    draw.text((2, 1), title, fill='black', font=font_for(title))
     row_totals = matrix.sum(axis=1, keepdims=True).clip(min=1)
-    for i in range(count):
-        draw.text((margin + i * cell + 2, margin - 16), fitted(names[i], cell - 4), fill='black', font=font)
-        draw.text((2, margin + i * cell + cell // 2 - 6), fitted(names[i], margin - 4), fill='black', font=font)
+    for i, name in enumerate(names):
+        column = _turned(name, font_for(name))
+        canvas.paste(
+            (0, 0, 0),
+            (margin + i * cell + (cell - column.width) // 2, top - 4 - column.height),
+            column.point(lambda v: 255 - v),
+        )
+        draw.text((2, top + i * cell + cell // 2 - 6), name, fill='black', font=font_for(name))
         for j in range(count):
             share = matrix[i, j] / row_totals[i, 0]
             shade = int(255 - 200 * share)
-            x, y = margin + j * cell, margin + i * cell
+            x, y = margin + j * cell, top + i * cell
             draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=(shade, shade, 255), outline='gray')
             draw.text(
-                (x + 4, y + cell // 2 - 6), str(int(matrix[i, j])), fill='black' if share < 0.6 else 'white', font=font
+                (x + 3, y + cell // 2 - 6),
+                compact_count(int(matrix[i, j])),
+                fill='black' if share < 0.6 else 'white',
+                font=_default_font(11),
             )
     return np.asarray(canvas)
 
