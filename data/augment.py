@@ -44,12 +44,13 @@ def _reflect_pad(tensor, padding):
     return tensor.index_select(-2, rows).index_select(-1, columns)
 
 
-def _shift_reflected(tensor, shift, padding):
+def _shifted(tensor, shift, padding, reflect=True):
     """`tensor` (N, ..., H, W) with sample i moved by `shift[i]` = (dy, dx), each within +-`padding`, the
-    uncovered border filled by reflection. Padded once, then each sample's window is picked: indices per
-    sample, not per pixel (a gather of every pixel costs 2 to 5 times as much)."""
+    uncovered border filled by reflection (else with zeros). Padded once, then each sample's window is
+    picked: indices per sample, not per pixel (a gather of every pixel costs 2 to 5 times as much)."""
     height, width = tensor.shape[-2:]
-    padded = _reflect_pad(tensor.reshape(len(tensor), -1, height, width), padding)
+    flat = tensor.reshape(len(tensor), -1, height, width)
+    padded = _reflect_pad(flat, padding) if reflect else torch.nn.functional.pad(flat, (padding,) * 4)
     windows = padded.unfold(2, height, 1).unfold(3, width, 1)  # (N, C, 2p + 1, 2p + 1, H, W), a view
     start = shift + padding
     samples = torch.arange(len(tensor), device=shift.device)
@@ -58,7 +59,8 @@ def _shift_reflected(tensor, shift, padding):
 
 class RandomCrop:
     """Shift each image by up to `padding` pixels each way, filling the border by reflection
-    (torchvision's RandomCrop with reflect padding, batched)."""
+    (torchvision's RandomCrop with reflect padding, batched); with boxes, by black, for a mirrored object
+    at the edge would lie outside its box, a copy with no box of its own."""
 
     def __init__(self, image_size):
         self.padding = max(1, image_size // 16)
@@ -71,7 +73,7 @@ class RandomCrop:
         height, width = batch['image'].shape[-2:]
         for key in ('image', 'mask'):
             if key in batch:
-                batch[key] = _shift_reflected(batch[key], shift, self.padding)
+                batch[key] = _shifted(batch[key], shift, self.padding, reflect='boxes' not in batch)
         if 'boxes' in batch:  # move with the pixels; a box pushed out of the picture is dropped
             offset = shift.flip(1).repeat(1, 2).to(batch['boxes'].dtype).unsqueeze(1)  # (dx, dy, dx, dy)
             boxes = batch['boxes'] - offset

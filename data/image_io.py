@@ -164,17 +164,41 @@ def image_box(width, height, resize='squash', crop_pct=CROP_PCT):
     return ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
 
 
-def _jpeg_pixels(data, box, size, width, height, transposed):
-    """A JPEG's pixels decoded by libjpeg-turbo (simplejpeg) at the smallest of the DCT scales 1/8, 1/4
-    and 1/2 that keeps `box` at least `size` pixels wide and high, else at full size (libjpeg-turbo's
-    other scales, 3/8 to 7/8, decode slower than the full size). Returns the RGB array (H, W, 3), as
-    stored (not turned upright)."""
+def _jpeg_divisor(box, size):
+    """The smallest of libjpeg-turbo's DCT scales 1/8, 1/4 and 1/2 (as its divisor) that keeps `box` at least
+    `size` pixels wide and high, else 1 (its other scales, 3/8 to 7/8, decode slower than the full size)."""
     shrink = min((box[2] - box[0]) / size, (box[3] - box[1]) / size)
-    divisor = next((d for d in (8, 4, 2) if d <= shrink), 1)
+    return next((d for d in (8, 4, 2) if d <= shrink), 1)
+
+
+def _jpeg_pixels(data, divisor, width, height, transposed):
+    """A JPEG's pixels decoded by libjpeg-turbo (simplejpeg) at 1/`divisor` of its size: the RGB array
+    (H, W, 3), as stored (not turned upright)."""
     min_width, min_height = math.ceil(width / divisor), math.ceil(height / divisor)
     if transposed:
         min_width, min_height = min_height, min_width
     return simplejpeg.decode_jpeg(data, colorspace='RGB', min_width=min_width, min_height=min_height)
+
+
+# the upright axes (x, y) that run against the stored ones, by EXIF orientation (as Pillow's exif_transpose)
+FLIPPED = {2: (True, False), 3: (True, True), 4: (False, True), 6: (True, False), 7: (True, True), 8: (False, True)}
+
+
+def _pixel_box(box, divisor, width, height, orientation):
+    """`box` moved to the nearest edges of whole decoded pixels: (the box, in the upright image's pixels, and
+    the same in decoded pixels). A pixel decoded at 1/`divisor` covers `divisor` stored pixels from the
+    stored image's first row and column, so where the upright image runs the other way and a side is no
+    multiple of `divisor`, its first pixel covers fewer: the grid starts that much before 0."""
+    upright, decoded = [], []
+    for axis, limit in enumerate((width, height)):
+        count = math.ceil(limit / divisor)
+        shift = count * divisor - limit if FLIPPED.get(orientation, (False, False))[axis] else 0
+        start, end = (min(count, max(0, round((box[side] + shift) / divisor))) for side in (axis, axis + 2))
+        end = max(end, min(start + 1, count))
+        start = min(start, end - 1)
+        decoded += [start, end]
+        upright += [max(0, start * divisor - shift), min(limit, end * divisor - shift)]
+    return tuple(float(upright[i]) for i in (0, 2, 1, 3)), [decoded[i] for i in (0, 2, 1, 3)]
 
 
 def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=CROP_PCT, with_box=False):
@@ -210,16 +234,16 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
                 box = tuple(crop.draw_boxes(torch.tensor([width]), torch.tensor([height]))[0].tolist())
             else:
                 box = image_box(width, height, resize, crop_pct)
+            divisor = 1
             if pixels is None:
-                pixels = torch.from_numpy(_jpeg_pixels(data, box, size, width, height, transposed))
+                divisor = _jpeg_divisor(box, size)
+                pixels = torch.from_numpy(_jpeg_pixels(data, divisor, width, height, transposed))
     except IMAGE_ERRORS as error:
         raise KilnError(f'cannot read image {path}{where}: {_reason(error, path)}; fix or remove it') from None
     pixels = _upright(pixels, orientation)
-    # the box in whole pixels of what was decoded (a reduced DCT scale rounds each side up)
-    rows, columns = pixels.shape[:2]
-    x0, x1 = (min(columns, max(0, round(value * columns / width))) for value in (box[0], box[2]))
-    y0, y1 = (min(rows, max(0, round(value * rows / height))) for value in (box[1], box[3]))
-    picture = pixels[y0 : max(y1, y0 + 1), x0 : max(x1, x0 + 1)].permute(2, 0, 1)
+    # the box on whole decoded pixels: what is cut is what the box (which moves boxes and masks) says
+    box, (x0, y0, x1, y1) = _pixel_box(box, divisor, width, height, orientation)
+    picture = pixels[y0:y1, x0:x1].permute(2, 0, 1)
     if picture.shape[1:] != (size, size):
         picture = torch.nn.functional.interpolate(
             picture[None].contiguous(memory_format=torch.channels_last), (size, size), mode='bilinear', antialias=True

@@ -57,17 +57,27 @@ class SegListDataset(ListDataset):
                         f"its image's size"
                     )
                 mask = class_numbers(mask, f'{self.list_path}:{number}: mask {path}')
+                self.check_classes(mask, f'{self.list_path}:{number}: mask {path}')  # all of it, before a crop
                 if mask.size != (self.size, self.size) or box != (0, 0, *mask.size):
                     mask = mask.resize((self.size, self.size), Image.NEAREST, box=box)
                 values = np.asarray(mask).astype(np.int64)
         except (OSError, ValueError, SyntaxError) as error:
             raise KilnError(f'cannot read mask {path} ({self.list_path}:{number}): {error}') from None
-        if values.max() >= self.num_classes:
-            raise KilnError(
-                f'{self.list_path}:{number}: mask {path} holds class {int(values.max())}, outside '
-                f'0..{self.num_classes - 1}; fix the mask, the classes file or --num_classes'
-            )
         return torch.from_numpy(values.astype(np.uint8))
+
+    def check_classes(self, mask, where):
+        """A KilnError where the one-channel `mask` holds a value that is no class: negative, of --num_classes
+        or more, or not a whole number (a float mask)."""
+        values = np.asarray(mask)  # (getextrema gives 255 for a 1-bit mask's 1)
+        if values.dtype.kind == 'f' and not np.array_equal(values, np.floor(values)):
+            fraction = values[values != np.floor(values)].flat[0]
+            raise KilnError(f'{where} holds the value {fraction:g}, not a class number; a mask holds whole numbers')
+        low, high = values.min(), values.max()
+        if low < 0 or high >= self.num_classes:
+            raise KilnError(
+                f'{where} holds class {low if low < 0 else high:g}, outside 0..{self.num_classes - 1}; fix the mask, '
+                f'the classes file or --num_classes'
+            )
 
     def __getitem__(self, index):
         image, box, size = self.read(index, with_box=True)

@@ -585,6 +585,63 @@ def test_masks_in_any_mode_are_read_as_class_numbers_and_colour_masks_are_refuse
         assert f'train.txt:1: mask {tmp_path / "a_mask.png"} is a colour image ({mode})' in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    'values, said',
+    [
+        ('corner', 'holds class 5, outside 0..1'),  # one pixel, which a resize to --img_size left out
+        ('negative', 'holds class -1, outside 0..1'),  # an 'ignore' label: a traceback from the loss
+        ('fraction', 'holds the value 0.6, not a class number'),  # trained as background without a word
+    ],
+)
+def test_every_pixel_of_a_mask_is_checked_before_it_is_resized(tmp_path, values, said):
+    """Mask values were checked after the resize to --img_size: a wrong class passed or failed by the crop."""
+    import argparse
+
+    from data.seg_list_dataset import SegListDataset
+
+    classes = np.zeros((48, 80), np.float32)
+    classes[10:30, 10:50] = 1
+    if values == 'corner':
+        classes[0, 0] = 5
+    elif values == 'negative':
+        classes[:4] = -1
+    else:
+        classes[10:30, 10:50] = 0.6
+    mode = {'corner': 'L', 'negative': 'I', 'fraction': 'F'}[values]
+    mask = Image.fromarray(classes.astype({'L': np.uint8, 'I': np.int32, 'F': np.float32}[mode]), mode)
+    save(Image.new('RGB', (80, 48), 'white'), tmp_path / 'a.png')
+    mask.save(tmp_path / 'a_mask.tif')
+    (tmp_path / 'train.txt').write_text('a.png a_mask.tif\n')
+    options = argparse.Namespace(train_list=str(tmp_path / 'train.txt'), img_size=8, num_classes=2)
+    with pytest.raises(KilnError) as caught:
+        SegListDataset(options, 'train')[0]
+    assert str(caught.value).startswith(f'{tmp_path / "train.txt"}:1: mask {tmp_path / "a_mask.tif"} {said}')
+
+
+@pytest.mark.parametrize('orientation', [1, 3, 6, 8])
+def test_a_jpeg_decoded_at_a_reduced_scale_is_cut_where_its_box_says(tmp_path, orientation):
+    """A JPEG decoded at 1/8 of its size (a side no multiple of 8) was mapped as if each decoded pixel
+    covered side/decoded-side pixels, where libjpeg's each cover 8 from the stored image's first row and
+    column: the picture was shifted against the box that moves boxes and masks by up to 0.25 pixels of
+    the output, the other way once the EXIF orientation turns it upright."""
+    width, height, edge = 523, 301, 203
+    upright = np.zeros((height, width, 3), np.uint8)
+    upright[:, edge:] = 255
+    turn = {1: None, 3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90, 8: Image.Transpose.ROTATE_270}
+    stored = (
+        Image.fromarray(upright) if turn[orientation] is None else Image.fromarray(upright).transpose(turn[orientation])
+    )
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored.save(tmp_path / 'a.jpg', quality=95, exif=exif)
+    picture, box, size = decode_image(str(tmp_path / 'a.jpg'), 32, with_box=True)
+    assert size == (width, height)
+    row = picture[0, 16].float().numpy()
+    column = int(np.argmax(row > 127.5))  # where the row turns white, to a fraction of a pixel
+    seen = column - 0.5 + (127.5 - row[column - 1]) / (row[column] - row[column - 1])
+    assert seen == pytest.approx((edge - box[0]) / (box[2] - box[0]) * 32, abs=0.12), (box, orientation)
+
+
 def test_a_jpeg_mask_is_refused_in_one_line(tmp_path):
     """A JPEG mask trained without a word on class numbers its compression had changed along the edges
     (3% of a small mask's pixels), all still within the classes."""

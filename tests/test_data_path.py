@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_script, timeout
-from data.augment import BatchTransform, RandomCrop, _reflect, _shift_reflected
+from data.augment import BatchTransform, RandomCrop, _reflect, _shifted
 from data.list_dataset import ListDataset
 from data.loader import Batches, pad_collate
 from data.mem_list_dataset import MemListDataset
@@ -214,7 +214,7 @@ def test_the_batched_crop_moves_every_pixel_where_reflection_says(seed):
         rows = _reflect(torch.arange(height) + shift[:, :1], height)  # (N, H)
         columns = _reflect(torch.arange(width) + shift[:, 1:], width)
         expected = torch.stack([tensor[i][..., rows[i], :][..., columns[i]] for i in range(shape[0])])
-        moved = _shift_reflected(tensor, shift, padding)
+        moved = _shifted(tensor, shift, padding)
         assert moved.dtype == dtype and torch.equal(moved, expected), f'seed {seed}, {shape} {dtype}, padding {padding}'
 
 
@@ -247,6 +247,20 @@ def test_a_box_pushed_out_of_the_picture_is_dropped():
     }
     out = RandomCrop(32).apply(batch, {'shift': torch.tensor([[2, 2]])})
     assert out['box_labels'].tolist() == [[-1]]
+
+
+def test_a_shift_fills_no_object_outside_its_box():
+    """The border was filled by reflection for detection too: an object at the picture's edge got a
+    mirrored strip outside its box (a copy with no box of its own); the mirror stays for classification."""
+    image = torch.zeros(1, 3, 32, 32, dtype=torch.uint8)
+    image[0, :, 10:20, 0:8] = 255  # an object touching the left edge, x 0..8
+    shift = {'shift': torch.tensor([[0, -2]])}  # right by 2: the two columns uncovered on the left
+    boxes = {'boxes': torch.tensor([[[0.0, 10.0, 8.0, 20.0]]]), 'box_labels': torch.tensor([[1]])}
+    out = RandomCrop(32).apply({'image': image.clone(), **boxes}, shift)
+    columns = (out['image'][0, 0] > 0).nonzero(as_tuple=True)[1]
+    assert (columns.min().item(), columns.max().item() + 1) == tuple(out['boxes'][0, 0, [0, 2]].tolist()) == (2, 10)
+    mirrored = RandomCrop(32).apply({'image': image.clone()}, shift)['image'][0, 0]
+    assert (mirrored[10:20, :2] > 0).all()  # classification keeps the reflection
 
 
 def test_pad_collate_pads_variable_length_targets():

@@ -223,7 +223,8 @@ def confusion_matrix_image(matrix, class_names=None, cell=44, longest=150):
     its row (the recall of the row's class on the diagonal). Names longer than `longest` pixels end in '…'."""
     matrix = np.asarray(matrix.cpu() if hasattr(matrix, 'cpu') else matrix)
     count = len(matrix)
-    names = [fitted(str(name), longest) for name in (class_names or range(count))]
+    given = list(class_names or ())[:count]
+    names = [fitted(str(name), longest) for name in given + list(range(len(given), count))]
     margin = int(max(text_width(name) for name in names)) + 8
     title = 'rows: true class; columns: predicted; shade: share of the row'
     top = CAPTION + margin

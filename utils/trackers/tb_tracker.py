@@ -1,5 +1,6 @@
 """TensorBoard: event files in the experiment folder (`tensorboard --logdir <checkpoints_dir>`)."""
 
+import contextlib
 import os
 import re
 import socket
@@ -237,7 +238,8 @@ class TensorBoardTracker(Tracker):
         self.log_metrics({name: value for name, value in final_metrics.items() if value is not None}, end_step, None)
         for name in os.listdir(self.folder):  # an end of an earlier start (a run extended): this row replaces it
             if EVENT_FILE.match(name) and os.path.join(self.folder, name) != file.records.name:
-                drop_hparams(os.path.join(self.folder, name))
+                with contextlib.suppress(OSError):  # (a file not ours to write: its old row stays, nothing fails)
+                    drop_hparams(os.path.join(self.folder, name))
 
     def close(self):
         if self.file:
