@@ -11,7 +11,7 @@ import time
 
 STARTED = time.perf_counter()  # for the time-to-first-step figure: the first run's counts its imports too
 
-from utils.errors import KilnError, is_peer_lost, quiet_interrupts, run_cli, run_to_exit, shell_word
+from utils.errors import TRAINING_STEPS, KilnError, is_peer_lost, quiet_interrupts, run_cli, run_to_exit, shell_word
 
 if __name__ == '__main__':  # a Ctrl-C while torch loads: one line, exit 130 (imported, it changes no handler)
     quiet_interrupts()
@@ -426,6 +426,7 @@ class Trainer:
                     profiler.step()
                     if self.first_step_seconds is None:
                         self.first_step_seconds = time.perf_counter() - STARTED
+                        TRAINING_STEPS.append(self.first_step_seconds)  # a mistake from now on is worth a restart
                     if position.step % o.print_freq == 0:  # the only host sync between validations and saves
                         self.print_progress(seen)
                     if position.batch == epoch_batches:  # so a checkpoint saved now records a whole epoch

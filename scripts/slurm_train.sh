@@ -9,8 +9,8 @@
 #
 # Settings, from the environment (sbatch passes the submitting shell's on):
 #   NPROC         processes per node (default: SLURM_GPUS_PER_NODE, else 1)
-#   MAX_RESTARTS  torchrun restarts after a process crashes, each resuming from the last checkpoint (3;
-#                 none after a mistake, exit code 2: an option, a missing file)
+#   MAX_RESTARTS  torchrun restarts after a process fails, each resuming from the last checkpoint (3;
+#                 none after a mistake met before the first training step: an option, a missing file)
 #   RDZV_PORT     rendezvous port on the first node (default 29500 + job id % 1000)
 #   PYTHON        (python3)
 #

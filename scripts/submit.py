@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import signal
 import sys
 
@@ -144,11 +145,16 @@ def slurm_executor(args):
     return executor
 
 
+# what submitit writes before sbatch gives the job an id: <uuid>.pkl and .submission_file_<uuid>.sh
+SUBMITIT_FILES = re.compile(r'[0-9a-f]{32}\.pkl|\.submission_file_[0-9a-f]{32}\.sh')
+
+
 @contextlib.contextmanager
 def removed_if_refused(made, files_in=None):
-    """On an error in the block, remove the files it wrote into the folder `files_in` (submitit's job file
-    and pickle) and the folders `made` (deepest first) again; sbatch refusing the job (a partition, an
-    account or a time limit it does not take) is one line."""
+    """On an error in the block, remove the files that submitit wrote for it into the folder `files_in` (its
+    job file and pickle, named by a new random id: not other jobs' logs and results there) and the folders
+    `made` (deepest first) again; sbatch refusing the job (a partition, an account or a time limit it does
+    not take) is one line."""
     from utils.errors import KilnError
 
     independent = None if files_in is None else first_folder_without_job_id(files_in)
@@ -158,8 +164,9 @@ def removed_if_refused(made, files_in=None):
     except BaseException as error:
         if independent and os.path.isdir(independent):
             for name in set(os.listdir(independent)) - before:
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(independent, name))
+                if SUBMITIT_FILES.fullmatch(name):
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(independent, name))
         for path in made:
             with contextlib.suppress(OSError):
                 os.rmdir(path)

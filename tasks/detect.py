@@ -200,10 +200,14 @@ def decode_detections(outputs, k=50, stride=STRIDE):
     labels, cell = index // (height * width), index % (height * width)
     size = _at(outputs['size'].float(), cell).clamp(min=0)
     centre = torch.stack([cell % width, cell // width], dim=-1) + _at(outputs['offset'].float(), cell)
-    low, high = ((centre - size / 2) * stride).clamp(min=0), (centre + size / 2) * stride
-    # clamped per axis with Python numbers: a limits tensor made from a list would be a host copy
-    high = torch.stack([high[..., 0].clamp(max=width * stride), high[..., 1].clamp(max=height * stride)], -1)
-    return torch.cat([low, high], dim=-1), scores, labels
+    low, high = (centre - size / 2) * stride, (centre + size / 2) * stride
+    # clamped per axis with Python numbers: a limits tensor made from a list would be a host copy; a centre
+    # off the picture (an offset gone wild) gives an empty box at its edge, never one with x2 < x1
+    low, high = (
+        torch.stack([corner[..., 0].clamp(0, width * stride), corner[..., 1].clamp(0, height * stride)], -1)
+        for corner in (low, high)
+    )
+    return torch.cat([low, torch.maximum(high, low)], dim=-1), scores, labels
 
 
 def _box_iou(a, b):

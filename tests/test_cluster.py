@@ -342,17 +342,37 @@ def test_torchrun_names_the_failed_rank_not_the_one_that_lost_it(tmp_path):
 
 
 COUNTED_WORKER = """
-import sys
+import errno, sys
+from utils.errors import TRAINING_STEPS, KilnError, run_cli
 with open(sys.argv[1], 'a') as f:
     f.write('started\\n')
-sys.exit(int(sys.argv[2]))
+if sys.argv[2] == 'trained':
+    TRAINING_STEPS.append(1.0)
+
+def main(argv):
+    if argv[0] == 'crash':
+        raise ZeroDivisionError
+    if argv[0] == 'disk':
+        raise OSError(errno.EIO, 'Input/output error', 'checkpoints/a/last.pth')
+    raise KilnError('--train_list x.txt does not exist')
+
+run_cli(main, sys.argv[3:])
 """
 
 
-@pytest.mark.parametrize('code, starts', [(2, 1), (1, 3)])
-def test_torchrun_restarts_after_a_crash_not_after_a_mistake(tmp_path, code, starts):
-    """A mistake (exit code 2: an option, a missing file) was said again by each of --max-restarts' starts
-    (4 times under scripts/slurm_train.sh, a rendezvous each); a crash (1) is still started again."""
+@pytest.mark.parametrize(
+    'error, when, code, starts',
+    [
+        ('mistake', 'set up', 2, 1),  # an option, a missing file: said once
+        ('disk', 'set up', 2, 1),
+        ('disk', 'trained', 2, 3),  # a network disk's hiccup while training: resumed from the last checkpoint
+        ('crash', 'set up', 1, 3),
+    ],
+)
+def test_torchrun_restarts_after_a_crash_not_after_a_mistake(tmp_path, error, when, code, starts):
+    """A mistake (an option, a missing file) was said again by each of --max-restarts' starts (4 times
+    under scripts/slurm_train.sh, a rendezvous each); a crash, or an error met while training, is still
+    started again."""
     script, starts_file = tmp_path / 'worker.py', tmp_path / 'starts.txt'
     script.write_text(COUNTED_WORKER)
     result = subprocess.run(
@@ -364,7 +384,8 @@ def test_torchrun_restarts_after_a_crash_not_after_a_mistake(tmp_path, code, sta
             '--monitor-interval=0.1',
             script,
             starts_file,
-            str(code),
+            when,
+            error,
         ],
         cwd=REPO,
         capture_output=True,

@@ -5,6 +5,7 @@ number of workers or processes, and after a resume; masks and boxes move with th
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -111,10 +112,14 @@ def test_the_decoded_cache_sees_a_file_rewritten_with_its_size_and_time_kept(tmp
     cache = tmp_path / 'root' / CACHE_FOLDER
     dead = subprocess.Popen([sys.executable, '-c', 'pass'])
     dead.wait()  # a process that is gone, and one that runs (this one)
-    for pid in (dead.pid, os.getpid()):
-        (cache / f'.MemListDataset_val.pt.tmp{pid}').write_bytes(b'half written')
+    here = socket.gethostname()
+    for pid, host in ((dead.pid, here), (os.getpid(), here), (dead.pid, 'another-host')):
+        (cache / f'.MemListDataset_val.pt.tmp{pid}@{host}').write_bytes(b'half written')
     assert MemListDataset(args, 'val').tensors()['image'].min() == 255
-    assert sorted(name for name in os.listdir(cache) if '.tmp' in name) == [f'.MemListDataset_val.pt.tmp{os.getpid()}']
+    assert {name for name in os.listdir(cache) if '.tmp' in name} == {
+        f'.MemListDataset_val.pt.tmp{dead.pid}@another-host',  # its process cannot be seen from here
+        f'.MemListDataset_val.pt.tmp{os.getpid()}@{here}',
+    }
 
 
 def test_a_data_root_that_is_the_class_folders_itself_trains_again(tmp_path):

@@ -382,6 +382,22 @@ def test_mean_average_precision_agrees_with_torchmetrics():
         assert mine['map'] == pytest.approx(float(expected['map']), abs=1e-6)
 
 
+def test_a_centre_off_the_picture_decodes_to_an_empty_box_and_is_drawn():
+    """Offsets gone wild (early training) gave boxes with x2 < x1, and drawing them failed the run."""
+    generator = torch.Generator().manual_seed(0)
+    for offset in (-30.0, 30.0):
+        outputs = {
+            'heatmap': torch.randn(2, 3, 8, 8, generator=generator),
+            'size': torch.rand(2, 2, 8, 8, generator=generator) * 4,
+            'offset': torch.full((2, 2, 8, 8), offset),
+        }
+        boxes, scores, labels = decode_detections(outputs)
+        assert (boxes[..., 2:] >= boxes[..., :2]).all() and boxes.min() >= 0 and boxes.max() <= 32, offset
+        draw_detections(
+            torch.zeros(2, 3, 32, 32, dtype=torch.uint8), boxes, labels, scores * 0 + 1, None, BOXES, LABELS
+        )
+
+
 def test_draw_detections_returns_a_picture():
     boxes, scores, labels = decode_detections(_right_answer(BOXES, LABELS))
     images = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)

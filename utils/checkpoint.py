@@ -13,6 +13,7 @@ import math
 import os
 import pickle
 import re
+import socket
 import warnings
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ def atomic_write_bytes(data, path, sync_folder=True):
     leaves the folder's fsync (which makes the rename survive a power cut) to a later write there.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(folder, f'.{os.path.basename(path)}.tmp{os.getpid()}')
+    temporary = os.path.join(folder, f'.{os.path.basename(path)}.tmp{os.getpid()}@{socket.gethostname()}')
     try:
         with open(temporary, 'wb') as f:
             f.write(data)
@@ -59,21 +60,24 @@ def process_running(pid):
     return True
 
 
-ABANDONED = re.compile(r'\..+\.tmp(\d+)')  # atomic_write_bytes's temporary files: .<name>.tmp<pid>
+# a file or folder being written, beside the name it gets once whole: .<name>.tmp<pid>@<host>
+TEMPORARY = re.compile(r'\.(.+)\.tmp(\d+)@(.+)')
 
 
 def remove_abandoned_temporaries(folder):
-    """Remove the temporary files in `folder` of atomic_write_bytes calls whose process is gone (killed
-    while writing: an out-of-memory kill as a cache of decoded images is written, say). For a folder that
-    several processes write without a lock; one on another host sharing it may lose its temporary file:
-    its write then fails (an OSError), as on a full disk."""
+    """Remove the temporary files in `folder` of atomic_write_bytes calls of this host whose process is gone
+    (killed while writing: an out-of-memory kill as a cache of decoded images is written, say), for a
+    folder that several processes write without a lock (other hosts' are left: their processes cannot be
+    seen)."""
     try:
         names = os.listdir(folder)
     except OSError:
         return
     for name in names:
-        match = ABANDONED.fullmatch(name)
-        if match and int(match.group(1)) != os.getpid() and not process_running(int(match.group(1))):
+        match = TEMPORARY.fullmatch(name)
+        if not match or match.group(3) != socket.gethostname():
+            continue
+        if int(match.group(2)) != os.getpid() and not process_running(int(match.group(2))):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))
 

@@ -43,9 +43,13 @@ def not_a_folder(path, blocker):
     return f'cannot make the folder {path}: {blocker} is a file, not a folder'
 
 
-# the exit code of a mistake said in one line (an option, a missing file, a full disk), as argparse's:
-# starting the process again (torchrun's --max-restarts) meets it again
+# the exit code of a mistake said in one line (an option, a missing file, a full disk), as argparse's
 MISTAKE_EXIT_CODE = 2
+# utils/torchrun.py's file that a worker makes when it exits with a mistake before its first training step
+# (an option, a missing file): starting it again (--max-restarts) would only meet it again; one met later
+# may pass (a network disk's hiccup), and a restart resumes from the last checkpoint
+NO_RESTART_FILE = 'KILN_NO_RESTART_FILE'
+TRAINING_STEPS = []  # a training run of this process made its first step (train.py appends)
 # the exit code of a torchrun worker that went down because another process is gone: not 1 (an unexpected
 # traceback) nor 2 (an error of its own), so that utils/torchrun.py blames the process that failed first
 PEER_LOST_EXIT_CODE = 3
@@ -61,6 +65,10 @@ def exit_with_error(line, code=MISTAKE_EXIT_CODE):
     rank that exited at once could stop rank 0 before its line is out, leaving no error at all. torchrun
     stops them when rank 0 exits; one still running after SHARED_ERROR_WAIT seconds (rank 0 did not
     fail alike: the error is this rank's own) prints the line itself, naming its rank."""
+    marker = os.environ.get(NO_RESTART_FILE)
+    if marker and code == MISTAKE_EXIT_CODE and not TRAINING_STEPS:
+        with contextlib.suppress(OSError), open(marker, 'a'):
+            pass
     rank = os.environ.get('RANK', '0')
     if rank != '0':
         time.sleep(SHARED_ERROR_WAIT)

@@ -32,7 +32,7 @@ from options import (
     resolve,
     with_absolute_lists,
 )
-from utils.checkpoint import load_checkpoint, process_running, sync_directory
+from utils.checkpoint import TEMPORARY, load_checkpoint, process_running, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
 from utils.distributed import world_size
 from utils.errors import KilnError, StoppedBySignal, file_in_the_way
@@ -128,8 +128,6 @@ def discard_folder_if_setup_fails(folder, made_parents=()):
         raise
 
 
-# a result folder being written: .<name>.tmp<pid>@<host>, beside the name it gets once it is whole
-STAGED = re.compile(r'\.(.+)\.tmp(\d+)@(.+)')
 BEING_STAGED = set()  # this process's: a folder of its pid is another's (a container reuses pids) unless here
 
 
@@ -220,7 +218,7 @@ def remove_stale_results(parent):
     except OSError:
         return
     for name in names:
-        match, path = STAGED.fullmatch(name), os.path.join(parent, name)
+        match, path = TEMPORARY.fullmatch(name), os.path.join(parent, name)
         if not match or match.group(3) != socket.gethostname():
             continue
         pid = int(match.group(2))

@@ -9,15 +9,18 @@ endings changed:
 - when a worker fails, the worker's own `error: ...` line is the cause the user sees; this adds one
   line naming the failed rank (the likeliest cause: see `_blame`) and its exit code instead of
   torchrun's error dump, and exits with that code.
-And --max-restarts starts the workers again after a crash, not after a mistake (an option, a missing
-file: exit code 2), which each start would only say again.
+And --max-restarts starts the workers again after a crash, or an error met while training (a network
+disk's hiccup), not after a mistake met before the first training step (an option, a missing file),
+which each start would only say again; and the end of a job by another node is one line.
 """
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
-from utils.errors import MISTAKE_EXIT_CODE, PEER_LOST_EXIT_CODE, quiet_interrupts
+from utils.errors import NO_RESTART_FILE, PEER_LOST_EXIT_CODE, quiet_interrupts
 
 quiet_interrupts()  # a Ctrl-C while torch loads or the rendezvous waits: one line, not a traceback
 from torch.distributed import run as torchrun
@@ -25,6 +28,7 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.launcher import api as launcher
 
 from utils.distributed import LAUNCHER_PID
@@ -47,13 +51,12 @@ def _blame(exitcode):
 
 
 class RestartAfterCrashesOnly(LocalElasticAgent):
-    """torchrun's agent, whose --max-restarts are not spent on a worker that exited with a mistake."""
+    """torchrun's agent, whose --max-restarts are not spent on workers that exited with a mistake before
+    their first training step: such a worker makes the file that NO_RESTART_FILE names (utils/errors.py)."""
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
-        if result.state == WorkerState.FAILED and any(
-            failure.exitcode == MISTAKE_EXIT_CODE for failure in result.failures.values()
-        ):
+        if result.state == WorkerState.FAILED and os.path.exists(os.environ[NO_RESTART_FILE]):
             self._remaining_restarts = 0
         return result
 
@@ -64,8 +67,13 @@ def main(argv=None):
     parser.allow_abbrev = False  # what follows the script is the script's: --monitor is not --monitor-interval
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers know whose death to stop at, even before they ask
     launcher.LocalElasticAgent = RestartAfterCrashesOnly  # the agent torchrun's launcher makes
+    folder = tempfile.mkdtemp(prefix='kiln-torchrun-')
+    os.environ[NO_RESTART_FILE] = os.path.join(folder, 'mistake')
     try:
         torchrun.run(parser.parse_args(argv))
+    except RendezvousClosedError:  # another node's agent ended the job, after its workers failed
+        print('torchrun: the job was ended by another node (its log says why)', file=sys.stderr, flush=True)
+        sys.exit(PEER_LOST_EXIT_CODE)
     except SignalException as error:
         print(f'torchrun: stopped by {signal.Signals(error.sigval).name}', file=sys.stderr, flush=True)
         sys.exit(128 + error.sigval)
@@ -90,6 +98,8 @@ def main(argv=None):
                 how += '; often the out-of-memory killer (see `dmesg`): lower --batch_size or --num_workers'
         print(f'torchrun: {who} {how}', file=sys.stderr, flush=True)
         sys.exit(code)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == '__main__':

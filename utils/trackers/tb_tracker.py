@@ -58,25 +58,42 @@ def drop_hparams(path):
     """Rewrite the event file `path` without its HParams summaries, if it holds any. TensorBoard keeps the
     first description it reads of a tag, and a resume's purge drops points, not descriptions: the HParams
     row of a run extended past its end would keep the options of its first end. Every other record, and
-    a last one cut short by a kill, stays as it was; a crash while rewriting leaves the file as it was."""
+    a last one cut short by a kill, stays as it was; read and written a record at a time, to a temporary
+    file renamed over it once whole (a crash while rewriting leaves the file as it was)."""
     from tensorboard.compat.proto.event_pb2 import Event
 
-    from utils.checkpoint import atomic_write_bytes
+    from utils.checkpoint import sync_directory
 
-    with open(path, 'rb') as f:
-        data = f.read()
-    if HPARAMS_TAG not in data:
+    if not any(_is_hparams(record, Event) for record, _ in _records(path)):
         return
-    kept, start = [], 0
-    while start + 12 <= len(data):
-        (length,) = struct.unpack('<Q', data[start : start + 8])
-        end = start + 12 + length + 4  # length, its checksum, the record, its checksum
-        if end > len(data):
-            break
-        if not _is_hparams(data[start + 12 : start + 12 + length], Event):
-            kept.append(data[start:end])
-        start = end
-    atomic_write_bytes(b''.join(kept) + data[start:], path)
+    temporary = os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.tmp{os.getpid()}')
+    try:
+        with open(temporary, 'wb') as f:
+            for record, raw in _records(path):
+                if not _is_hparams(record, Event):
+                    f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+    sync_directory(os.path.dirname(path))
+
+
+def _records(path):
+    """(record, its bytes as stored) for each record of the TFRecord file `path`; a last one cut short comes
+    as (b'', its bytes)."""
+    with open(path, 'rb') as f:
+        size = os.fstat(f.fileno()).st_size
+        while header := f.read(12):
+            (length,) = struct.unpack('<Q', header[:8]) if len(header) == 12 else (None,)
+            fits = length is not None and f.tell() + length + 4 <= size  # (a damaged length may be any number)
+            rest = f.read(length + 4) if fits else b''
+            if not fits:
+                yield b'', header + rest + f.read()
+                return
+            yield rest[:length], header + rest
 
 
 def _is_hparams(record, event_type):
@@ -238,7 +255,7 @@ class TensorBoardTracker(Tracker):
         self.log_metrics({name: value for name, value in final_metrics.items() if value is not None}, end_step, None)
         for name in os.listdir(self.folder):  # an end of an earlier start (a run extended): this row replaces it
             if EVENT_FILE.match(name) and os.path.join(self.folder, name) != file.records.name:
-                with contextlib.suppress(OSError):  # (a file not ours to write: its old row stays, nothing fails)
+                with contextlib.suppress(Exception):  # (a file it cannot rewrite keeps its old row: the run is done)
                     drop_hparams(os.path.join(self.folder, name))
 
     def close(self):
