@@ -99,7 +99,8 @@ def read_class_names(list_path, file_names=('classes.txt',)):
             if os.path.getsize(path) == 0:
                 raise KilnError(f'{path} is empty; give one class name per line, in label order')
             names = [unicodedata.normalize('NFC', fields[0]) for _, fields in read_list_file(path, columns=1)]
-            twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+            seen = set()  # (a set: 30,000 names took 5 s as a list)
+            twice = next((n for n in names if n in seen or seen.add(n)), None)
             if twice is not None:
                 raise KilnError(f'{path} names the class {twice!r} twice; give each class its own name')
             return names
@@ -152,15 +153,16 @@ class ListDataset(Dataset):
     def renumber_classes(self, names):
         """Make the labels positions in `names`, which hold every class name of this dataset (a label beyond
         the named ones goes by its number, which must be one of `names` too)."""
-        position = {label: names.index(name) for label, name in enumerate(self.class_names)}
+        where = {name: index for index, name in reversed(list(enumerate(names)))}  # the first of each name
+        position = {label: where[name] for label, name in enumerate(self.class_names)}
         for _, label, number in self.samples:
             if label not in position:
-                if str(label) not in names:
+                if str(label) not in where:
                     raise KilnError(
                         f'{self.list_path}:{number}: label {label} has no name in classes.txt and is no class '
                         f'of {", ".join(names)}; name it in classes.txt'
                     )
-                position[label] = names.index(str(label))
+                position[label] = where[str(label)]
         self.samples = [(path, position[label], number) for path, label, number in self.samples]
         self.class_names, self.num_classes = list(names), max(self.num_classes, len(names))
 

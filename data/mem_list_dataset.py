@@ -6,7 +6,6 @@ change times), so a later run loads them in milliseconds instead of decoding eve
 """
 
 import hashlib
-import io
 import os
 
 import torch
@@ -54,9 +53,10 @@ class InMemory:
             try:
                 os.makedirs(self.cache_folder, exist_ok=True)
                 remove_abandoned_temporaries(self.cache_folder)
-                buffer = io.BytesIO()
-                torch.save({'key': self.cache_key(), 'tensors': tensors}, buffer)
-                atomic_write_bytes(buffer.getvalue(), self.cache_path())
+                # saved into the file itself: bytes in memory first were one more copy of the whole data
+                atomic_write_bytes(
+                    lambda f: torch.save({'key': self.cache_key(), 'tensors': tensors}, f), self.cache_path()
+                )
             except OSError:  # a read-only or full disk: the data are decoded next time too
                 pass
         return tensors

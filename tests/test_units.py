@@ -755,6 +755,9 @@ def test_the_confusion_matrix_shows_whole_counts_and_names_and_how_to_read_it():
     picture = confusion_matrix_image(np.array([[14_497_110, 3, 0], [1, 2, 3], [0, 0, 5]]), names)
     margin = int(max(text_width(name) for name in names)) + 8  # the widest name, whole, beside the rows
     assert picture.shape[1] >= margin + 3 * 44 and picture.shape[0] >= margin + 3 * 44
+    # 1000 classes drew a 44,068-pixel square (19.6 GB of memory, 90 s, too large for Pillow to open)
+    many = confusion_matrix_image(np.eye(1000, dtype=np.int64) * 7, [f'class {i}' for i in range(1000)])
+    assert max(many.shape[:2]) < 2100 and (many[1000] != 255).any()  # a diagonal cell on a middle row
 
 
 def test_checkpoints_to_evaluate_names_each_once_and_skips_non_experiments(tmp_path):

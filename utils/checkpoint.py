@@ -24,7 +24,8 @@ from utils.fault_points import fault_point
 
 
 def atomic_write_bytes(data, path, sync_folder=True):
-    """Write `data` to `path` so that a crash leaves either the old file or the new one, whole.
+    """Write `data` (bytes, or a function that writes them to the file object it is given) to `path` so that
+    a crash leaves either the old file or the new one, whole.
 
     The temporary file sits in the same folder (a rename across file systems is not atomic),
     is flushed to disk before the rename, and is removed if anything fails. `sync_folder=False`
@@ -34,7 +35,10 @@ def atomic_write_bytes(data, path, sync_folder=True):
     temporary = os.path.join(folder, f'.{os.path.basename(path)}.tmp{os.getpid()}@{socket.gethostname()}')
     try:
         with open(temporary, 'wb') as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         fault_point('temporary_written')

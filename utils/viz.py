@@ -217,22 +217,33 @@ def _turned(text, font):
     return image.transpose(Image.Transpose.ROTATE_90)
 
 
-def confusion_matrix_image(matrix, class_names=None, cell=44, longest=150):
-    """A confusion matrix drawn with counts (k, M above 99999), under a line saying how to read it: rows
-    the true class, columns the predicted one (names written upwards), each cell shaded by its share of
-    its row (the recall of the row's class on the diagonal). Names longer than `longest` pixels end in '…'."""
+def confusion_matrix_image(matrix, class_names=None, cell=44, longest=150, largest=2000):
+    """A confusion matrix under a line saying how to read it: rows the true class, columns the predicted
+    one (names written upwards), each cell shaded by its share of its row (the recall of the row's class
+    on the diagonal) and showing its count (k, M above 99999). Names longer than `longest` pixels end in
+    '…'. Cells shrink so that the matrix stays within `largest` pixels (1000 classes: 2 pixels each); too
+    small for it, a cell shows no count, and classes no name (the counts are in result.json)."""
     matrix = np.asarray(matrix.cpu() if hasattr(matrix, 'cpu') else matrix)
     count = len(matrix)
+    cell = max(1, min(cell, largest // max(count, 1)))
+    named, counted = cell >= 12, cell >= 36
     given = list(class_names or ())[:count]
-    names = [fitted(str(name), longest) for name in given + list(range(len(given), count))]
-    margin = int(max(text_width(name) for name in names)) + 8
+    names = [fitted(str(name), longest) for name in given + list(range(len(given), count))] if named else []
+    margin = int(max(map(text_width, names))) + 8 if names else 4
     title = 'rows: true class; columns: predicted; shade: share of the row'
+    if not named:
+        title += "; classes in result.json's order"
     top = CAPTION + margin
     width = max(margin + count * cell + 4, int(text_width(title)) + 8)
     canvas = Image.new('RGB', (width, top + count * cell + 4), 'white')
     draw = ImageDraw.Draw(canvas)
     draw.text((2, 1), title, fill='black', font=font_for(title))
-    row_totals = matrix.sum(axis=1, keepdims=True).clip(min=1)
+    shares = matrix / matrix.sum(axis=1, keepdims=True).clip(min=1)
+    shades = (255 - 200 * shares).astype(np.uint8)  # the cells, drawn as one array: a rectangle each took minutes
+    cells = np.stack([shades, shades, np.full_like(shades, 255)], -1).repeat(cell, 0).repeat(cell, 1)
+    if cell >= 4:  # grey lines between the cells
+        cells[cell - 1 :: cell], cells[:, cell - 1 :: cell] = 128, 128
+    canvas.paste(Image.fromarray(np.ascontiguousarray(cells)), (margin, top))
     for i, name in enumerate(names):
         column = _turned(name, font_for(name))
         canvas.paste(
@@ -241,15 +252,12 @@ def confusion_matrix_image(matrix, class_names=None, cell=44, longest=150):
             column.point(lambda v: 255 - v),
         )
         draw.text((2, top + i * cell + cell // 2 - 6), name, fill='black', font=font_for(name))
+    for i in range(count if counted else 0):
         for j in range(count):
-            share = matrix[i, j] / row_totals[i, 0]
-            shade = int(255 - 200 * share)
-            x, y = margin + j * cell, top + i * cell
-            draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=(shade, shade, 255), outline='gray')
             draw.text(
-                (x + 3, y + cell // 2 - 6),
+                (margin + j * cell + 3, top + i * cell + cell // 2 - 6),
                 compact_count(int(matrix[i, j])),
-                fill='black' if share < 0.6 else 'white',
+                fill='black' if shares[i, j] < 0.6 else 'white',
                 font=_default_font(11),
             )
     return np.asarray(canvas)
