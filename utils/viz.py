@@ -239,7 +239,7 @@ def confusion_matrix_image(matrix, class_names=None, cell=44, longest=150, large
     draw = ImageDraw.Draw(canvas)
     draw.text((2, 1), title, fill='black', font=font_for(title))
     shares = matrix / matrix.sum(axis=1, keepdims=True).clip(min=1)
-    shades = (255 - 200 * shares).astype(np.uint8)  # the cells, drawn as one array: a rectangle each took minutes
+    shades = (255 - 200 * shares).astype(np.uint8)  # the cells as one array, not a rectangle each (a million)
     cells = np.stack([shades, shades, np.full_like(shades, 255)], -1).repeat(cell, 0).repeat(cell, 1)
     if cell >= 4:  # grey lines between the cells
         cells[cell - 1 :: cell], cells[:, cell - 1 :: cell] = 128, 128

@@ -62,23 +62,15 @@ def drop_hparams(path):
     file renamed over it once whole (a crash while rewriting leaves the file as it was)."""
     from tensorboard.compat.proto.event_pb2 import Event
 
-    from utils.checkpoint import sync_directory
+    from utils.checkpoint import atomic_write_bytes
 
-    if not any(_is_hparams(record, Event) for record, _ in _records(path)):
-        return
-    temporary = os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.tmp{os.getpid()}')
-    try:
-        with open(temporary, 'wb') as f:
-            for record, raw in _records(path):
-                if not _is_hparams(record, Event):
-                    f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-    sync_directory(os.path.dirname(path))
+    def write_kept(f):
+        for record, raw in _records(path):
+            if not _is_hparams(record, Event):
+                f.write(raw)
+
+    if any(_is_hparams(record, Event) for record, _ in _records(path)):
+        atomic_write_bytes(write_kept, path)
 
 
 def _records(path):
