@@ -48,7 +48,7 @@ class InMemory:
 
     def decode_all(self):
         """Decode every sample and cache the result (when the cache folder can be written)."""
-        tensors = pad_collate([super(InMemory, self).__getitem__(i) for i in range(len(self))])
+        tensors = self.stacked(super().__getitem__)
         if self.cache_folder:
             try:
                 os.makedirs(self.cache_folder, exist_ok=True)
@@ -60,6 +60,27 @@ class InMemory:
             except OSError:  # a read-only or full disk: the data are decoded next time too
                 pass
         return tensors
+
+    def stacked(self, sample):
+        """`pad_collate` of `sample(i)` for every index, written into whole-dataset tensors as they come: a
+        list of every sample stacked at the end held the data twice. A target whose shape varies (boxes)
+        is gathered and padded at the end."""
+        first = sample(0)
+        whole = {key: torch.empty((len(self), *torch.as_tensor(value).shape), dtype=torch.as_tensor(value).dtype)
+                 for key, value in first.items()}  # fmt: skip
+        varying = {}  # key -> its values so far, once one did not fit
+        for index in range(len(self)):
+            for key, value in (first if index == 0 else sample(index)).items():
+                value = torch.as_tensor(value)
+                if key not in varying and value.shape != whole[key].shape[1:]:
+                    varying[key] = list(whole.pop(key)[:index])
+                if key in varying:
+                    varying[key].append(value)
+                else:
+                    whole[key][index] = value
+        for key, values in varying.items():
+            whole[key] = pad_collate([{key: value} for value in values])[key]
+        return {key: whole[key] for key in first}  # in the samples' order of keys
 
     def cached(self):
         """The tensors of an earlier decoding of exactly these files, or None."""

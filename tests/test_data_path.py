@@ -268,6 +268,32 @@ def test_a_shift_fills_no_object_outside_its_box():
     assert (mirrored[10:20, :2] > 0).all()  # classification keeps the reflection
 
 
+def test_decoding_in_place_gives_what_pad_collate_gives():
+    """In-memory datasets decoded into a list of every sample, then stacked: twice the data in memory.
+    Written into whole-dataset tensors as they come, the result is pad_collate's, boxes padded alike."""
+    from data.mem_list_dataset import InMemory
+
+    generator = torch.Generator().manual_seed(3)
+    samples = [
+        {
+            'image': torch.randint(0, 256, (3, 4, 4), dtype=torch.uint8, generator=generator),
+            'boxes': torch.rand(count, 4, generator=generator),
+            'box_labels': torch.arange(count),
+            'mask': torch.randint(0, 3, (4, 4), generator=generator),
+        }
+        for count in (2, 2, 0, 3, 1)  # the same length at first, then not
+    ]
+
+    class Five(InMemory):
+        def __len__(self):
+            return len(samples)
+
+    stacked, expected = Five().stacked(samples.__getitem__), pad_collate(samples)
+    assert list(stacked) == list(expected)
+    for key in expected:
+        assert stacked[key].dtype == expected[key].dtype and torch.equal(stacked[key], expected[key]), key
+
+
 def test_pad_collate_pads_variable_length_targets():
     samples = [
         {'image': torch.zeros(3, 4, 4, dtype=torch.uint8), 'boxes': torch.ones(n, 4), 'box_labels': torch.arange(n)}
