@@ -34,7 +34,7 @@ class Trainer:
 
         sys.path.insert(0, REPO)
         import train
-        from utils.errors import KilnError
+        from utils.errors import MISTAKE_EXIT_CODE, KilnError
         from utils.stopping import StopSignals
 
         self._export_distributed_environment(submitit.JobEnvironment())
@@ -55,7 +55,7 @@ class Trainer:
         except KilnError as error:  # a mistake found in the job (its data gone, say): a line in its log, not requeued
             rank = os.environ.get('RANK', '0')
             print(f'{"" if rank == "0" else f"rank {rank}: "}error: {error}', file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            raise SystemExit(MISTAKE_EXIT_CODE) from None
         except SystemExit:  # stopped by a signal, after saving
             if warned:
                 requeue(signal.SIGUSR2, None)
