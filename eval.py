@@ -22,6 +22,7 @@ import os
 
 from data.data_entry import select_dataset
 from data.list_dataset import match_classes
+from data.list_file import open_names_file
 from data.loader import Batches
 from options import command_words, given_options, inherit, prefix_map
 from tasks.task_entry import task_class
@@ -140,17 +141,17 @@ class Evaluator:
             'list': getattr(self.dataset, 'list_path', None),
             'samples': len(self.dataset),
         }
-        with open(os.path.join(folder, 'result.txt'), 'w') as f:
+        with open_names_file(os.path.join(folder, 'result.txt')) as f:
             f.writelines(f'{key}: {value}\n' for key, value in header.items())
             f.writelines(f'{key}: {value:.4f}\n' for key, value in evaluation.metrics.items())
         details = {'class_names': task.class_names}
         confusion = getattr(evaluation.metric_object, 'confusion', None)
         if confusion is not None:
             details['confusion_matrix'] = confusion.tolist()
-        with open(os.path.join(folder, 'result.json'), 'w') as f:
+        with open_names_file(os.path.join(folder, 'result.json')) as f:
             f.write(json_text({**header, 'metrics': evaluation.metrics, **details}))
         fault_point('writing_results')
-        with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
+        with open_names_file(os.path.join(folder, 'predictions.csv')) as f:
             writer = csv.writer(f)
             writer.writerow(task.eval_header)
             image_paths = getattr(self.dataset, 'image_paths', lambda: range(len(evaluation.rows)))  # or numbers
@@ -220,7 +221,7 @@ def write_comparison(folder, rows):
     def row(path, list_path, values):
         return [str(path), *([str(list_path)] if lists else []), *values]
 
-    with open(os.path.join(folder, 'comparison.csv'), 'w', newline='') as f:
+    with open_names_file(os.path.join(folder, 'comparison.csv')) as f:
         writer = csv.writer(f)
         writer.writerow(row('checkpoint', 'list', names))
         for path, metrics, list_path in rows:
@@ -230,7 +231,7 @@ def write_comparison(folder, rows):
         for path, metrics, list_path in rows
     ]
     widths = [max(len(cells[i]) for cells in table) for i in range(len(table[0]))]
-    with open(os.path.join(folder, 'comparison.txt'), 'w') as f:
+    with open_names_file(os.path.join(folder, 'comparison.txt')) as f:
         for cells in table:
             f.write('  '.join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip() + '\n')
     return lists

@@ -13,12 +13,14 @@ from utils.distributed import all_reduce_sum, collective_device
 def topk_hits(logits, targets, k):
     """Per sample, whether the true class is among the k highest scores (bool tensor): fewer than k
     classes rank above it, a tie going to the lower class index as argmax decides it (so top-1 is the
-    accuracy, and constant outputs score no better than a guess); a NaN score ranks above the others, as
-    argmax has it, and is no hit itself. Counting them is 4x faster than `topk` on a CPU."""
+    accuracy, and constant outputs score no better than a guess); a NaN score ranks above every number
+    and NaNs tie, as argmax and topk have it. Counting them is 4x faster than `topk` on a CPU."""
     own, targets = logits.gather(1, targets.unsqueeze(1)), targets.unsqueeze(1)
     lower = torch.arange(logits.shape[1], device=logits.device) < targets
-    above = (logits > own) | logits.isnan() | (logits == own) & lower  # argmax takes a NaN for the largest
-    return (above.sum(dim=1) < k) & ~own.squeeze(1).isnan()
+    nan, own_nan = logits.isnan(), own.isnan()
+    tied = (logits == own) | nan & own_nan
+    above = (logits > own) | nan & ~own_nan | tied & lower
+    return above.sum(dim=1) < k
 
 
 def confusion_matrix(predictions, targets, num_classes):

@@ -34,7 +34,7 @@ import torch
 
 from data.augment import BatchTransform
 from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images, image_format
-from data.list_file import read_image_paths
+from data.list_file import open_names_file, read_image_paths
 from data.loader import default_workers, init_worker
 from eval import load_for_inference
 from options import NOT_USED_IN_PREDICTION, command_words, given_options, prefix_map
@@ -152,12 +152,12 @@ def predict(options, task, setup, device, paths, folder, named=None):
         for name, image_rows in zip(names, task.predict_rows(inputs, outputs, names, folder)):
             rows += [[name, *(_renamed(cell, folder, named) for cell in row)] for row in image_rows]
     fault_point('writing_results')
-    with open(os.path.join(folder, 'predictions.csv'), 'w', newline='') as f:
+    with open_names_file(os.path.join(folder, 'predictions.csv')) as f:
         writer = csv.writer(f)
         writer.writerow(task.predict_header)
         writer.writerows(rows)
     if unreadable:
-        with open(os.path.join(folder, 'unreadable.txt'), 'w') as f:
+        with open_names_file(os.path.join(folder, 'unreadable.txt')) as f:
             f.writelines(f'{path}\t{reason}\n' for path, reason in unreadable)
     return unreadable
 

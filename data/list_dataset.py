@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from data.image_io import CROP_PCT, IMAGE_EXTENSIONS, check_images, decode_image, find_images
-from data.list_file import collections_paused, not_a_file, read_list_file, resolve_path
+from data.list_file import collections_paused, not_a_file, read_lines, read_list_file, resolve_path
 from utils.checkpoint import atomic_write_bytes, remove_abandoned_temporaries
 from utils.errors import KilnError
 
@@ -40,6 +40,12 @@ def read_class_folders(folder):
     )
     if not folders:
         raise KilnError(f'{folder} holds no class folders; put the images of each class in a folder of its own')
+    twice = first_repeated([name for name, _ in folders])  # composed and decomposed: macOS and Linux copies merged
+    if twice is not None:
+        raise KilnError(
+            f'{folder} has two class folders named {twice!r}, spelled in different Unicode forms (composed and '
+            f'decomposed); merge them into one'
+        )
     samples = []
     for label, (_, name) in enumerate(folders):
         found = find_images(os.path.join(folder, name))
@@ -91,20 +97,26 @@ def match_classes(dataset, class_names, source):
 
 
 def read_class_names(list_path, file_names=('classes.txt',)):
-    """Class names from the first of `file_names` found beside the list file, or None; a name given twice
-    is a KilnError (two classes would share it in every result)."""
+    """Class names from the first of `file_names` found beside the list file, or None: each line that is
+    not blank is one name, whole (`C# code`, `#1 rated`, `"quoted"`: no comments, no quoting). A name
+    given twice is a KilnError (two classes would share it in every result)."""
     for name in file_names:
         path = os.path.join(os.path.dirname(os.path.abspath(list_path)), name)
         if os.path.isfile(path):
-            if os.path.getsize(path) == 0:
-                raise KilnError(f'{path} is empty; give one class name per line, in label order')
-            names = [unicodedata.normalize('NFC', fields[0]) for _, fields in read_list_file(path, columns=1)]
-            seen = set()  # (a set: 30,000 names took 5 s as a list)
-            twice = next((n for n in names if n in seen or seen.add(n)), None)
+            names = [unicodedata.normalize('NFC', line.strip()) for line in read_lines(path) if line.strip()]
+            if not names:
+                raise KilnError(f'{path} names no class; give one class name per line, in label order')
+            twice = first_repeated(names)
             if twice is not None:
                 raise KilnError(f'{path} names the class {twice!r} twice; give each class its own name')
             return names
     return None
+
+
+def first_repeated(names):
+    """The first name that comes a second time, or None."""
+    seen = set()  # (a set: 30,000 names took 5 s as a list)
+    return next((n for n in names if n in seen or seen.add(n)), None)
 
 
 class ListDataset(Dataset):

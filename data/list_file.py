@@ -147,8 +147,7 @@ def _entries(path, columns=None):
     to its last, comment and surrounding quotes cut off (None for CSV files). See read_list_file."""
     if not os.path.isfile(path):
         raise KilnError(f'{_missing_kind(path)} {path} does not exist; check --train_list / --val_list / --input')
-    with open(path, 'rb') as f:
-        lines = re.split(r'\r\n|\r|\n', _decode(path, f.read()))
+    lines = read_lines(path)
     if path.lower().endswith('.csv'):
         entries = [(number, fields, None) for number, fields in _csv_rows(lines)]
     else:
@@ -173,6 +172,19 @@ def _entries(path, columns=None):
     if not entries:
         raise KilnError(f'list file {path} lists no images')
     return entries
+
+
+def read_lines(path):
+    """The lines of a text file (any line ending), decoded as list files are (see _decode)."""
+    with open(path, 'rb') as f:
+        return re.split(r'\r\n|\r|\n', _decode(path, f.read()))
+
+
+def open_names_file(path):
+    """A text file opened for writing names that came from the file system (paths, class folders): bytes
+    that are no UTF-8, which reading kept as surrogates (see _decode, os.listdir), are written back as
+    they were, as `ls` and `find` would print them."""
+    return open(path, 'w', newline='', errors='surrogateescape')
 
 
 def _missing_kind(path):

@@ -378,6 +378,70 @@ def test_an_image_name_that_is_not_utf8_is_read_and_cached(tmp_path):
         assert MemListDataset(args, 'train').tensors()['image'][0, 0].float().mean() > 150
 
 
+def test_results_keep_file_and_class_names_that_are_not_utf8(tmp_path):
+    """Folders and images named in Latin-1 bytes (old zip archives) trained, but eval.py and predict.py
+    failed after the whole evaluation, writing the names into result.txt and predictions.csv, with
+    advice to change the locale that did not help. The names are now written back as the same bytes."""
+    from tests.conftest import run_script
+
+    root = os.fsencode(tmp_path / 'data')
+    try:
+        for split in (b'train', b'val'):
+            for shade, name in enumerate((b'plain', b'caf\xe9')):
+                os.makedirs(root + b'/' + split + b'/' + name)
+                for number in range(2):
+                    Image.new('RGB', (8, 8), (120 * shade, 60 * number, 0)).save(
+                        os.fsdecode(root + b'/' + split + b'/' + name + b'/n\xe9%d.png' % number)
+                    )
+    except OSError:
+        pytest.skip('this file system takes UTF-8 file names only')
+    data, checkpoints = os.fsdecode(root), str(tmp_path / 'ck')
+    trained = run_script(
+        'train.py', '--data_type', 'list', '--train_list', f'{data}/train', '--val_list', f'{data}/val',
+        '--img_size', '8', '--max_iteration', '1', '--no-progress_bar', '--num_workers', '0', '--cpu',
+        '--checkpoints_dir', checkpoints,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    run = os.path.join(checkpoints, os.listdir(checkpoints)[0])
+    evaluated = run_script('eval.py', '--load_model_path', run, '--no-progress_bar', '--cpu')
+    assert evaluated.returncode == 0, evaluated.stderr
+    results = os.path.join(run, 'eval', 'best_val_default')
+    with open(os.path.join(results, 'result.txt'), 'rb') as f:
+        assert b'recall/caf\xe9: ' in f.read()
+    with open(os.path.join(results, 'predictions.csv'), 'rb') as f:
+        assert b'/val/caf\xe9/n\xe91.png,0,' in f.read()  # (the class that sorts first)
+    predicted = run_script('predict.py', '--load_model_path', run, '--input', f'{data}/val', '--cpu')
+    assert predicted.returncode == 0, predicted.stderr
+    with open(os.path.join(run, 'predict', 'best_val_default', 'predictions.csv'), 'rb') as f:
+        written = f.read()
+    assert b'/val/caf\xe9/n\xe90.png,' in written and written.count(b'\n') == 5, written
+
+
+def test_class_folders_spelled_in_two_unicode_forms_are_refused(tmp_path):
+    """`élan` composed and decomposed (macOS and Linux copies merged) were two classes, one of them
+    named '2' in the results: validation could never label its images. Now one line says to merge them."""
+    from data.list_dataset import read_class_folders
+
+    for name in ('élan', 'élan', 'zebra'):
+        os.makedirs(tmp_path / name)
+        Image.new('RGB', (8, 8)).save(tmp_path / name / 'a.png')
+    with pytest.raises(KilnError, match="two class folders named 'élan', spelled in different Unicode forms"):
+        read_class_folders(str(tmp_path))
+
+
+def test_class_names_files_take_each_line_whole(tmp_path):
+    """classes.txt went through the list-file reader, where `#` starts a comment: `#1 rated` vanished (its
+    label then showed the next class's name) and `item #2` became `item`, without a word."""
+    from data.list_dataset import read_class_names
+
+    (tmp_path / 'classes.txt').write_text('C# code\n#1 rated\n\n  item #2  \r\n"quoted"\n\u00e9t\u00e9\n')
+    names = read_class_names(str(tmp_path / 'train.txt'))
+    assert names == ['C# code', '#1 rated', 'item #2', '"quoted"', '\u00e9t\u00e9'], names
+    (tmp_path / 'classes.txt').write_text('\n \n')
+    with pytest.raises(KilnError, match='classes.txt names no class; give one class name per line'):
+        read_class_names(str(tmp_path / 'train.txt'))
+
+
 # ---- list files ----------------------------------------------------------------------------------
 
 

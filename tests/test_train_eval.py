@@ -495,7 +495,11 @@ def test_classes_beyond_the_named_ones_go_by_their_number(tiny_shapes, tmp_path)
     assert evaluated.returncode == 0, evaluated.stderr
     with open(folder / 'eval' / 'best_val_default' / 'result.json') as f:
         assert json.load(f)['class_names'] == ['circle', 'square', '2', '3', '4', '5']
-    for content, needle in (('circle\nsquare\ncircle\n', "names the class 'circle' twice"), ('', 'is empty')):
+    for content, needle in (
+        ('circle\nsquare\ncircle\n', "names the class 'circle' twice"),
+        ('', 'names no class'),
+        ('\n  \n', 'names no class'),
+    ):
         (lists / 'classes.txt').write_text(content)
         refused = run_script('train.py', *args, '--num_classes', '6', '--save_prefix', 'again')
         assert refused.returncode == 2 and needle in refused.stderr and len(refused.stderr.splitlines()) == 1, (

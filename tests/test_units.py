@@ -182,7 +182,7 @@ def test_topk_hits_agree_with_torch_topk(seed):
 @pytest.mark.parametrize('seed', [0, 1, 2])
 def test_topk_hits_break_ties_as_argmax_does(seed):
     """Tied scores (constant outputs, coarse bf16 logits) were all hits: a collapsed model scored top3 1.0
-    with acc 0. Now top-1 is argmax's accuracy, constant outputs hit only the first k classes, NaN never."""
+    with acc 0. Now top-1 is argmax's accuracy, and constant or NaN outputs hit only the first k classes."""
     from metrics import topk_hits
 
     generator = torch.Generator().manual_seed(seed)
@@ -194,9 +194,23 @@ def test_topk_hits_break_ties_as_argmax_does(seed):
         assert torch.equal(topk_hits(logits, targets, k), rank < k), f'seed {seed}, k {k}'
     constant = torch.zeros(10, 10)
     assert topk_hits(constant, torch.arange(10), 3).tolist() == [True] * 3 + [False] * 7
-    assert not topk_hits(torch.full((4, 10), float('nan')), torch.arange(4), 3).any()
+    assert topk_hits(torch.full((4, 10), float('nan')), torch.arange(4), 3).tolist() == [True] * 3 + [False]
     with_nan = torch.tensor([[float('nan'), 2.0, 1.0], [0.0, 2.0, 1.0]])  # another class NaN: argmax takes it
     assert topk_hits(with_nan, torch.tensor([1, 1]), 1).tolist() == (with_nan.argmax(1) == 1).tolist() == [False, True]
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_topk_hits_rank_nan_as_argmax_and_a_stable_sort_do(seed):
+    """A NaN score on the true class was no hit in top-k but a hit in acc (argmax takes a NaN for the
+    largest): with NaN outputs top1 and acc disagreed. Now NaN ranks above every number, NaNs tied."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (2000, 3), generator=generator).float()
+    logits[torch.rand(logits.shape, generator=generator) < 0.2] = float('nan')
+    targets = torch.randint(0, 3, (2000,), generator=generator)
+    assert torch.equal(topk_hits(logits, targets, 1), logits.argmax(1) == targets), f'seed {seed}'
+    order = logits.sort(dim=1, descending=True, stable=True).indices  # NaN first, ties by class index
+    rank = (order == targets.unsqueeze(1)).int().argmax(1)
+    assert torch.equal(topk_hits(logits, targets, 2), rank < 2), f'seed {seed}'
 
 
 def test_metrics():
