@@ -1,6 +1,7 @@
 """Long runs: exact resume after SIGKILL, clean stops on signals, crash-safe checkpoints, run history,
 early stopping, non-finite losses and iteration mode, with real processes and real files."""
 
+import argparse
 import errno
 import glob
 import json
@@ -601,6 +602,42 @@ def test_reproducibility_record(tiny_shapes, tmp_path):
     assert entry['args']['deterministic'] is True and entry['args']['epochs'] == 1
     assert entry['torch'] == torch.__version__ and entry['host'] and entry['start_time']
     assert 'git_commit' in entry and 'git_diff' in entry
+
+
+def test_the_record_keeps_untracked_sources_and_the_thread_count(tmp_path, monkeypatch):
+    """reproduce.json had `git diff HEAD` only: a new model file (README's own workflow) was nowhere in it,
+    and CPU results depend on torch's thread count in the last bits, which it did not say either."""
+    from utils import run_records
+
+    repo = tmp_path / 'repo'
+    (repo / 'model' / 'my_net').mkdir(parents=True)
+    subprocess.run(['git', 'init', '-q', str(repo)], check=True)
+    (repo / '.gitignore').write_text('checkpoints/\n')
+    (repo / 'train.py').write_text('# the template\n')
+    subprocess.run(['git', '-C', str(repo), 'add', '.'], check=True)
+    commit = ['git', '-C', str(repo), '-c', 'user.name=k', '-c', 'user.email=k@k', 'commit', '-qm', 'start']
+    subprocess.run(commit, check=True)
+    (repo / 'model' / 'my_net' / 'my_net.py').write_text('class MyNet: ...\n')
+    (repo / 'notes.bin').write_bytes(b'\0' * 10)
+    (repo / 'checkpoints').mkdir()
+    (repo / 'checkpoints' / 'ignored.py').write_text('no\n')
+    for number in range(run_records.UNTRACKED_LISTED + 5):
+        (repo / 'checkpoints' / f'{number}.png').write_bytes(b'')  # ignored: not listed, not counted
+    monkeypatch.setattr(run_records, 'REPO', str(repo))
+    monkeypatch.setenv('OMP_NUM_THREADS', '3')
+    record = run_records.reproducibility_record(argparse.Namespace(seed=0))
+    run_records.append_reproducibility_record(str(tmp_path), record)
+    with open(tmp_path / 'reproduce.json') as f:
+        (entry,) = json.load(f)
+    assert entry['git_untracked'] == ['model/my_net/my_net.py', 'notes.bin'], entry['git_untracked']
+    assert entry['git_untracked_sources'] == {'model/my_net/my_net.py': 'class MyNet: ...\n'}
+    assert entry['torch_threads'] == torch.get_num_threads() and entry['environment'] == {'OMP_NUM_THREADS': '3'}
+    for number in range(run_records.UNTRACKED_LISTED + 5):
+        (repo / f'{number}.txt').write_bytes(b'')
+    run_records.append_reproducibility_record(str(tmp_path), run_records.reproducibility_record(argparse.Namespace()))
+    with open(tmp_path / 'reproduce.json') as f:
+        listed = json.load(f)[1]['git_untracked']
+    assert len(listed) == run_records.UNTRACKED_LISTED + 1 and listed[-1] == '... and 7 more', listed[-3:]
 
 
 def test_run_history():

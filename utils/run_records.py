@@ -62,8 +62,9 @@ def _git(*command):
     """`git COMMAND` in the template's folder, started now (its output is read by `_output`), or None."""
     try:
         return subprocess.Popen(
-            ['git', *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
+            ['git', *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            errors='surrogateescape',  # a file name or diff line that is no UTF-8: kept as its bytes
+        )  # fmt: skip
     except OSError:
         return None
 
@@ -81,6 +82,28 @@ def _output(process):
     return stdout if process.returncode == 0 else None
 
 
+UNTRACKED_LISTED = 1000  # untracked files named in a record at most (a dataset left unignored has thousands)
+UNTRACKED_SOURCE_BYTES = 1 << 20  # the Python sources among them kept whole, up to this much in all
+THREAD_VARIABLES = ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'CUDA_VISIBLE_DEVICES', 'CUBLAS_WORKSPACE_CONFIG')
+
+
+def _untracked(listed):
+    """(names, sources) of git's `ls-files --others -z` answer: the untracked files (at most
+    UNTRACKED_LISTED, then a line saying how many more) and the text of the Python sources among them
+    (a new model or dataset file that `git diff` does not show)."""
+    names = sorted(name for name in (listed or '').split('\0') if name)
+    sources, left = {}, UNTRACKED_SOURCE_BYTES
+    for name in names:
+        path = os.path.join(REPO, name)
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            if name.endswith('.py') and os.path.getsize(path) <= left:
+                with open(path, encoding='utf-8') as f:
+                    sources[name] = f.read()
+                left -= len(sources[name].encode())
+    more = len(names) - UNTRACKED_LISTED
+    return names[:UNTRACKED_LISTED] + ([f'... and {more} more'] if more > 0 else []), sources
+
+
 def _version(package):
     """The version of `package`: the module's own when it is imported, else its metadata (torchvision
     is not imported just for this: that takes seconds)."""
@@ -94,12 +117,13 @@ def _version(package):
 
 def reproducibility_record(args):
     """This start of a run (the first, or a resume): the command line and its working folder, the
-    resolved options, the git commit and the diff of uncommitted changes, library versions, the host
-    and the start time. Call it from the main thread before DataLoader workers are forked (git starts
-    here; a fork while git started on another thread would leave git's pipe open in the worker, and
-    that thread waiting; `platform.platform()` runs `uname -p` the first time, so it is asked here too);
-    `append_reproducibility_record` reads git's answers and adds the versions and the host, which take
-    milliseconds to look up and start no process."""
+    resolved options, the git commit, the diff of uncommitted changes and the untracked files (Python
+    sources whole), library versions, torch's thread count and the variables that set it (CPU results
+    depend on it, in the last bits), the host and the start time. Call it from the main thread before
+    DataLoader workers are forked (git starts here; a fork while git started on another thread would
+    leave git's pipe open in the worker, and that thread waiting; `platform.platform()` runs `uname -p`
+    the first time, so it is asked here too); `append_reproducibility_record` reads git's answers and
+    adds the versions and the host, which take milliseconds to look up and start no process."""
     return {
         'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
         'command': [sys.executable] + sys.argv,  # under torchrun, each process's: see world_size
@@ -109,18 +133,24 @@ def reproducibility_record(args):
         'args': {k: v for k, v in sorted(vars(args).items())},
         'git_commit': _git('rev-parse', 'HEAD'),
         'git_diff': _git('diff', 'HEAD'),
+        'git_untracked': _git('ls-files', '--others', '--exclude-standard', '-z'),
         'platform': platform.platform(),
+        'torch_threads': sys.modules['torch'].get_num_threads() if 'torch' in sys.modules else None,
+        'environment': {name: os.environ[name] for name in THREAD_VARIABLES if name in os.environ},
     }
 
 
 def append_reproducibility_record(folder, record):
     """Add `record` (a `reproducibility_record`) to `folder`/reproduce.json, one entry per start, once git
     has answered, with the library versions and the host."""
-    commit = _output(record['git_commit'])
+    commit, untracked = _output(record['git_commit']), _output(record['git_untracked'])
+    names, sources = _untracked(untracked) if untracked is not None else (None, None)
     record = {
         **record,
         'git_commit': commit.strip() if commit else None,
         'git_diff': _output(record['git_diff']),
+        'git_untracked': names,
+        'git_untracked_sources': sources,
         'python': platform.python_version(),
         **{package: _version(package) for package in ('torch', 'torchvision', 'numpy')},
         'host': socket.gethostname(),
