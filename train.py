@@ -45,7 +45,7 @@ from options import (
 from tasks.task_entry import TASKS, task_class
 from utils.allocator import keep_freed_memory
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
-from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper
+from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, end_written
 from utils.checkpointer import Checkpointer, Position, RandomStates
 from utils.debug import training_profiler
 from utils.device import select_device
@@ -197,6 +197,7 @@ class Trainer:
         self.pictured_at = None  # when validation pictures were last logged (see --image_interval)
         self.logs_pictures = options.log_images and keeps_pictures(options.loggers)  # the same on every rank
         self.printed_at = None  # (time, samples trained) at the last printed line
+        self.end_due = False  # resumed at its end, which it has yet to write (see `build`)
 
     @classmethod
     def build(cls, options, lock=None):
@@ -293,7 +294,10 @@ class Trainer:
         if checkpoint is not None and isinstance(checkpoint.get('monitor'), dict):
             monitor.load_state_dict(checkpoint['monitor'])  # (again with every part in resume)
             finished = finished or monitor.exhausted()
-        if is_main_process() and not finished:
+        # ...unless it ended without its end records (killed after its last checkpoint, a full disk): it
+        # writes them now (history.json, the final and best metrics, the trackers' HParams row)
+        end_due = finished and not end_written(options.model_dir, Checkpointer.step_of(checkpoint, options.resume_from))
+        if is_main_process() and (not finished or end_due):
             trackers = build_trackers(
                 options.loggers,
                 options.model_dir,
@@ -349,6 +353,7 @@ class Trainer:
             lock=lock,
             start_record=start_record,
         )
+        trainer.end_due = end_due
         if checkpoint is not None:
             trainer.resume(checkpoint)  # refused (other data, options, ...): no file of the folder changed yet
         if is_main_process():  # rank 0 keeps the files; a resume from an older checkpoint sets the newer aside
@@ -601,7 +606,7 @@ class Trainer:
         args.yaml: a resume refused while the run was built changes neither) and give the trackers the
         options (the files on the writer thread). A run resumed at its end trains nothing: its records stay."""
         o = self.options
-        if not self.work_left():
+        if not (self.work_left() or self.end_due):
             return
         self.logger.log_text(
             'args', '\n'.join(f'    {k}: {v}' for k, v in sorted(saved_options(o).items())), self.position.step
@@ -749,7 +754,7 @@ class Trainer:
             print(self.summary_line(), flush=True)
         try:
             stop = self.train()
-            if not idle:  # (one resumed with nothing to do leaves the folder's history.json as it is)
+            if not idle or self.end_due:  # (one resumed with nothing to do leaves the folder's history.json)
                 self.write_history(now=True)
         except BaseException as error:
             if is_peer_lost(error):  # the line that says so (utils/errors.py) says what to do next
@@ -763,6 +768,8 @@ class Trainer:
         # then as one never stopped (its final/, best/ and HParams points once, at its real end)
         ended = stop is None or stop.reason == StopReason.EARLY_STOP
         self.logger.close(self.final_metrics() if ended else None)
+        if ended and is_main_process() and (not idle or self.end_due):
+            self.checkpointer.keeper.record_end(self.position.step)  # a resume at the end has nothing to do
         if is_main_process():
             self.report(stop, time.perf_counter() - start, idle)
         return stop

@@ -57,8 +57,8 @@ class InMemory:
                 atomic_write_bytes(
                     lambda f: torch.save({'key': self.cache_key(), 'tensors': tensors}, f), self.cache_path()
                 )
-            except OSError:  # a read-only or full disk: the data are decoded next time too
-                pass
+            except (OSError, RuntimeError):  # a read-only or full disk (torch.save's writer raises RuntimeError)
+                pass  # the data are decoded next time too
         return tensors
 
     def stacked(self, sample):

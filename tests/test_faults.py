@@ -95,6 +95,36 @@ def test_a_kill_between_the_checkpoint_and_last_pth_does_not_block_resume(tiny_s
     }
 
 
+def test_a_run_killed_after_its_last_checkpoint_writes_its_end_when_resumed(tiny_shapes, tmp_path):
+    """Killed between its last checkpoint and its end records (or a full disk as the record was written),
+    a run resumed said "nothing left to train" and never wrote history.json, its final and best metrics,
+    TensorBoard's HParams row or the checkpoint's record. Now the resume writes them, once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    killed = run_script('train.py', *args, env={'KILN_KILL_AT': 'links_made:2'})  # the last checkpoint's links
+    assert killed.returncode == -signal.SIGKILL
+    folder = _folder(args)
+    assert not os.path.exists(os.path.join(folder, 'history.json'))
+    resumed = _ok(run_script('train.py', *args, '--resume'))
+    assert 'nothing left to train' in resumed.stdout, resumed.stdout
+    uninterrupted = tiny_run_args(tiny_shapes, tmp_path / 'whole')
+    _ok(run_script('train.py', *uninterrupted))
+    for name in ('history.json', 'checkpoints.json'):
+        with open(os.path.join(folder, name)) as f, open(os.path.join(_folder(uninterrupted), name)) as g:
+            written, expected = json.load(f), json.load(g)
+        for record in (written, expected) if name == 'checkpoints.json' else ():
+            for entry in record['files'].values():
+                entry.pop('sha256')  # (the files hold the run's args, which differ)
+        assert written == expected, name
+    events = EventAccumulator(folder, size_guidance={'scalars': 0})
+    events.Reload()
+    assert {'final/val/acc', 'best/val/acc'} <= set(events.Tags()['scalars']), events.Tags()['scalars']
+    files = sorted(os.listdir(folder))
+    again = _ok(run_script('train.py', *args, '--resume'))  # ended now: a resume writes nothing
+    assert 'nothing left to train' in again.stdout and sorted(os.listdir(folder)) == files
+
+
 def test_a_kill_inside_a_write_leaves_a_temporary_file_that_the_next_start_removes(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     killed = run_script('train.py', *args, env={'KILN_KILL_AT': 'temporary_written'})
@@ -353,7 +383,9 @@ def _file_size_limit(limit):
     return apply
 
 
-def test_a_full_disk_at_the_start_is_one_line_and_leaves_nothing(tiny_shapes, tmp_path):
+# 0 bytes: the lock file's first write fails (it left the folder, which then blocked the same command)
+@pytest.mark.parametrize('limit', [0, 100])
+def test_a_full_disk_at_the_start_is_one_line_and_leaves_nothing(tiny_shapes, tmp_path, limit):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     result = subprocess.run(
         [sys.executable, 'train.py', *args],
@@ -361,9 +393,10 @@ def test_a_full_disk_at_the_start_is_one_line_and_leaves_nothing(tiny_shapes, tm
         capture_output=True,
         text=True,
         timeout=timeout(),
-        preexec_fn=_file_size_limit(100),
+        preexec_fn=_file_size_limit(limit),
     )
     _one_error_line(result)
+    assert f'{_folder(args)}{os.sep}' in result.stderr, result.stderr  # the file that could not be written
     assert not (tmp_path / 'ck').exists()  # no half-made folder blocks the same command later
     _ok(run_script('train.py', *args, '--epochs', '1'))
 

@@ -343,6 +343,30 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
         assert torch.equal(_load(folder / 'best.pth')['w'], torch.ones(3))
 
 
+def test_a_failed_write_says_what_was_saved(tmp_path, monkeypatch):
+    """Every OSError of a save said "could not write checkpoint ...; the previous checkpoints are intact":
+    also when the checkpoint was whole and only its record failed, and when there were none before."""
+    import utils.checkpoint_keeper as keeper_module
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    keeper = CheckpointKeeper(str(tmp_path), keep_last=1, keep_best=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, 'fsync', full_disk)
+        with pytest.raises(KilnError, match='could not write checkpoint .*; nothing was saved: .*run the command'):
+            keeper.save({'w': torch.ones(3)}, 1, 1)
+    with monkeypatch.context() as patch:
+        patch.setattr(keeper_module, 'atomic_write_json', full_disk)  # the record, after the file and its links
+        with pytest.raises(
+            KilnError,
+            match=r'could not write checkpoints.json after checkpoint .*epoch001_step0000001'
+            r'.pth \(No space left on device\); that checkpoint is whole: .*continue with --resume',
+        ):
+            keeper.save({'w': torch.ones(3)}, 1, 1)
+    assert torch.equal(_load(tmp_path / 'last.pth')['w'], torch.ones(3))
+
+
 def test_keeper_keeps_newest_and_best_across_restarts(tmp_path):
     keeper = CheckpointKeeper(str(tmp_path), keep_last=2, keep_best=2, mode='max')
     best = None

@@ -71,6 +71,17 @@ def read_record(folder):
     return record if _is_record(record) else None
 
 
+def end_written(folder, step):
+    """Whether a run resumed at `step`, where it ends, wrote its end records (history.json, final metrics):
+    False only when `step` is the folder's newest checkpoint and its record says the end was not written
+    there (killed between the last checkpoint and its end, a disk full then). A record of an earlier Kiln,
+    which did not say, counts as written."""
+    record = read_record(folder)
+    if record is None or 'ended_at' not in record or record['ended_at'] == step:
+        return True
+    return any(step_of(name) is not None and step_of(name) > step for name in os.listdir(folder))
+
+
 def _is_record(record):
     """Whether `record` has the shape write_record gives it."""
     if not isinstance(record, dict) or not isinstance(record.get('files'), dict):
@@ -83,6 +94,12 @@ def _is_record(record):
         and (entry.get('metric') is None or type(entry['metric']) in (int, float))
         for entry in entries
     ) and all(record.get(link) is None or isinstance(record[link], str) for link in ('last', 'best'))
+
+
+def _monitor_value(path):
+    """The monitored value a checkpoint file was saved with (None between validations); a KilnError
+    when it does not load."""
+    return load_checkpoint(path).get('monitor_value')
 
 
 def _linked_name(folder, link, files):
@@ -162,10 +179,15 @@ class CheckpointKeeper:
             if os.path.isfile(os.path.join(folder, name)) or name in self.held
         }
         self.best = record.get('best') if record.get('best') in self.files else None  # not one set aside
+        self.ended_at = record.get('ended_at')  # the step at which the run's end records were written
         # files a kill left unrecorded (saved, then killed before the record): kept and pruned like the others
         self.unrecorded = {name for name in os.listdir(folder) if step_of(name) is not None} - set(self.files)
         for name in self.unrecorded:
-            self.files[name] = {'step': step_of(name), 'sha256': checksum(os.path.join(folder, name)), 'metric': None}
+            path = os.path.join(folder, name)
+            self.files[name] = {'step': step_of(name), 'sha256': checksum(path), 'metric': None}
+            with contextlib.suppress(KilnError):  # (one that does not load is not trusted: newest_trusted)
+                self.files[name]['metric'] = _monitor_value(path)
+        self.best = _linked_name(folder, BEST, self.unrecorded) or self.best  # made best, then killed
 
     def rebuild_record(self):
         """A record made from the checkpoint files themselves (when checkpoints.json is missing or corrupt):
@@ -176,10 +198,9 @@ class CheckpointKeeper:
             if step_of(name) is not None:
                 path = os.path.join(self.folder, name)
                 try:
-                    metric = load_checkpoint(path).get('monitor_value')
+                    files[name] = {'step': step_of(name), 'sha256': checksum(path), 'metric': _monitor_value(path)}
                 except KilnError:
                     continue
-                files[name] = {'step': step_of(name), 'sha256': checksum(path), 'metric': metric}
         return {'files': files, 'best': _linked_name(self.folder, BEST, files)}
 
     def _held_by(self, name, entry, link_sums):
@@ -204,6 +225,7 @@ class CheckpointKeeper:
         self.same_folder.check()
         name = checkpoint_name(epoch, step)
         path = os.path.join(self.folder, name)
+        digest = None
         try:
             digest = save_checkpoint(state, path, sync_folder=False)  # the record's write syncs the folder once
             fault_point('checkpoint_written')
@@ -217,10 +239,15 @@ class CheckpointKeeper:
             self.write_record()
             fault_point('record_written')
         except OSError as error:
-            raise KilnError(
-                f'could not write checkpoint {path} ({error.strerror or error}); the previous '
-                f'checkpoints are intact: free space or fix permissions, then continue with --resume'
-            ) from None
+            if digest is not None:  # its bytes are whole (a resume finds it unrecorded, loads it and goes on)
+                written, kept = f'{RECORD} after checkpoint {path}', 'that checkpoint is whole'
+            else:
+                written, kept = f'checkpoint {path}', 'the previous checkpoints are intact'
+            if digest is None and not self.files:  # the run's folder goes with the error: there is nothing to resume
+                advice = 'nothing was saved: free space or fix permissions, then run the command again'
+            else:
+                advice = f'{kept}: free space or fix permissions, then continue with --resume'
+            raise KilnError(f'could not write {written} ({error.strerror or error}); {advice}') from None
         for old in dropped:  # only now that the record no longer lists them
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.folder, old))
@@ -241,7 +268,13 @@ class CheckpointKeeper:
         """Write checkpoints.json: every kept file with its step, checksum and monitored value, and
         which files last.pth and best.pth are."""
         last = max(self.files, key=lambda n: self.files[n]['step']) if self.files else None
-        atomic_write_json({'last': last, 'best': self.best, 'files': self.files}, os.path.join(self.folder, RECORD))
+        record = {'last': last, 'best': self.best, 'ended_at': self.ended_at, 'files': self.files}
+        atomic_write_json(record, os.path.join(self.folder, RECORD))
+
+    def record_end(self, step):
+        """Note in the record that the run's end (history.json, final metrics) was written at `step`."""
+        self.ended_at = step
+        self.write_record()
 
     def newest_trusted(self):
         """(path of the newest checkpoint whose bytes match its checksum and that loads, or None;

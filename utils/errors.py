@@ -266,11 +266,13 @@ def _run_reporting_errors(main, argv):
                 f'error: {not_a_folder(error.filename, blocker)}; name a folder there instead, or move the file '
                 f'away (--debug shows where)'
             )
-        where = f' {error.filename}' if error.filename else ''
-        exit_with_error(
-            f'error: cannot use{where}: {error.strerror or error}; free disk space or fix the permissions '
-            f'(--debug shows where)'
+        if error.errno in (errno.EMFILE, errno.ENFILE):
+            exit_with_error(too_many_open_files())
+        where = f'cannot use {error.filename}: ' if error.filename else ''  # (writes to an open file name none)
+        fix = {errno.ENOSPC: 'free disk space', errno.EDQUOT: 'free disk space'}.get(
+            error.errno, 'free disk space or fix the permissions'
         )
+        exit_with_error(f'error: {where}{error.strerror or error}; {fix} (--debug shows where)')
     except (MemoryError, RuntimeError) as error:
         if is_peer_lost(error):  # the process that failed says why; this one only went down with it
             # what to do next, where the code that met the error knows (a training run's: resume)
@@ -280,6 +282,8 @@ def _run_reporting_errors(main, argv):
                 f'(--debug shows where)',
                 code=PEER_LOST_EXIT_CODE,
             )
+        if 'Too many open files' in str(error):  # DataLoader workers hand batches over in file descriptors
+            exit_with_error(too_many_open_files())
         if 'DataLoader worker' in str(error) and any(text in str(error) for text in WORKER_LOST):
             advice = (  # (a worker that could not hand over its batch said why in a line above)
                 'often the out-of-memory killer (see `dmesg`): lower --num_workers or --batch_size'
@@ -296,6 +300,23 @@ def _run_reporting_errors(main, argv):
         if not _is_out_of_memory(error):
             raise
         exit_with_error('error: out of memory; lower --batch_size or --img_size (--debug shows where)')
+
+
+def too_many_open_files():
+    """The error line for a process out of file descriptors: the limit, and how to raise it."""
+    import resource  # (here: not every platform has it)
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max(4096, soft * 4)
+    raise_it = (  # a hard limit set with the soft one (`ulimit -n 64`) holds for the shell that set it
+        f'ulimit -n {wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)}'
+        if hard > soft
+        else f'ulimit -n {wanted} in a new shell; this one cannot go higher'
+    )
+    return (
+        f'error: too many open files (this process may open {soft}); raise the limit ({raise_it}) or lower '
+        f'--num_workers (--debug shows where)'
+    )
 
 
 def _output_gone():

@@ -78,7 +78,11 @@ def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_
         if exists_ok and isinstance(error, FileExistsError) and os.path.isdir(folder):
             return None
         raise cannot_create(folder, error, what_to_change, where_option) from None
-    lock = FolderLock(folder)  # refused: a --resume took the folder in the moment since mkdir; it is theirs
+    try:
+        lock = FolderLock(folder)  # refused: a --resume took the folder in the moment since mkdir; it is theirs
+    except OSError:
+        with discard_folder_if_setup_fails(folder, made):  # a full disk: the new folder goes again
+            raise
     lock.made_parents = made  # a run that fails to start removes them too, while empty
     with discard_folder_if_setup_fails(folder, made):
         save_args(args, folder)
@@ -253,10 +257,15 @@ class FolderLock:
         self.path = os.path.join(folder, LOCK)
         self.file = open(self.path, 'a+')
         _lock_or_refuse(self.file, fcntl.LOCK_EX, folder)
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(f'process {os.getpid()} on {socket.gethostname()}')
-        self.file.flush()
+        try:
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write(f'process {os.getpid()} on {socket.gethostname()}')
+            self.file.flush()
+        except OSError as error:  # a full disk: said with the file's name (a write to an open file names none)
+            with contextlib.suppress(OSError):  # (closing flushes again, and fails again, but closes)
+                self.file.close()
+            raise OSError(error.errno, error.strerror, self.path) from None
 
     def release(self):
         """Give the folder back (also happens when the process ends)."""
