@@ -273,6 +273,7 @@ class CheckpointKeeper:
 
     def record_end(self, step):
         """Note in the record that the run's end (history.json, final metrics) was written at `step`."""
+        self.same_folder.check()  # (never into a folder made at its path since)
         self.ended_at = step
         self.write_record()
 
