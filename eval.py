@@ -262,7 +262,7 @@ def main(argv=None, args=None):
             several_lists = write_comparison(comparison.path, rows) if is_main_process() else False
         if is_main_process():  # every folder whole: now printing may fail (a closed pipe) without harm
             print('\n'.join(reports))
-            with open(os.path.join(comparison.folder, 'comparison.txt')) as f:
+            with open(os.path.join(comparison.folder, 'comparison.txt'), errors='surrogateescape') as f:
                 print(f.read().rstrip())
             print(f'comparison of {len(rows)} checkpoints in {comparison.folder}: comparison.txt, comparison.csv')
             if several_lists:

@@ -12,8 +12,9 @@ else uniform; integer bounds give integers, other values 3 significant digits; -
 
 Each combination is its own experiment, --save_prefix <name>_lr0.001_bs64 (numbers in shortest form;
 bs, wd, opt, ... abbreviate), trained by `train.py ... --resume` one after another: a second sweep
-continues interrupted runs and skips finished ones, whose newest checkpoint (checkpoints.json) exists
-and reached run_config.json's max_num_train_steps under the --epochs/--max_iteration asked now, or
+continues interrupted runs and skips finished ones, whose newest checkpoint (checkpoints.json) exists,
+reached run_config.json's max_num_train_steps under the --epochs/--max_iteration asked now and had its
+end written (checkpoints.json's ended_at: not a run killed between its last checkpoint and its end), or
 where train.py exited 0 for this same command (early stopping; <checkpoints_dir>/sweeps/<name>/finished.json).
 A failed run is reported and the rest go on (exit code 1). Ctrl-C or SIGTERM goes to the running
 train.py, which saves; the sweep stops. Then eval.py compares the finished runs' best.pth in
@@ -323,6 +324,7 @@ def finished(run, done):
         if (
             all(saved[k] == getattr(run.options, k) for k in ('epochs', 'max_iteration'))
             and step >= config['max_num_train_steps']
+            and record.get('ended_at', step) == step  # (a record of an earlier Kiln does not say)
             and not changed_options(saved, run.options)  # else the sweep is refused (check_earlier_runs)
         ):
             return f'step {step}/{config["max_num_train_steps"]}'

@@ -13,6 +13,7 @@ writes file names decomposed.
 import contextlib
 import hashlib
 import os
+import re
 import unicodedata
 from stat import S_ISREG
 
@@ -98,12 +99,20 @@ def match_classes(dataset, class_names, source):
 
 def read_class_names(list_path, file_names=('classes.txt',)):
     """Class names from the first of `file_names` found beside the list file, or None: each line that is
-    not blank is one name, whole (`C# code`, `#1 rated`, `"quoted"`: no comments, no quoting). A name
-    given twice is a KilnError (two classes would share it in every result)."""
+    not blank is one name, whole (`C# code`, `#1 rated`, `"quoted"`: no quoting). A name given twice, or
+    a line that reads as a comment (`# names`), is a KilnError (classes would share a name, or every label
+    would be named by the next line)."""
     for name in file_names:
         path = os.path.join(os.path.dirname(os.path.abspath(list_path)), name)
         if os.path.isfile(path):
-            names = [unicodedata.normalize('NFC', line.strip()) for line in read_lines(path) if line.strip()]
+            lines = [(number, line.strip()) for number, line in enumerate(read_lines(path), 1) if line.strip()]
+            comment = next(((n, line) for n, line in lines if re.fullmatch(r'#(\s.*)?', line)), None)
+            if comment is not None:  # a class named so would take label 0 from the first real name, and so on
+                raise KilnError(
+                    f'{path}:{comment[0]}: {comment[1]!r} reads as a comment, but every line of it names a class, '
+                    f'in label order; remove the line'
+                )
+            names = [unicodedata.normalize('NFC', line) for _, line in lines]
             if not names:
                 raise KilnError(f'{path} names no class; give one class name per line, in label order')
             twice = first_repeated(names)

@@ -46,6 +46,7 @@ def run_script(*args, cwd=REPO, env=None, timeout_seconds=600, isolated=False):
         cwd=cwd,
         capture_output=True,
         text=True,
+        errors='surrogateescape',  # names printed as their bytes (utils.errors.print_names_as_their_bytes)
         timeout=timeout(timeout_seconds),
         env={**os.environ, **(env or {})},
     )

@@ -381,10 +381,12 @@ def test_an_image_name_that_is_not_utf8_is_read_and_cached(tmp_path):
 def test_results_keep_file_and_class_names_that_are_not_utf8(tmp_path):
     """Folders and images named in Latin-1 bytes (old zip archives) trained, but eval.py and predict.py
     failed after the whole evaluation, writing the names into result.txt and predictions.csv, with
-    advice to change the locale that did not help. The names are now written back as the same bytes."""
+    advice to change the locale that did not help. The names are now written back as the same bytes; and
+    a run folder so named failed printing its path, writing args.txt and TensorBoard's text."""
     from tests.conftest import run_script
 
-    root = os.fsencode(tmp_path / 'data')
+    root = os.fsencode(tmp_path) + b'/d\xe9ta'
+
     try:
         for split in (b'train', b'val'):
             for shade, name in enumerate((b'plain', b'caf\xe9')):
@@ -395,11 +397,11 @@ def test_results_keep_file_and_class_names_that_are_not_utf8(tmp_path):
                     )
     except OSError:
         pytest.skip('this file system takes UTF-8 file names only')
-    data, checkpoints = os.fsdecode(root), str(tmp_path / 'ck')
+    data, checkpoints = os.fsdecode(root), os.fsdecode(os.fsencode(tmp_path) + b'/ck\xe9')
     trained = run_script(
         'train.py', '--data_type', 'list', '--train_list', f'{data}/train', '--val_list', f'{data}/val',
         '--img_size', '8', '--max_iteration', '1', '--no-progress_bar', '--num_workers', '0', '--cpu',
-        '--checkpoints_dir', checkpoints,
+        '--checkpoints_dir', checkpoints, isolated=True,  # (its own standard output, as from a terminal)
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr
     run = os.path.join(checkpoints, os.listdir(checkpoints)[0])
@@ -439,6 +441,9 @@ def test_class_names_files_take_each_line_whole(tmp_path):
     assert names == ['C# code', '#1 rated', 'item #2', '"quoted"', '\u00e9t\u00e9'], names
     (tmp_path / 'classes.txt').write_text('\n \n')
     with pytest.raises(KilnError, match='classes.txt names no class; give one class name per line'):
+        read_class_names(str(tmp_path / 'train.txt'))
+    (tmp_path / 'classes.txt').write_text('circle\n  # shapes, in label order\nsquare\n')  # it would shift them
+    with pytest.raises(KilnError, match="classes.txt:2: '# shapes, in label order' reads as a comment, but every"):
         read_class_names(str(tmp_path / 'train.txt'))
 
 

@@ -571,16 +571,30 @@ def test_the_printed_commands_work_pasted_from_another_folder(tiny_shapes, tmp_p
     )
 
 
-def test_a_name_the_locale_cannot_write_is_one_line(tiny_shapes, tmp_path):
+def test_a_name_the_locale_cannot_write_is_kept_as_its_bytes_or_is_one_line(tiny_shapes, tmp_path, capsys):
     """In an ASCII locale without Python's UTF-8 mode, a non-ASCII --save_prefix (or path) ended in a
-    UnicodeEncodeError traceback while args.txt was written."""
+    UnicodeEncodeError traceback while args.txt was written; then in one line saying to use a UTF-8
+    locale. The command line's bytes are now the folder's name and args.txt's, as given; text that the
+    locale cannot write (a UTF-8 class name in an ASCII locale's file) is still one line saying so."""
+    from utils.errors import run_cli
+
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     ascii_locale = {'PYTHONUTF8': '0', 'PYTHONCOERCECLOCALE': '0', 'LC_ALL': 'C', 'LANG': 'C'}
     result = run_script('train.py', *args, '--max_iteration', '1', '--save_prefix', 'é', env=ascii_locale)
-    assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith('error: cannot write ') and 'PYTHONUTF8=1' in line
-    assert not glob.glob(str(tmp_path / 'ck' / '*' / 'args.yaml'))  # the run's folder went again
+    assert result.returncode == 0 and 'Traceback' not in result.stderr, result.stderr
+    (folder,) = os.listdir(os.fsencode(tmp_path / 'ck'))
+    assert folder == 'small_cnn_list_é'.encode(), folder
+    with open(os.path.join(os.fsencode(tmp_path / 'ck'), folder, b'args.txt'), 'rb') as f:
+        assert b'--save_prefix \xc3\xa9' in f.read()
+
+    def ascii_file(argv):
+        raise UnicodeEncodeError('ascii', 'recall/\u00e9t\u00e9: 1.0', 7, 8, 'ordinal not in range(128)')
+
+    with pytest.raises(SystemExit):
+        run_cli(ascii_file, [])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: cannot write 'recall/\u00e9t\u00e9:' in the ascii encoding"), line
+    assert 'PYTHONUTF8=1' in line
 
 
 def test_the_first_step_time_is_where_the_benchmark_reads_it(tiny_args):

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -343,6 +344,30 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
         assert torch.equal(_load(folder / 'best.pth')['w'], torch.ones(3))
 
 
+def test_a_new_checkpoint_undoes_the_end_mark(tmp_path):
+    """A run resumed from an older checkpoint that reached the old end step again found `ended_at` equal to
+    it, carried over from the first end: killed before its own end, it was never repaired."""
+    from utils.checkpoint_keeper import end_written
+
+    keeper = CheckpointKeeper(str(tmp_path), keep_last=3, keep_best=1)
+    keeper.save({'w': torch.ones(1)}, 1, 1)
+    assert not end_written(str(tmp_path), 1)
+    keeper.record_end(1)
+    assert end_written(str(tmp_path), 1)
+    keeper.save({'w': torch.ones(1)}, 1, 1)  # the same step saved again by a resumed run
+    assert not end_written(str(tmp_path), 1)
+    keeper.save({'w': torch.ones(1)}, 2, 2)
+    assert end_written(str(tmp_path), 1) and not end_written(str(tmp_path), 2)  # an older one: not the end
+    with open(tmp_path / 'checkpoints.json') as f:
+        record = json.load(f)
+    del record['ended_at']  # an earlier Kiln's record: a recorded checkpoint came before the end
+    with open(tmp_path / 'checkpoints.json', 'w') as f:
+        json.dump(record, f)
+    assert end_written(str(tmp_path), 2)
+    os.link(tmp_path / 'epoch002_step0000002.pth', tmp_path / 'epoch003_step0000003.pth')  # saved, not recorded
+    assert not end_written(str(tmp_path), 3)
+
+
 def test_a_failed_write_says_what_was_saved(tmp_path, monkeypatch):
     """Every OSError of a save said "could not write checkpoint ...; the previous checkpoints are intact":
     also when the checkpoint was whole and only its record failed, and when there were none before."""
@@ -355,6 +380,10 @@ def test_a_failed_write_says_what_was_saved(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(os, 'fsync', full_disk)
         with pytest.raises(KilnError, match='could not write checkpoint .*; nothing was saved: .*run the command'):
+            keeper.save({'w': torch.ones(3)}, 1, 1)
+    with monkeypatch.context() as patch:
+        patch.setattr(keeper_module, '_link_or_copy', full_disk)  # last.pth (a copy where links are not had)
+        with pytest.raises(KilnError, match=r'could not write last.pth or best.pth after checkpoint .*; that checkpo'):
             keeper.save({'w': torch.ones(3)}, 1, 1)
     with monkeypatch.context() as patch:
         patch.setattr(keeper_module, 'atomic_write_json', full_disk)  # the record, after the file and its links
@@ -642,6 +671,10 @@ def test_the_record_keeps_untracked_sources_and_the_thread_count(tmp_path, monke
     commit = ['git', '-C', str(repo), '-c', 'user.name=k', '-c', 'user.email=k@k', 'commit', '-qm', 'start']
     subprocess.run(commit, check=True)
     (repo / 'model' / 'my_net' / 'my_net.py').write_text('class MyNet: ...\n')
+    (repo / 'scratch.py').write_text('print(1)\n')  # not imported by the run: named, not kept
+    monkeypatch.setitem(
+        sys.modules, 'model.my_net.my_net', types.SimpleNamespace(__file__=str(repo / 'model' / 'my_net' / 'my_net.py'))
+    )
     (repo / 'notes.bin').write_bytes(b'\0' * 10)
     (repo / 'checkpoints').mkdir()
     (repo / 'checkpoints' / 'ignored.py').write_text('no\n')
@@ -653,7 +686,7 @@ def test_the_record_keeps_untracked_sources_and_the_thread_count(tmp_path, monke
     run_records.append_reproducibility_record(str(tmp_path), record)
     with open(tmp_path / 'reproduce.json') as f:
         (entry,) = json.load(f)
-    assert entry['git_untracked'] == ['model/my_net/my_net.py', 'notes.bin'], entry['git_untracked']
+    assert entry['git_untracked'] == ['model/my_net/my_net.py', 'notes.bin', 'scratch.py'], entry['git_untracked']
     assert entry['git_untracked_sources'] == {'model/my_net/my_net.py': 'class MyNet: ...\n'}
     assert entry['torch_threads'] == torch.get_num_threads() and entry['environment'] == {'OMP_NUM_THREADS': '3'}
     for number in range(run_records.UNTRACKED_LISTED + 5):
@@ -661,7 +694,7 @@ def test_the_record_keeps_untracked_sources_and_the_thread_count(tmp_path, monke
     run_records.append_reproducibility_record(str(tmp_path), run_records.reproducibility_record(argparse.Namespace()))
     with open(tmp_path / 'reproduce.json') as f:
         listed = json.load(f)[1]['git_untracked']
-    assert len(listed) == run_records.UNTRACKED_LISTED + 1 and listed[-1] == '... and 7 more', listed[-3:]
+    assert len(listed) == run_records.UNTRACKED_LISTED + 1 and listed[-1] == '... and 8 more', listed[-3:]
 
 
 def test_run_history():

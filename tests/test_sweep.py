@@ -453,6 +453,23 @@ def test_fast_dev_run_after_the_separator_is_refused(tiny_shapes, tmp_path):
     assert result.stdout == '' and not (tmp_path / 'ck').exists()
 
 
+def test_a_run_whose_end_was_not_written_is_not_finished(tmp_path):
+    """A run killed between its last checkpoint and its end records counted as finished: the sweep skipped
+    it, and its history.json, final metrics and HParams row were never written (a resume writes them)."""
+    from sweep import finished
+
+    argv = ['--epochs', '1']
+    run = argparse.Namespace(folder=str(tmp_path), prefix='a', argv=argv, options=parse_args(parse_train_args, argv))
+    (tmp_path / 'epoch001_step0000005.pth').write_bytes(b'')
+    (tmp_path / 'run_config.json').write_text(json.dumps({'max_num_train_steps': 5}))
+    (tmp_path / 'args.yaml').write_text(yaml.safe_dump({k: v for k, v in vars(run.options).items()}))
+    entry = {'epoch001_step0000005.pth': {'step': 5, 'sha256': '0' * 64, 'metric': None}}
+    for ended_at, expected in ((None, None), (5, 'step 5/5')):
+        record = {'last': 'epoch001_step0000005.pth', 'best': None, 'ended_at': ended_at, 'files': entry}
+        (tmp_path / 'checkpoints.json').write_text(json.dumps(record))
+        assert finished(run, {}) == expected, ended_at
+
+
 def test_runs_with_nothing_left_to_train_count_as_finished(tiny_shapes, tmp_path):
     """A finished sweep run again with fewer steps said every run was "trained now" and compared them all
     again (a comparison val_<name>_2 the same as the first), though each train.py had nothing to train."""

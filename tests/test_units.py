@@ -510,7 +510,7 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
         (full_disk, 'cannot use /data/run/args.txt: No space left on device; free disk space (--debug', 2),
         (disk_full_in_an_open_file, 'error: No space left on device; free disk space (--debug', 2),
         (out_of_file_descriptors, 'error: too many open files (this process may open ', 2),
-        (workers_out_of_file_descriptors, 'or lower --num_workers (--debug shows where)', 2),  # a traceback
+        (workers_out_of_file_descriptors, 'lower --num_workers (--debug shows where)', 2),  # a traceback
         (not_deterministic, '--deterministic: upsample_bilinear2d_backward_out_cuda does not have', 2),
         (out_of_memory, 'out of memory', 2),
         (peer_lost, 'another process of this torchrun job is gone', 3),  # it was a traceback
@@ -519,6 +519,22 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
             run_cli(main, [])
         line = capsys.readouterr().err
         assert exit_info.value.code == code and line.startswith('error: ') and needle in line and line.count('\n') == 1
+
+
+def test_too_many_open_files_suggests_only_a_limit_the_system_allows(monkeypatch):
+    """The advice said `ulimit -n 80000` where the hard limit (a container's) was 20000: refused."""
+    import resource
+
+    from utils.errors import too_many_open_files
+
+    for limits, needle in (
+        ((1024, 1048576), 'may open 1024); raise the limit (ulimit -n 4096) or lower --num_workers'),
+        ((64, 1000), 'raise the limit (ulimit -n 1000)'),
+        ((20000, 20000), '20000 is the most this system allows a process here: lower --num_workers'),
+    ):
+        monkeypatch.setattr(resource, 'getrlimit', lambda kind, limits=limits: limits)
+        assert needle in too_many_open_files(), (limits, too_many_open_files())
+    assert 'the system has too many open files' in too_many_open_files(system_wide=True)
 
 
 def test_an_in_memory_dataset_on_a_full_disk_is_decoded_without_its_cache(tiny_shapes, tmp_path, monkeypatch):

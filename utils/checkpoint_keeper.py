@@ -74,12 +74,16 @@ def read_record(folder):
 def end_written(folder, step):
     """Whether a run resumed at `step`, where it ends, wrote its end records (history.json, final metrics):
     False only when `step` is the folder's newest checkpoint and its record says the end was not written
-    there (killed between the last checkpoint and its end, a disk full then). A record of an earlier Kiln,
-    which did not say, counts as written."""
+    there (killed between the last checkpoint and its end, a disk full then). An earlier Kiln's record,
+    which does not say, tells it only when that checkpoint is not in it."""
     record = read_record(folder)
-    if record is None or 'ended_at' not in record or record['ended_at'] == step:
+    if record is None:
         return True
-    return any(step_of(name) is not None and step_of(name) > step for name in os.listdir(folder))
+    if any(step_of(name) is not None and step_of(name) > step for name in os.listdir(folder)):
+        return True  # an older checkpoint resumed: its end is no longer the folder's
+    if 'ended_at' not in record:  # an earlier Kiln's: a checkpoint it recorded came before the run's end
+        return any(entry['step'] == step for entry in record['files'].values())
+    return record['ended_at'] == step
 
 
 def _is_record(record):
@@ -99,7 +103,7 @@ def _is_record(record):
 def _monitor_value(path):
     """The monitored value a checkpoint file was saved with (None between validations); a KilnError
     when it does not load."""
-    return load_checkpoint(path).get('monitor_value')
+    return load_checkpoint(path, mmap=True).get('monitor_value')  # (mapped: tensors not read)
 
 
 def _linked_name(folder, link, files):
@@ -225,29 +229,31 @@ class CheckpointKeeper:
         self.same_folder.check()
         name = checkpoint_name(epoch, step)
         path = os.path.join(self.folder, name)
-        digest = None
+        writing = f'checkpoint {path}'  # what a failure failed to write
         try:
             digest = save_checkpoint(state, path, sync_folder=False)  # the record's write syncs the folder once
             fault_point('checkpoint_written')
+            writing = f'{LAST} or {BEST} after checkpoint {path}'
             _link_or_copy(path, os.path.join(self.folder, LAST))
             if is_best:
                 _link_or_copy(path, os.path.join(self.folder, BEST))
                 self.best = name
             fault_point('links_made')
             self.files[name] = {'step': step, 'sha256': digest, 'metric': metric}
+            self.ended_at = None  # a new checkpoint: the run's end is still to come
             dropped = self._forget_extra()
+            writing = f'{RECORD} after checkpoint {path}'
             self.write_record()
             fault_point('record_written')
         except OSError as error:
-            if digest is not None:  # its bytes are whole (a resume finds it unrecorded, loads it and goes on)
-                written, kept = f'{RECORD} after checkpoint {path}', 'that checkpoint is whole'
-            else:
-                written, kept = f'checkpoint {path}', 'the previous checkpoints are intact'
-            if digest is None and not self.files:  # the run's folder goes with the error: there is nothing to resume
-                advice = 'nothing was saved: free space or fix permissions, then run the command again'
-            else:
-                advice = f'{kept}: free space or fix permissions, then continue with --resume'
-            raise KilnError(f'could not write {written} ({error.strerror or error}); {advice}') from None
+            fix = 'free space or fix permissions, then'
+            if writing != f'checkpoint {path}':  # its bytes are whole: a resume finds it, loads it, goes on
+                advice = f'that checkpoint is whole: {fix} continue with --resume'
+            elif self.files:
+                advice = f'the previous checkpoints are intact: {fix} continue with --resume'
+            else:  # the run's folder goes with the error: there is nothing to resume
+                advice = f'nothing was saved: {fix} run the command again'
+            raise KilnError(f'could not write {writing} ({error.strerror or error}); {advice}') from None
         for old in dropped:  # only now that the record no longer lists them
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.folder, old))

@@ -219,6 +219,7 @@ def run_cli(main, argv=None):
     KilnError, an OSError from the file system (disk full, read-only, no permission) and running out
     of memory. With `--debug` on the command line the full traceback is shown instead."""
     argv = sys.argv[1:] if argv is None else argv
+    print_names_as_their_bytes()
     if not getattr(sys.excepthook, 'quiets_interrupts', False):  # a script of yours that imported train.py
         quiet_interrupts()
     if INTERRUPTED:  # a Ctrl-C while modules loaded, swallowed on its way
@@ -230,6 +231,16 @@ def run_cli(main, argv=None):
         _stopped(stop)
     finally:
         RUNNING.pop()
+
+
+def print_names_as_their_bytes():
+    """Printed file names that are no UTF-8 (kept as surrogates by os.listdir, list files, the command
+    line) come out as the bytes they were, as `ls` prints them, where the output is UTF-8: Python's
+    standard output refused them (UnicodeEncodeError) and the run stopped."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, 'encoding', None) or '').lower().replace('-', '').replace('_', '')
+        if encoding == 'utf8' and hasattr(stream, 'reconfigure'):
+            stream.reconfigure(errors='surrogateescape')
 
 
 def _run_reporting_errors(main, argv):
@@ -249,6 +260,11 @@ def _run_reporting_errors(main, argv):
         word = re.search(r'\S*$', text[:start]).group() + text[start:end] + re.match(r'\S*', text[end:]).group()
         with contextlib.suppress(UnicodeEncodeError):  # the bytes of a command line's word, as they were
             word = word.encode('utf-8', 'surrogateescape').decode('utf-8', 'replace')
+        if 'surrogates' in error.reason:  # bytes that are no UTF-8, where only UTF-8 can be written
+            exit_with_error(
+                f'error: cannot write {word!r}: a name in it has bytes that are no UTF-8; rename it in UTF-8 '
+                f'(--debug shows where)'
+            )
         exit_with_error(
             f'error: cannot write {word!r} in the {error.encoding} encoding ({error.reason}); run in a UTF-8 '
             f'locale (export PYTHONUTF8=1, or LC_ALL=C.UTF-8) with names in UTF-8 (--debug shows where)'
@@ -267,7 +283,7 @@ def _run_reporting_errors(main, argv):
                 f'away (--debug shows where)'
             )
         if error.errno in (errno.EMFILE, errno.ENFILE):
-            exit_with_error(too_many_open_files())
+            exit_with_error(too_many_open_files(system_wide=error.errno == errno.ENFILE))
         where = f'cannot use {error.filename}: ' if error.filename else ''  # (writes to an open file name none)
         fix = {errno.ENOSPC: 'free disk space', errno.EDQUOT: 'free disk space'}.get(
             error.errno, 'free disk space or fix the permissions'
@@ -302,21 +318,24 @@ def _run_reporting_errors(main, argv):
         exit_with_error('error: out of memory; lower --batch_size or --img_size (--debug shows where)')
 
 
-def too_many_open_files():
-    """The error line for a process out of file descriptors: the limit, and how to raise it."""
+def too_many_open_files(system_wide=False):
+    """The error line for a process out of file descriptors (`system_wide`: the system's table is full):
+    the limit, and how to raise it where it can be raised."""
     import resource  # (here: not every platform has it)
 
+    if system_wide:
+        return (
+            'error: the system has too many open files (all processes together); close other programs or lower '
+            '--num_workers (--debug shows where)'
+        )
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = max(4096, soft * 4)
-    raise_it = (  # a hard limit set with the soft one (`ulimit -n 64`) holds for the shell that set it
-        f'ulimit -n {wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)}'
-        if hard > soft
-        else f'ulimit -n {wanted} in a new shell; this one cannot go higher'
+    wanted = 4096 if hard == resource.RLIM_INFINITY else min(max(4096, soft * 4), hard)
+    fix = (  # the hard limit is the most a process may ask for (set by the system, a container, `ulimit -n`)
+        f'raise the limit (ulimit -n {wanted}) or lower --num_workers'
+        if wanted > soft
+        else f'{soft} is the most this system allows a process here: lower --num_workers'
     )
-    return (
-        f'error: too many open files (this process may open {soft}); raise the limit ({raise_it}) or lower '
-        f'--num_workers (--debug shows where)'
-    )
+    return f'error: too many open files (this process may open {soft}); {fix} (--debug shows where)'
 
 
 def _output_gone():

@@ -29,7 +29,7 @@ def save_args(args, folder):
     lines = ['# ' + ' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n']
     width = max(map(len, shown))
     lines += [f'{k:<{width}} : {v}\n' for k, v in sorted(shown.items())]
-    atomic_write_bytes(''.join(lines).encode(), os.path.join(folder, ARGS_TXT))
+    atomic_write_bytes(''.join(lines).encode('utf-8', 'surrogateescape'), os.path.join(folder, ARGS_TXT))  # as given
     saved = yaml.safe_dump({k: v for k, v in shown.items() if k not in DERIVED}, sort_keys=True)
     atomic_write_bytes(saved.encode(), os.path.join(folder, ARGS_YAML))
 
@@ -83,21 +83,26 @@ def _output(process):
 
 
 UNTRACKED_LISTED = 1000  # untracked files named in a record at most (a dataset left unignored has thousands)
-UNTRACKED_SOURCE_BYTES = 1 << 20  # the Python sources among them kept whole, up to this much in all
+UNTRACKED_SOURCE_BYTES = 1 << 20  # the untracked sources the run imported, kept whole up to this much in all
 THREAD_VARIABLES = ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'CUDA_VISIBLE_DEVICES', 'CUBLAS_WORKSPACE_CONFIG')
 
 
 def _untracked(listed):
     """(names, sources) of git's `ls-files --others -z` answer: the untracked files (at most
-    UNTRACKED_LISTED, then a line saying how many more) and the text of the Python sources among them
-    (a new model or dataset file that `git diff` does not show)."""
+    UNTRACKED_LISTED, then a line saying how many more) and the text of those the run imported (a new
+    model or dataset file, which `git diff` does not show; None for one past UNTRACKED_SOURCE_BYTES)."""
     names = sorted(name for name in (listed or '').split('\0') if name)
+    imported = {
+        os.path.relpath(os.path.realpath(path), os.path.realpath(REPO))
+        for module in list(sys.modules.values())
+        if isinstance(path := getattr(module, '__file__', None), str)
+    }
     sources, left = {}, UNTRACKED_SOURCE_BYTES
-    for name in names:
-        path = os.path.join(REPO, name)
+    for name in sorted(imported.intersection(names)):
+        sources[name] = None
         with contextlib.suppress(OSError, UnicodeDecodeError):
-            if name.endswith('.py') and os.path.getsize(path) <= left:
-                with open(path, encoding='utf-8') as f:
+            if os.path.getsize(os.path.join(REPO, name)) <= left:
+                with open(os.path.join(REPO, name), encoding='utf-8') as f:
                     sources[name] = f.read()
                 left -= len(sources[name].encode())
     more = len(names) - UNTRACKED_LISTED
@@ -117,8 +122,8 @@ def _version(package):
 
 def reproducibility_record(args):
     """This start of a run (the first, or a resume): the command line and its working folder, the
-    resolved options, the git commit, the diff of uncommitted changes and the untracked files (Python
-    sources whole), library versions, torch's thread count and the variables that set it (CPU results
+    resolved options, the git commit, the diff of uncommitted changes and the untracked files (those the
+    run imported whole), library versions, torch's thread count and the variables that set it (CPU results
     depend on it, in the last bits), the host and the start time. Call it from the main thread before
     DataLoader workers are forked (git starts here; a fork while git started on another thread would
     leave git's pipe open in the worker, and that thread waiting; `platform.platform()` runs `uname -p`

@@ -125,6 +125,12 @@ def _plugin_metadata(plugin, content):
     return SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin, content=content))
 
 
+def valid_text(text):
+    """`text` with the bytes of names that are no UTF-8 (kept as surrogates) written as `\\xe9` escapes:
+    event files hold UTF-8 only."""
+    return text.encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace')
+
+
 def text_summary(tag, text):
     """A Summary that TensorBoard's Text tab shows as `<tag>/text_summary` (Markdown)."""
     from tensorboard.compat.proto.summary_pb2 import Summary
@@ -132,9 +138,8 @@ def text_summary(tag, text):
     from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
     from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
 
-    tensor = TensorProto(
-        dtype='DT_STRING', string_val=[text.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
-    )
+    shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
+    tensor = TensorProto(dtype='DT_STRING', string_val=[valid_text(text).encode()], tensor_shape=shape)
     metadata = _plugin_metadata('text', TextPluginData(version=0).SerializeToString())
     return Summary(value=[Summary.Value(tag=f'{tag}/text_summary', metadata=metadata, tensor=tensor)])
 
@@ -155,7 +160,7 @@ def hparams_summaries(values, metric_names):
         elif isinstance(value, (int, float)):
             field, kind = 'number_value', 'DATA_TYPE_FLOAT64'
         else:
-            field, kind, value = 'string_value', 'DATA_TYPE_STRING', str(value)
+            field, kind, value = 'string_value', 'DATA_TYPE_STRING', valid_text(str(value))
         setattr(start.hparams[name], field, value)
         infos.append(HParamInfo(name=name, type=DataType.Value(kind)))
     experiment = Experiment(hparam_infos=infos, metric_infos=[MetricInfo(name=MetricName(tag=n)) for n in metric_names])
