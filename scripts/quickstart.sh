@@ -14,4 +14,5 @@ if [ ! -f "${CHECKPOINTS[0]}" ]; then
     echo "error: no checkpoints/*_$RUN/best.pth to evaluate (with --checkpoints_dir, run scripts/eval.sh on it)" >&2
     exit 2
 fi
-CHECKPOINT=${CHECKPOINTS[0]} bash "$ROOT/scripts/eval.sh"
+# its results in <run>/eval/best_val_quickstart: `bash scripts/eval.sh` then writes its own beside them
+CHECKPOINT=${CHECKPOINTS[0]} SAVE_PREFIX=quickstart bash "$ROOT/scripts/eval.sh"
