@@ -92,11 +92,12 @@ def _untracked(listed):
     UNTRACKED_LISTED, then a line saying how many more) and the text of those the run imported (a new
     model or dataset file, which `git diff` does not show; None for one past UNTRACKED_SOURCE_BYTES)."""
     names = sorted(name for name in (listed or '').split('\0') if name)
+    inside = REPO + os.sep  # (a string test first: thousands of modules are torch's, numpy's, ...)
     imported = {
-        os.path.relpath(os.path.realpath(path), os.path.realpath(REPO))
-        for module in list(sys.modules.values())
-        if isinstance(path := getattr(module, '__file__', None), str)
-    }
+        os.path.relpath(path, REPO)
+        for module in list(sys.modules.values()) if names
+        if isinstance(path := getattr(module, '__file__', None), str) and path.startswith(inside)
+    }  # fmt: skip
     sources, left = {}, UNTRACKED_SOURCE_BYTES
     for name in sorted(imported.intersection(names)):
         sources[name] = None
