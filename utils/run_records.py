@@ -93,11 +93,12 @@ def _untracked(listed):
     model or dataset file, which `git diff` does not show; None for one past UNTRACKED_SOURCE_BYTES)."""
     names = sorted(name for name in (listed or '').split('\0') if name)
     inside = REPO + os.sep  # (a string test first: thousands of modules are torch's, numpy's, ...)
+    modules = list(sys.modules.values()) if names else []
     imported = {
         os.path.relpath(path, REPO)
-        for module in list(sys.modules.values()) if names
+        for module in modules
         if isinstance(path := getattr(module, '__file__', None), str) and path.startswith(inside)
-    }  # fmt: skip
+    }
     sources, left = {}, UNTRACKED_SOURCE_BYTES
     for name in sorted(imported.intersection(names)):
         sources[name] = None
