@@ -229,11 +229,11 @@ class CheckpointKeeper:
         self.same_folder.check()
         name = checkpoint_name(epoch, step)
         path = os.path.join(self.folder, name)
-        writing = f'checkpoint {path}'  # what a failure failed to write
+        writing, whole = f'checkpoint {path}', False  # what a failure failed to write; whether the file is whole
         try:
             digest = save_checkpoint(state, path, sync_folder=False)  # the record's write syncs the folder once
             fault_point('checkpoint_written')
-            writing = f'{LAST} or {BEST} after checkpoint {path}'
+            writing, whole = f'{LAST} or {BEST} after checkpoint {path}', True
             _link_or_copy(path, os.path.join(self.folder, LAST))
             if is_best:
                 _link_or_copy(path, os.path.join(self.folder, BEST))
@@ -247,7 +247,7 @@ class CheckpointKeeper:
             fault_point('record_written')
         except OSError as error:
             fix = 'free space or fix permissions, then'
-            if writing != f'checkpoint {path}':  # its bytes are whole: a resume finds it, loads it, goes on
+            if whole:  # a resume finds it, loads it and goes on
                 advice = f'that checkpoint is whole: {fix} continue with --resume'
             elif self.files:
                 advice = f'the previous checkpoints are intact: {fix} continue with --resume'
