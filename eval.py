@@ -74,8 +74,10 @@ class Evaluator:
         self.device = select_device(options.cpu, options.gpus)
         self.dataset = select_dataset(options, 'val')
         self.options = options = options.replace(num_classes=options.num_classes or self.dataset.num_classes)
-        match_classes(self.dataset, checkpoint.get('class_names'), options.load_model_path)
-        self.task = task_type(options, self.dataset.class_names or checkpoint.get('class_names'))
+        trained = checkpoint.get('class_names')
+        match_classes(self.dataset, trained, options.load_model_path)
+        names = list(self.dataset.class_names or ())  # a validation folder may hold the first trained classes
+        self.task = task_type(options, trained if trained and names == list(trained[: len(names)]) else names)
         self.task.check_dataset(self.dataset, options.data_type)
         self.data = Batches(
             self.dataset,

@@ -23,16 +23,19 @@ def topk_hits(logits, targets, k):
     return above.sum(dim=1) < k
 
 
-def confusion_matrix(predictions, targets, num_classes):
-    """Counts (num_classes, num_classes): row = true class, column = predicted class.
+def confusion_matrix(predictions, targets, num_classes, into=None):
+    """Counts (num_classes, num_classes): row = true class, column = predicted class; with `into` (such
+    counts, on the device of `targets`), added to it in place, so that a split's counting makes no
+    num_classes² tensor per batch.
 
     Built with an accumulating index_put (not bincount, whose output size is data-dependent and
     so waits for the GPU).
     """
     index = (targets.flatten() * num_classes + predictions.flatten()).long()
-    counts = torch.zeros(num_classes * num_classes, dtype=torch.long, device=index.device)
-    counts.index_put_((index,), torch.ones_like(index), accumulate=True)
-    return counts.view(num_classes, num_classes)
+    if into is None:
+        into = torch.zeros(num_classes, num_classes, dtype=torch.long, device=index.device)
+    into.view(-1).index_put_((index,), torch.ones_like(index), accumulate=True)
+    return into
 
 
 def accuracy_from_confusion(matrix):
@@ -84,8 +87,9 @@ class ConfusionMetrics:
 
     def update(self, logits, batch):
         """Add one batch of class scores `logits` (N, C, ...) and targets `batch[target]` (N, ...)."""
-        counts = confusion_matrix(logits.argmax(dim=1), batch[self.target], self.num_classes)
-        self.matrix = add_counts(self.matrix, counts)
+        targets = batch[self.target]
+        into = None if self.matrix is None else self.matrix.to(targets.device)  # a resume's counts: on the CPU
+        self.matrix = confusion_matrix(logits.argmax(dim=1), targets, self.num_classes, into)
 
     def totals(self):
         """The counters as tensors (zeros before any update)."""
@@ -105,9 +109,9 @@ class ConfusionMetrics:
     sums = ('matrix',)  # the counters a checkpoint keeps
 
     def state_dict(self):
-        """This process's counters, as host tensors (no communication: the checkpointer adds up those of
-        every process)."""
-        return {name: total.detach().long().cpu() for name, total in zip(self.sums, self.totals())}
+        """This process's counters, as host tensors of their own (no communication: the checkpointer adds
+        up those of every process)."""
+        return {name: total.detach().to('cpu', torch.long, copy=True) for name, total in zip(self.sums, self.totals())}
 
     def load_state_dict(self, state):
         """Continue counting from `state_dict` (under torchrun, rank 0 loads everyone's counts)."""
@@ -116,10 +120,13 @@ class ConfusionMetrics:
 
 
 class ClassificationMetrics(ConfusionMetrics):
-    """Accuracy `acc`, top-k accuracy `top<k>` (see `names`) and, in detail, the recall of each class."""
+    """Accuracy `acc`, top-k accuracy `top<k>` (see `names`) and, in detail, the recall of each class.
+    Without `per_class` (the training curves, which show no recall), it keeps three counts instead of
+    the confusion matrix: its C² counts in every checkpoint grew to megabytes with a thousand classes."""
 
-    def __init__(self, num_classes, topk=3, target='label', monitor=None):
+    def __init__(self, num_classes, topk=3, target='label', monitor=None, per_class=True):
         self.k, self.monitor = topk, monitor
+        self.sums = ('matrix', 'hits') if per_class else ('correct', 'count', 'hits')  # what a checkpoint keeps
         super().__init__(num_classes, target)
 
     @staticmethod
@@ -130,27 +137,40 @@ class ClassificationMetrics(ConfusionMetrics):
         kept = num_classes is None or topk < num_classes or str(monitor).endswith(f'/top{topk}')
         return ['acc'] + ([f'top{topk}'] if kept else [])
 
-    sums = ('matrix', 'hits')
-
     def reset(self):
         super().reset()
-        self.hits = None
+        self.correct = self.count = self.hits = None
 
     def update(self, logits, batch):
-        super().update(logits, batch)
-        hits = topk_hits(logits, batch[self.target], self.k).sum()
-        self.hits = add_counts(self.hits, hits)
+        targets = batch[self.target]
+        if 'matrix' in self.sums:
+            super().update(logits, batch)
+        else:
+            self.correct = add_counts(self.correct, (logits.argmax(dim=1) == targets).sum())
+            self.count = add_counts(self.count, torch.full((), targets.numel(), device=targets.device))
+        self.hits = add_counts(self.hits, topk_hits(logits, targets, self.k).sum())
 
     def shapes(self):
-        return super().shapes() + [()]
+        return super().shapes() + [()] if 'matrix' in self.sums else [(), (), ()]
+
+    def load_state_dict(self, state):
+        if 'matrix' in state and 'matrix' not in self.sums:  # a checkpoint of a Kiln that kept the matrix
+            state = {'correct': state['matrix'].trace(), 'count': state['matrix'].sum(), 'hits': state['hits']}
+        super().load_state_dict(state)
 
     def compute(self, class_names=None):
-        """{'acc', 'top<k>'} and, with `class_names`, 'recall/<name>' for each class (a collective)."""
-        (hits,) = self.reduce()
-        accuracy, recall = accuracy_from_confusion(self.confusion)
-        metrics = {'acc': accuracy.item(), f'top{self.k}': hits.item() / max(self.confusion.sum().item(), 1)}
+        """{'acc', 'top<k>'} and, with `class_names` (and `per_class`), 'recall/<name>' for each class (a
+        collective)."""
+        if 'matrix' in self.sums:
+            (hits,) = self.reduce()
+            accuracy, recall = accuracy_from_confusion(self.confusion)
+            accuracy, count = accuracy.item(), self.confusion.sum().item()
+        else:
+            correct, count, hits = (t.item() for t in reduced(*self.totals()))
+            accuracy, recall = correct / max(count, 1), None
+        metrics = {'acc': accuracy, f'top{self.k}': int(hits) / max(count, 1)}
         metrics = {name: metrics[name] for name in self.names(self.num_classes, self.k, self.monitor)}
-        if class_names:
+        if class_names and recall is not None:
             metrics.update({f'recall/{name}': value for name, value in zip(class_names, recall.tolist())})
         return metrics
 

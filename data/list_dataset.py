@@ -67,6 +67,15 @@ def match_classes(dataset, class_names, source):
     classes up without a word."""
     found = getattr(dataset, 'class_names', None)
     reference = [unicodedata.normalize('NFC', name) for name in class_names or ()]
+    numbered = [int(name) if name.isdecimal() else None for name in reference]
+    moved = next((label for label, number in enumerate(numbered) if number != label), None)
+    if not found and reference and None not in numbered and moved is not None:
+        # class folders named 0, 1, 2, ..., 10 sort as text: label 2 of a list would be the folder '10'
+        raise KilnError(
+            f'{dataset.list_path} gives classes by label number alone, but {source} has classes named by other '
+            f'numbers ({listed(reference, 4)}): label {moved} would be the class {reference[moved]!r}; give the '
+            f'list a classes.txt naming its labels in order (one name per line), or use class folders'
+        )
     if not found or not reference or found == reference[: len(found)]:
         return  # the same classes (a list may number more classes than it names)
     renumber = getattr(dataset, 'renumber_classes', None)
@@ -79,22 +88,28 @@ def match_classes(dataset, class_names, source):
     folders = getattr(dataset, 'from_folder', False)
     if not named and folders:  # the folders' order would number them: a silent mix-up
         raise KilnError(
-            f'{dataset.list_path} has class folders {", ".join(found)}, but {source} knows its classes by label '
+            f'{dataset.list_path} has class folders {listed(found)}, but {source} knows its classes by label '
             f'number alone (0 to {len(reference) - 1}); name the folders by those numbers, or give the training '
             f'list a classes.txt naming its labels in order'
         )
     if not named:
         return  # trained on label numbers alone: labels are those numbers here too
     if folders:
-        extra = next(name for name in found if name not in reference)
+        extra = [name for name in found if name not in reference]
         raise KilnError(
-            f'{dataset.list_path} has a folder {extra!r} that is no class of {source}; give it class folders '
-            f'among {", ".join(named)}'
+            f'{dataset.list_path} has {len(extra)} class folder{"s" if len(extra) > 1 else ""} that {source} '
+            f'does not know ({listed(extra)}); give it class folders among {listed(named)}'
         )
     raise KilnError(
-        f'{dataset.list_path}: its classes.txt names the classes {", ".join(found)}, {source} has '
-        f'{", ".join(named)}; labels are positions in that list, so give it the same classes.txt'
+        f'{dataset.list_path}: its classes.txt names the classes {listed(found)}, {source} has '
+        f'{listed(named)}; labels are positions in that list, so give it the same classes.txt'
     )
+
+
+def listed(names, shown=10):
+    """`names` for a message: the first `shown`, then how many more (a thousand classes are no line)."""
+    more = len(names) - shown
+    return ', '.join(names[:shown]) + (f', ... and {more} more' if more > 0 else '')
 
 
 def read_class_names(list_path, file_names=('classes.txt',)):
@@ -181,7 +196,7 @@ class ListDataset(Dataset):
                 if str(label) not in where:
                     raise KilnError(
                         f'{self.list_path}:{number}: label {label} has no name in classes.txt and is no class '
-                        f'of {", ".join(names)}; name it in classes.txt'
+                        f'of {listed(names)}; name it in classes.txt'
                     )
                 position[label] = where[str(label)]
         self.samples = [(path, position[label], number) for path, label, number in self.samples]

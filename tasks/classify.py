@@ -22,9 +22,13 @@ class ClassifyTask(Task):
         monitor = getattr(options, 'monitor', None)  # a top-k that holds every class: kept where monitored
         return ['loss', *ClassificationMetrics.names(options.num_classes, options.topk, monitor)]
 
-    def metrics(self):
+    def metrics(self, per_class=True):
         monitor = getattr(self.options, 'monitor', None)
-        return ClassificationMetrics(self.num_classes, self.options.topk, monitor=monitor)
+        return ClassificationMetrics(self.num_classes, self.options.topk, monitor=monitor, per_class=per_class)
+
+    def train_metrics(self):
+        """acc and top-k without the per-class counts (a training curve shows no recall)."""
+        return self.metrics(per_class=False)
 
     def mixed_targets(self, batch):
         """Class probabilities, as timm mixes them: share `mix_lam` of the sample's own label, the rest its

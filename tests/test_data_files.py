@@ -431,6 +431,43 @@ def test_class_folders_spelled_in_two_unicode_forms_are_refused(tmp_path):
         read_class_folders(str(tmp_path))
 
 
+def test_classes_named_by_numbers_keep_their_names_and_a_list_of_numbers_for_them_is_refused(tmp_path):
+    """Class folders 0 to 11 sort as text (0, 1, 10, 11, 2, ...). eval.py on a validation folder holding
+    only the first of them named the other classes by their positions ('3' for the class '11'); a list
+    file without classes.txt had its label 10 taken as the class '8', without a word (val acc 0.17 where
+    the folder gave 1.0); and a refusal listed every one of a thousand classes on one line."""
+    import json
+
+    from tests.conftest import run_script
+
+    for split, classes in (('train', range(12)), ('val', range(2)), ('odd', range(20, 32))):
+        for number in classes:
+            os.makedirs(tmp_path / split / str(number))
+            Image.new('RGB', (8, 8), (20 * number, 0, 0)).save(tmp_path / split / str(number) / 'a.png')
+    trained = run_script(
+        'train.py', '--data_type', 'list', '--train_list', tmp_path / 'train', '--val_list', tmp_path / 'val',
+        '--model_type', 'linear', '--img_size', '8', '--max_iteration', '1', '--no-progress_bar', '--num_workers',
+        '0', '--cpu', '--checkpoints_dir', tmp_path / 'ck', '--no-log_images',
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    run, names = tmp_path / 'ck' / 'linear_list_default', sorted(map(str, range(12)))
+    evaluated = run_script('eval.py', '--load_model_path', run, '--no-progress_bar', '--cpu')
+    assert evaluated.returncode == 0, evaluated.stderr
+    with open(run / 'eval' / 'best_val_default' / 'result.json') as f:
+        assert json.load(f)['class_names'] == names
+    (tmp_path / 'val.txt').write_text('val/0/a.png 0\nval/1/a.png 1\n')
+    refused = run_script('eval.py', '--load_model_path', run, '--val_list', tmp_path / 'val.txt', '--save_prefix', 'l')
+    assert refused.returncode == 2 and refused.stderr.count('\n') == 1, refused.stderr
+    assert "label 2 would be the class '10'; give the list a classes.txt" in refused.stderr
+    (tmp_path / 'classes.txt').write_text('\n'.join(map(str, range(12))))  # names its labels: now it is clear
+    listed = run_script('eval.py', '--load_model_path', run, '--val_list', tmp_path / 'val.txt', '--save_prefix', 'l')
+    assert listed.returncode == 0, listed.stderr
+    strange = run_script('eval.py', '--load_model_path', run, '--val_list', tmp_path / 'odd', '--save_prefix', 'o')
+    assert strange.returncode == 2 and strange.stderr.count('\n') == 1, strange.stderr
+    assert '12 class folders that' in strange.stderr and '20, 21, 22' in strange.stderr
+    assert strange.stderr.count(', ') < 25 and 'and 2 more' in strange.stderr
+
+
 def test_class_names_files_take_each_line_whole(tmp_path):
     """classes.txt went through the list-file reader, where `#` starts a comment: `#1 rated` vanished (its
     label then showed the next class's name) and `item #2` became `item`, without a word."""

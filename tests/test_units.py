@@ -813,6 +813,39 @@ def test_the_confusion_matrix_shows_whole_counts_and_names_and_how_to_read_it():
     # 1000 classes drew a 44,068-pixel square (19.6 GB of memory, 90 s, too large for Pillow to open)
     many = confusion_matrix_image(np.eye(1000, dtype=np.int64) * 7, [f'class {i}' for i in range(1000)])
     assert max(many.shape[:2]) < 2100 and (many[1000] != 255).any()  # a diagonal cell on a middle row
+    # 5000 classes drew 5024 pixels a side (cells of one pixel): now a pixel adds up 3x3 classes
+    more = confusion_matrix_image(np.eye(5000, dtype=np.int64), [f'class {i}' for i in range(5000)])
+    assert max(more.shape[:2]) < 2100 and (more[1000] != 255).any()
+
+
+def test_train_accuracy_keeps_three_counts_not_a_confusion_matrix():
+    """The training curves' metrics kept a C x C matrix, in every checkpoint (200 MB with 5000 classes),
+    and built one every 32 batches; and result.json wrote a line per cell of the confusion matrix (a
+    million lines for 1000 classes). The counts give the same acc and top-k, and a checkpoint of a Kiln
+    that kept the matrix resumes into them."""
+    import json
+
+    from metrics import ClassificationMetrics
+    from utils.checkpoint import json_text
+
+    seed = 3
+    generator = torch.Generator().manual_seed(seed)
+    with_matrix, counts = ClassificationMetrics(1000, topk=5), ClassificationMetrics(1000, topk=5, per_class=False)
+    for _ in range(3):
+        logits, labels = torch.randn(64, 1000, generator=generator), torch.randint(0, 1000, (64,), generator=generator)
+        logits[:20, 7] = 10.0  # some right answers
+        labels[:20] = 7
+        with_matrix.update(logits, {'label': labels})
+        counts.update(logits, {'label': labels})
+    state = counts.state_dict()
+    assert sum(tensor.numel() for tensor in state.values()) == 3, f'seed {seed}'
+    resumed = ClassificationMetrics(1000, topk=5, per_class=False)
+    resumed.load_state_dict(with_matrix.state_dict())
+    assert counts.compute() == with_matrix.compute() == resumed.compute(), f'seed {seed}'
+    assert counts.compute()['acc'] >= 60 / 192
+    text = json_text({'confusion_matrix': with_matrix.confusion.tolist(), 'recall': [0.5, float('nan')], 'name': 'x'})
+    assert len(text.splitlines()) == 1000 + 6 and json.loads(text)['recall'] == [0.5, None]
+    assert json.loads(json_text({'rows': [[1, 2]], 'name': 'a\x000'})) == {'rows': [[1, 2]], 'name': 'a\x000'}
 
 
 def test_checkpoints_to_evaluate_names_each_once_and_skips_non_experiments(tmp_path):

@@ -126,18 +126,27 @@ def sync_directory(folder):
 
 def json_text(data):
     """`data` as indented JSON that every reader takes: a non-finite number (NaN: the recall of a class
-    without samples, a diverged loss) is written as null, for JSON has no NaN or Infinity."""
+    without samples, a diverged loss) is written as null, for JSON has no NaN or Infinity. A list of
+    numbers stays on one line (a confusion matrix: a row per line, not a line per count)."""
+    rows = []
 
-    def finite(value):
+    def finite(value, rows):
         if isinstance(value, float) and not math.isfinite(value):
             return None
         if isinstance(value, dict):
-            return {key: finite(item) for key, item in value.items()}
+            return {key: finite(item, rows) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
-            return [finite(item) for item in value]
+            items = [finite(item, rows) for item in value]
+            if rows is not None and items and all(item is None or type(item) in (int, float, bool) for item in items):
+                rows.append(json.dumps(items, allow_nan=False))
+                return f'\0{len(rows) - 1}'  # the row's place, filled in once the rest is indented
+            return items
         return value
 
-    return json.dumps(finite(data), indent=1, default=str, allow_nan=False)
+    text = json.dumps(finite(data, rows), indent=1, default=str, allow_nan=False)
+    if text.count('\\u0000') != len(rows):  # a text in the data holds a NUL too: the marks would be ambiguous
+        return json.dumps(finite(data, None), indent=1, default=str, allow_nan=False)
+    return re.sub(r'"\\u0000(\d+)"', lambda match: rows[int(match.group(1))], text)
 
 
 def atomic_write_json(data, path):

@@ -222,8 +222,14 @@ def confusion_matrix_image(matrix, class_names=None, cell=44, longest=150, large
     one (names written upwards), each cell shaded by its share of its row (the recall of the row's class
     on the diagonal) and showing its count (k, M above 99999). Names longer than `longest` pixels end in
     '…'. Cells shrink so that the matrix stays within `largest` pixels (1000 classes: 2 pixels each); too
-    small for it, a cell shows no count, and classes no name (the counts are in result.json)."""
+    small for it, a cell shows no count, and classes no name (the counts are in result.json); with more
+    classes than `largest`, a pixel shows the sum of a square of cells (a block of classes on each axis)."""
     matrix = np.asarray(matrix.cpu() if hasattr(matrix, 'cpu') else matrix)
+    block = -(-len(matrix) // largest)  # classes per pixel, on each axis
+    if block > 1:
+        padded = np.zeros((-(-len(matrix) // block) * block,) * 2, matrix.dtype)
+        padded[: len(matrix), : len(matrix)] = matrix
+        matrix = padded.reshape(len(padded) // block, block, -1, block).sum(axis=(1, 3))
     count = len(matrix)
     cell = max(1, min(cell, largest // max(count, 1)))
     named, counted = cell >= 12, cell >= 36
@@ -233,6 +239,8 @@ def confusion_matrix_image(matrix, class_names=None, cell=44, longest=150, large
     title = 'rows: true class; columns: predicted; shade: share of the row'
     if not named:
         title += "; classes in result.json's order"
+    if block > 1:
+        title += f'; a pixel: {block}x{block} classes'
     top = CAPTION + margin
     width = max(margin + count * cell + 4, int(text_width(title)) + 8)
     canvas = Image.new('RGB', (width, top + count * cell + 4), 'white')
