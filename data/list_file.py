@@ -146,7 +146,8 @@ def _entries(path, columns=None):
     """(line_number, fields, text) of each entry of a list file; `text` is the line from its first field
     to its last, comment and surrounding quotes cut off (None for CSV files). See read_list_file."""
     if not os.path.isfile(path):
-        raise KilnError(f'{_missing_kind(path)} {path} does not exist; check --train_list / --val_list / --input')
+        problem = not_open_to_you(path) or 'does not exist; check --train_list / --val_list / --input'
+        raise KilnError(f'{_missing_kind(path)} {path} {problem}')
     lines = read_lines(path)
     if path.lower().endswith('.csv'):
         entries = [(number, fields, None) for number, fields in _csv_rows(lines)]
@@ -238,7 +239,22 @@ def not_a_file(list_path, file):
     kind = special_file(file)
     if kind is not None:
         return f'is {kind}, not a file'
-    return f'does not exist{missing_file_hint(list_path, file)}'
+    return not_open_to_you(file) or f'does not exist{missing_file_hint(list_path, file)}'
+
+
+def not_open_to_you(path):
+    """Why `path` cannot be reached where a folder on its way is not open to this user (os.path.isfile
+    says False, as for a file that does not exist), else None."""
+    try:
+        os.stat(path)
+    except PermissionError as error:
+        return (
+            f'cannot be reached ({error.strerror}: a folder on its way is not open to you); ask its owner to open '
+            f'it to you (chmod g+rx, or a+rx), or copy the data to a place of yours'
+        )
+    except OSError:
+        pass
+    return None
 
 
 def missing_file_hint(list_path, file):

@@ -116,8 +116,7 @@ def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0
         raise KilnError(f'{blocker} is a file, not a folder; give a folder as DEST')
     photographs = _photographs()
     parent = os.path.dirname(os.path.abspath(root))
-    os.makedirs(parent, exist_ok=True)
-    staging = staging_folder(parent, '.photo_set-')
+    staging = staging_folder(parent, '.photo_set-', 'DEST')
     try:
         rng = random.Random(seed)
         for name, photos in photographs.items():

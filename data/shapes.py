@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 
 import numpy as np
@@ -206,11 +207,13 @@ def _write_box_split(root, split, count, seed, size, progress):
 
 
 def _read_manifest(path):
-    """The manifest of a copy this module generated, or None where there is none, it is unreadable or it
-    is not one of ours (a manifest.json of the user's own data)."""
+    """The manifest of a copy this module generated, or None where there is none, it is damaged or it is
+    not one of ours (a manifest.json of the user's own data); PermissionError where it cannot be read."""
     try:
         with open(path) as f:
             manifest = json.load(f)
+    except PermissionError:  # (the file, or a folder on its way): a dataset there, but not readable to this user
+        raise
     except (OSError, ValueError):
         return None
     ours = isinstance(manifest, dict) and {'version', 'train_size', 'val_size', 'seed'} <= manifest.keys()
@@ -262,13 +265,21 @@ def refuse_added_by_hand(generated, what_to_do):
         )
 
 
-def staging_folder(parent, prefix):
-    """A new hidden folder in `parent` to write a dataset into before renaming it into place, with the
-    permissions a plain mkdir gives (tempfile's are the owner's alone: a shared dataset stayed unreadable)."""
-    staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
+def staging_folder(parent, prefix, where_option):
+    """A new hidden folder in `parent` (made if need be) to write a dataset into before renaming it into
+    place, with the permissions a plain mkdir gives (tempfile's are the owner's alone: a shared dataset
+    stayed unreadable), the set-group-ID bit of a shared parent included (its files then take its group).
+    A KilnError naming `where_option` where `parent` cannot be written."""
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    except OSError as error:
+        raise KilnError(
+            f'cannot write a dataset into {parent} ({error.strerror}); give a folder you can write to as {where_option}'
+        ) from None
     umask = os.umask(0o022)  # read by setting it: there is no other way
     os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)
+    os.chmod(staging, 0o777 & ~umask | os.stat(staging).st_mode & stat.S_ISGID)
     return staging
 
 
@@ -292,7 +303,13 @@ def _generate(root, manifest, write, total, where_option):
     option or argument that named `root`) and never touched. Returns `root`.
     """
     manifest_path = os.path.join(root, 'manifest.json')
-    found = _read_manifest(manifest_path)
+    try:
+        found = _read_manifest(manifest_path)
+    except PermissionError as error:  # a shared copy of another user's: not "no dataset of ours"
+        raise KilnError(
+            f'cannot read {manifest_path} ({error.strerror}): ask its owner to make the dataset readable to you '
+            f'(chmod -R g+rX, or a+rX), or choose another {where_option}'
+        ) from None
     if found == manifest:
         return root
     if found is None and os.path.lexists(root) and not (os.path.isdir(root) and not os.listdir(root)):
@@ -304,8 +321,7 @@ def _generate(root, manifest, write, total, where_option):
     blocker = file_in_the_way(root)
     if blocker is not None:
         raise KilnError(f'{blocker} is a file, not a folder; give a folder as {where_option}')
-    os.makedirs(parent, exist_ok=True)
-    staging = staging_folder(parent, '.shapes-')
+    staging = staging_folder(parent, '.shapes-', where_option)
     try:
         # disable=None: no bar when stderr is not a terminal (CI logs, tests)
         with tqdm(

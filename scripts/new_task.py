@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -161,7 +162,11 @@ def fail(message):
 
 def copy_template(dest):
     """Copy the template's committed files into `dest` (see the module docstring); return how."""
-    archive = subprocess.run(['git', 'archive', '--format=tar', 'HEAD'], cwd=TEMPLATE, capture_output=True)
+    archive = subprocess.run(  # (safe.directory: a shared install of another user's is read all the same)
+        ['git', '-c', f'safe.directory={TEMPLATE}', 'archive', '--format=tar', 'HEAD'],
+        cwd=TEMPLATE,
+        capture_output=True,
+    )
     if archive.returncode == 0:
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(dest, filter='data')
@@ -175,6 +180,7 @@ def copy_template(dest):
             target = os.path.join(dest, relative, name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copy2(os.path.join(folder, name), target)
+            os.chmod(target, os.stat(target).st_mode | stat.S_IWUSR)  # the new project's own, from a read-only install
     return 'every file but outputs and caches (not a git checkout)'
 
 

@@ -6,12 +6,13 @@ set -euo pipefail
 # the project's folder (through a link to this script too); relative paths you give are the working folder's
 ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)
 
+CHECKPOINTS_DIR=${CHECKPOINTS_DIR:-$ROOT/checkpoints}  # where the run goes (as scripts/eval.sh reads it)
 RUN=quickstart_$(date +%Y%m%d_%H%M%S)
-SAVE_PREFIX=$RUN bash "$ROOT/scripts/train.sh" "$@"
+SAVE_PREFIX=$RUN bash "$ROOT/scripts/train.sh" --checkpoints_dir "$CHECKPOINTS_DIR" "$@"
 # the run's folder is <checkpoints_dir>/<model>_<data>_<RUN>: whichever model and data the arguments chose
-CHECKPOINTS=("$ROOT"/checkpoints/*_"$RUN"/best.pth)
+CHECKPOINTS=("$CHECKPOINTS_DIR"/*_"$RUN"/best.pth)
 if [ ! -f "${CHECKPOINTS[0]}" ]; then
-    echo "error: no checkpoints/*_$RUN/best.pth to evaluate (with --checkpoints_dir, run scripts/eval.sh on it)" >&2
+    echo "error: no $CHECKPOINTS_DIR/*_$RUN/best.pth to evaluate (set CHECKPOINTS_DIR=... rather than giving --checkpoints_dir)" >&2
     exit 2
 fi
 # its results in <run>/eval/best_val_quickstart: `bash scripts/eval.sh` then writes its own beside them

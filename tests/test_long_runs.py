@@ -697,6 +697,26 @@ def test_the_record_keeps_untracked_sources_and_the_thread_count(tmp_path, monke
     assert len(listed) == run_records.UNTRACKED_LISTED + 1 and listed[-1] == '... and 8 more', listed[-3:]
 
 
+@pytest.mark.skipif(
+    not hasattr(os, 'geteuid') or os.geteuid() != 0, reason='needs root to give the repo to another user'
+)
+def test_the_record_of_a_shared_install_owned_by_another_user_has_its_commit(tmp_path, monkeypatch):
+    """git refuses a repository another user owns ("dubious ownership"): runs from a shared install
+    recorded no commit, no diff and no untracked files, without a word."""
+    from utils import run_records
+
+    repo = tmp_path / 'repo'
+    subprocess.run(['git', 'init', '-q', str(repo)], check=True)
+    commit = ['git', '-C', str(repo), '-c', 'user.name=k', '-c', 'user.email=k@k', 'commit', '-q', '--allow-empty']
+    subprocess.run([*commit, '-m', 'start'], check=True)
+    subprocess.run(['chown', '-R', '65534', str(repo)], check=True)
+    monkeypatch.setattr(run_records, 'REPO', str(repo))
+    run_records.append_reproducibility_record(str(tmp_path), run_records.reproducibility_record(argparse.Namespace()))
+    with open(tmp_path / 'reproduce.json') as f:
+        (entry,) = json.load(f)
+    assert re.fullmatch('[0-9a-f]{40}', entry['git_commit'] or ''), entry
+
+
 def test_run_history():
     history = RunHistory()
     with pytest.raises(KilnError, match="'val/acc'"):

@@ -158,8 +158,10 @@ def test_an_empty_destination_is_refused_and_the_next_step_is_quoted(tmp_path):
 
 
 def test_a_project_made_from_a_project_keeps_its_code(tmp_path):
-    """A project named 'detect' made a project whose code had every 'detect' renamed: --task detect was gone."""
+    """A project named 'detect' made a project whose code had every 'detect' renamed: --task detect was gone.
+    And a project copied from a read-only install kept its files read-only, and could not rename them."""
     assert run_script('scripts/new_task.py', str(tmp_path / 'first'), '--name', 'detect').returncode == 0
+    os.chmod(tmp_path / 'first' / 'README.md', 0o444)  # a read-only install: the copy is the new project's own
     made = subprocess.run(
         [sys.executable, 'scripts/new_task.py', str(tmp_path / 'second'), '--name', 'boxes'],
         cwd=tmp_path / 'first',
@@ -170,6 +172,7 @@ def test_a_project_made_from_a_project_keeps_its_code(tmp_path):
     assert made.returncode == 0, made.stderr
     second = tmp_path / 'second'
     assert (second / 'README.md').read_text().startswith('# boxes\n')
+    assert os.stat(second / 'README.md').st_mode & 0o200
     assert "name = 'boxes'" in (second / 'pyproject.toml').read_text()
     assert "'detect': 'tasks.detect:DetectTask'," in (second / 'tasks' / 'task_entry.py').read_text()
 

@@ -527,3 +527,20 @@ def test_a_slurm_sweep_submits_from_a_login_node_without_torch(monkeypatch, caps
     monkeypatch.setattr(sweep, 'submit', lambda runs, *a: len(runs))
     assert sweep.main(['--slurm', '--grid', 'lr=1e-3,3e-3', '--', '--model_type', 'small_cnn']) == 2
     assert 'note: no torch here to check the runs trained before' in capsys.readouterr().out
+
+
+def test_a_checkpoints_dir_that_cannot_be_written_is_said_once_before_any_run(tmp_path, monkeypatch):
+    """A read-only --checkpoints_dir was found by each run's train.py in turn (100 runs: 100 start-ups, and
+    the same error 200 times), then "0 of 100 runs finished"."""
+    import types
+
+    import sweep
+
+    launched = []
+    monkeypatch.setattr(sweep, 'launch', lambda command: launched.append(command) or (0, ''))
+    monkeypatch.setattr(sweep.os, 'access', lambda path, mode: False)
+    run = types.SimpleNamespace(prefix='s_lr0.1', folder=str(tmp_path / 'ck' / 'run'), argv=['--lr', '0.1'])
+    base = argparse.Namespace(checkpoints_dir=str(tmp_path / 'ck'))
+    with pytest.raises(KilnError, match=r'^cannot write into .*/ck/sweeps/s \(Permission denied\): a sweep writes'):
+        sweep.run_all([run], 's', base, compare=False)
+    assert launched == []

@@ -498,6 +498,12 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
     def workers_out_of_file_descriptors(argv):  # torch's words, DataLoader workers handing over batches
         raise RuntimeError('Too many open files. Communication with the workers is no longer possible. Please ...')
 
+    def not_yours(argv):  # another user's file: disk space has nothing to do with it
+        raise PermissionError(13, 'Permission denied', '/shared/run/.lock')
+
+    def read_only(argv):
+        raise OSError(30, 'Read-only file system', '/mnt/ro/run')
+
     def peer_lost_in_training(argv):  # what Trainer.run adds to it
         error = RuntimeError('Connection closed by peer [127.0.0.1]:9124')
         error.add_note('the newest checkpoint is whole: continue with --resume')
@@ -509,6 +515,8 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
         (peer_lost_in_training, '; the newest checkpoint is whole: continue with --resume (--debug', 3),
         (full_disk, 'cannot use /data/run/args.txt: No space left on device; free disk space (--debug', 2),
         (disk_full_in_an_open_file, 'error: No space left on device; free disk space (--debug', 2),
+        (not_yours, '/shared/run/.lock: Permission denied; fix its permissions, or give a path of your own (', 2),
+        (read_only, '/mnt/ro/run: Read-only file system; give a path on a file system that can be written (', 2),
         (out_of_file_descriptors, 'error: too many open files (this process may open ', 2),
         (workers_out_of_file_descriptors, 'lower --num_workers (--debug shows where)', 2),  # a traceback
         (not_deterministic, '--deterministic: upsample_bilinear2d_backward_out_cuda does not have', 2),
@@ -519,6 +527,45 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
             run_cli(main, [])
         line = capsys.readouterr().err
         assert exit_info.value.code == code and line.startswith('error: ') and needle in line and line.count('\n') == 1
+
+
+def test_shared_and_read_only_places_are_said_before_any_work_in_one_line(tiny_shapes, tmp_path, monkeypatch):
+    """Found in a shared, read-only install: a dataset generated into a set-group-ID folder lost its group
+    (teammates could not read it, and were told to move it away); a data root that cannot be written was
+    named by a random temporary folder, without the option to change; a resume of a folder that cannot
+    be written trained up to its first checkpoint, then failed, losing that work; a list behind a
+    folder that is not open to the user "did not exist"."""
+    import stat
+
+    from data import list_file, shapes
+    from tests.conftest import experiment_of, run_script, tiny_run_args
+    from utils import run_folder
+
+    shared = tmp_path / 'shared'
+    shared.mkdir()
+    os.chmod(shared, 0o2775)
+    assert os.stat(shapes.staging_folder(str(shared), '.shapes-', '--data_root')).st_mode & stat.S_ISGID
+    with monkeypatch.context() as patch:
+        patch.setattr(shapes.tempfile, 'mkdtemp', lambda **_: (_ for _ in ()).throw(PermissionError(13, 'Denied')))
+        with pytest.raises(KilnError, match=r'^cannot write a dataset into .*/shared \(Denied\); give a folder you '):
+            shapes.generate_shapes(str(shared / 'shapes'), train_size=6, val_size=6, where_option='--data_root')
+        (shared / 'mine').mkdir()
+        (shared / 'mine' / 'manifest.json').write_text('{}')
+        real_open = open
+        patch.setattr('builtins.open', lambda path, *a, **k: (_ for _ in ()).throw(PermissionError(13, 'Denied'))
+            if str(path).endswith('manifest.json') else real_open(path, *a, **k))  # fmt: skip
+        with pytest.raises(KilnError, match=r'manifest.json \(Denied\): ask its owner to make the dataset readable'):
+            shapes.generate_shapes(str(shared / 'mine'), train_size=6, val_size=6, where_option='--data_root')
+        patch.setattr(list_file.os, 'stat', lambda path, **k: (_ for _ in ()).throw(PermissionError(13, 'Denied')))
+        assert list_file.not_open_to_you(str(tmp_path / 'closed' / 'train.txt')).startswith('cannot be reached (')
+    args = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--model_type', 'linear', '--max_iteration', '1']
+    assert run_script('train.py', *args).returncode == 0
+    folder = experiment_of(args, 'linear')
+    monkeypatch.setattr(run_folder.os, 'access', lambda path, mode: os.path.realpath(path) != os.path.realpath(folder))
+    resumed = run_script('train.py', '--resume', folder, '--max_iteration', '3')
+    assert resumed.returncode == 2 and resumed.stderr.startswith(f'error: cannot write in {folder} ('), resumed.stderr
+    assert 'copy the folder to a place of yours and resume the copy' in resumed.stderr
+    assert 'step 2' not in resumed.stdout  # refused before training
 
 
 def test_too_many_open_files_suggests_only_a_limit_the_system_allows(monkeypatch):

@@ -285,9 +285,14 @@ def _run_reporting_errors(main, argv):
         if error.errno in (errno.EMFILE, errno.ENFILE):
             exit_with_error(too_many_open_files(system_wide=error.errno == errno.ENFILE))
         where = f'cannot use {error.filename}: ' if error.filename else ''  # (writes to an open file name none)
-        fix = {errno.ENOSPC: 'free disk space', errno.EDQUOT: 'free disk space'}.get(
-            error.errno, 'free disk space or fix the permissions'
-        )
+        yours = 'fix its permissions, or give a path of your own'  # (disk space has nothing to do with it)
+        fix = {
+            errno.ENOSPC: 'free disk space',
+            errno.EDQUOT: 'free disk space (you are over your quota)',
+            errno.EACCES: yours,
+            errno.EPERM: yours,
+            errno.EROFS: 'give a path on a file system that can be written',
+        }.get(error.errno, 'free disk space or fix the permissions')
         exit_with_error(f'error: {where}{error.strerror or error}; {fix} (--debug shows where)')
     except (MemoryError, RuntimeError) as error:
         if is_peer_lost(error):  # the process that failed says why; this one only went down with it

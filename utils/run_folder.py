@@ -361,6 +361,11 @@ def open_experiment(argv, args):
         _refuse_changes(parse_args(parse_train_args, [], base_config=base), merged, folder)
         args = resolve(merged)
         _refuse_other_world_size(checkpoint, resume_from)
+    if not os.access(folder, os.W_OK | os.X_OK):  # said now, not at the first write after training up to it
+        raise KilnError(
+            f'cannot write in {folder} (its permissions, or a read-only file system): --resume goes on in the '
+            f"run's own folder; make it writable, or copy the folder to a place of yours and resume the copy"
+        )
     lock = FolderLock(folder)
     try:
         if not resume_from:
