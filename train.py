@@ -72,6 +72,7 @@ from utils.run_folder import (
     discard_folder_if_setup_fails,
     open_experiment,
     remove_unused_runs,
+    resumed_on_cpu,
     set_aside_newer,
 )
 from utils.run_history import RunHistory, write_history_json
@@ -891,7 +892,7 @@ def main(argv=None, args=None, trainer_type=Trainer):
     args = args or parse_args(parse_train_args, argv)
     if args.fast_dev_run and args.resume:
         raise KilnError('--fast_dev_run trains in a throwaway folder of its own: drop --resume')
-    init_distributed(args.cpu, args.gpus)
+    init_distributed(args.cpu or resumed_on_cpu(args), args.gpus)  # (a CPU run resumed: a CPU group)
     try:
         with process_settings_kept():  # --deterministic, --detect_anomaly: for this run only
             if args.fast_dev_run:

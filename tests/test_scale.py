@@ -35,8 +35,8 @@ def _torchrun(script, *args, seconds=600):
     return result
 
 
-def _train(args, *extra):
-    result = run_script('train.py', *args, *extra)
+def _train(args, *extra, isolated=False):
+    result = run_script('train.py', *args, *extra, isolated=isolated)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -92,7 +92,7 @@ def test_two_gpus_under_nccl_train_like_one_gpu(tiny_shapes, tmp_path):
     one, two = (
         [arg for arg in tiny_run_args(tiny_shapes, tmp_path / name) if arg != '--cpu'] for name in ('one', 'two')
     )
-    _train(one, *LINEAR_SGD, '--deterministic')
+    _train(one, *LINEAR_SGD, '--deterministic', isolated=True)  # see CUBLAS below
     _torchrun('train.py', *two, *LINEAR_SGD, '--deterministic', '--batch_size', '8')
     single, double = _last(_folder(one, 'linear')), _last(_folder(two, 'linear'))
     assert _step(single) == _step(double) == 12
@@ -603,13 +603,15 @@ def test_a_cuda_run_continued_from_its_epoch_1_checkpoint_ends_bitwise_like_the_
     """The counters a checkpoint restores onto the CPU meet the GPU's at the first step after the resume
     (they crashed there on CUDA); with --deterministic the continued run ends with the same bits."""
     whole = [a for a in tiny_run_args(tiny_shapes, tmp_path / 'whole') if a != '--cpu']
-    _train(whole, '--deterministic', '--keep_last', '2')
+    # a fresh interpreter: torch before 2.10 read CUBLAS_WORKSPACE_CONFIG (set by --deterministic) once per
+    # process, at its first cuBLAS call, which an earlier test in this one may have made
+    _train(whole, '--deterministic', '--keep_last', '2', isolated=True)
     epoch_1 = [n for n in os.listdir(_folder(whole)) if n.startswith('epoch001_')][0]
     copy = tmp_path / 'copy'
     copy.mkdir()
     for name in ('args.yaml', epoch_1):
         shutil.copy(os.path.join(_folder(whole), name), copy / name)
-    _train(['--resume', copy / epoch_1, '--no-progress_bar'])
+    _train(['--resume', copy / epoch_1, '--no-progress_bar'], isolated=True)
     finished, continued = _last(_folder(whole)), _last(str(copy))
     _assert_same_weights(finished, continued, atol=0)
     assert continued['history'] == finished['history']
@@ -623,11 +625,12 @@ def test_segmentation_and_detection_train_deterministically_on_cuda(tiny_shapes,
     from data.shapes import generate_shape_boxes
 
     segment = [a for a in tiny_seg_args(tiny_shapes, tmp_path / 'seg') if a != '--cpu']
-    _train(segment, '--task', 'segment', '--deterministic', '--epochs', '1')
+    _train(segment, '--task', 'segment', '--deterministic', '--epochs', '1', isolated=True)  # see CUBLAS above
     boxes = generate_shape_boxes(str(tmp_path / 'boxes'), train_size=64, val_size=32, seed=1)
     lists = ['--train_list', os.path.join(boxes, 'train.txt'), '--val_list', os.path.join(boxes, 'val.txt')]
     detect = ['--task', 'detect', '--data_type', 'shapes_det', *lists, '--checkpoints_dir', tmp_path / 'det']
-    _train(detect, '--epochs', '1', '--batch_size', '16', '--augment', 'resized_crop,hflip', '--deterministic')
+    detect += ['--epochs', '1', '--batch_size', '16', '--augment', 'resized_crop,hflip', '--deterministic']
+    _train(detect, isolated=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')

@@ -81,6 +81,7 @@ def test_eval_writes_results_that_match_the_predictions(trained):
         '--no-progress_bar',
         '--num_workers',
         '0',
+        '--cpu',  # as it was trained: the numbers are compared with training's below
     )
     assert result.returncode == 0, result.stderr
     out = os.path.join(folder, 'eval', 'best_val_default')

@@ -1172,3 +1172,31 @@ def test_help_gives_the_defaults_and_what_eval_and_predict_take_from_the_checkpo
         flags = [name for name in flags if add_args is parse_test_args or name not in NOT_USED_IN_PREDICTION]
         description = ' '.join(add_args.__doc__.split())
         assert len(flags) >= 11 and [name for name in flags if f'--{name}' not in description] == [], flags
+
+
+def test_a_cpu_run_resumed_under_torchrun_joins_a_cpu_group(tiny_shapes, tmp_path, monkeypatch):
+    """train.py joined torchrun's group with the command line's --cpu, before the options were merged with
+    the resumed run's: on a GPU machine the "train more" line it printed for a --cpu run (no --cpu in it)
+    was refused with one GPU, and joined NCCL with several, for a model on the CPU."""
+    import train
+    from options import parse_args, parse_train_args
+    from tests.conftest import experiment_of, run_script, tiny_run_args
+    from utils.run_folder import resumed_on_cpu
+
+    args = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--model_type', 'linear', '--max_iteration', '1']
+    assert run_script('train.py', *args).returncode == 0
+    folder = experiment_of(args, 'linear')
+    options = [*args[: args.index('--cpu')], *args[args.index('--cpu') + 1 :]]  # the same run, --cpu not given
+    for resume in (['--resume', folder], ['--resume', os.path.join(folder, 'last.pth')], [*options, '--resume']):
+        assert resumed_on_cpu(parse_args(parse_train_args, resume)), resume
+    assert not resumed_on_cpu(parse_args(parse_train_args, options))  # a new run: as its own options say
+    joined = []
+
+    def record_and_stop(cpu, gpus):
+        joined.append(cpu)
+        raise KilnError('stop here')
+
+    monkeypatch.setattr(train, 'init_distributed', record_and_stop)
+    with pytest.raises(KilnError, match='stop here'):
+        train.main(['--resume', folder, '--max_iteration', '2'])
+    assert joined == [True]

@@ -18,6 +18,8 @@ import shutil
 import socket
 import time
 
+import yaml
+
 from options import (
     DERIVED,
     NONE,
@@ -375,6 +377,21 @@ def open_experiment(argv, args):
         lock.release()
         raise
     return args.replace(model_dir=folder, resume_from=resume_from), lock
+
+
+def resumed_on_cpu(args):
+    """Whether the run that `args` (--resume) continue was trained with --cpu, as its args.yaml says: under
+    torchrun the processes join their group before the options are merged with the run's, and on a GPU
+    machine they would join one of GPUs (or be refused with fewer GPUs than processes) for a CPU run."""
+    if not args.resume:
+        return False
+    named = args.resume if args.resume != 'last' else None
+    try:
+        folder = named if named and os.path.isdir(named) else os.path.dirname(named) if named else None
+        with open(os.path.join(folder or experiment_folder(resolve(args)), ARGS_YAML)) as f:
+            return (yaml.safe_load(f) or {}).get('cpu') is True
+    except (OSError, ValueError, KilnError, yaml.YAMLError, AttributeError):  # open_experiment says what is wrong
+        return False
 
 
 def _refuse_a_run_left_in_the_working_folder(argv, folder):
