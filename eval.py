@@ -19,6 +19,7 @@ if __name__ == '__main__':
 import contextlib
 import csv
 import os
+import unicodedata
 
 from data.data_entry import select_dataset
 from data.list_dataset import match_classes
@@ -77,7 +78,8 @@ class Evaluator:
         trained = checkpoint.get('class_names')
         match_classes(self.dataset, trained, options.load_model_path)
         names = list(self.dataset.class_names or ())  # a validation folder may hold the first trained classes
-        self.task = task_type(options, trained if trained and names == list(trained[: len(names)]) else names)
+        first = [unicodedata.normalize('NFC', name) for name in (trained or ())[: len(names)]]  # (as matched)
+        self.task = task_type(options, trained if trained and names == first else names)
         self.task.check_dataset(self.dataset, options.data_type)
         self.data = Batches(
             self.dataset,

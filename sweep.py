@@ -30,7 +30,6 @@ that read its files). --dry_run prints the commands, writes nothing.
 import argparse
 import contextlib
 import difflib
-import errno
 import functools
 import hashlib
 import importlib.util
@@ -44,6 +43,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 
 import yaml
 
@@ -390,15 +390,16 @@ def launch(command):
 def run_all(runs, name, base, compare):
     """Train the runs one after another, skipping finished ones, then compare them; return the exit code."""
     done_path = os.path.join(base.checkpoints_dir, 'sweeps', name, 'finished.json')
-    try:  # said once now, not by each run's train.py in turn
-        os.makedirs(os.path.dirname(done_path), exist_ok=True)
-        if not os.access(os.path.dirname(done_path), os.W_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-    except OSError as error:
-        raise KilnError(
-            f'cannot write into {os.path.dirname(done_path)} ({error.strerror}): a sweep writes its runs under '
-            f'--checkpoints_dir; give one you can write to'
-        ) from None
+    for folder in (base.checkpoints_dir, os.path.dirname(done_path)):  # said once now, not by each train.py
+        while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)  # (the runs make it: a sweep whose runs all fail leaves nothing)
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            raise KilnError(
+                f'cannot write into {folder} ({error.strerror}): a sweep writes its runs under --checkpoints_dir; '
+                f'give one you can write to'
+            ) from None
     done, failed, trained = {}, [], 0
     with contextlib.suppress(OSError, ValueError), open(done_path) as f:
         done = json.load(f)

@@ -892,7 +892,7 @@ def main(argv=None, args=None, trainer_type=Trainer):
     args = args or parse_args(parse_train_args, argv)
     if args.fast_dev_run and args.resume:
         raise KilnError('--fast_dev_run trains in a throwaway folder of its own: drop --resume')
-    init_distributed(args.cpu or resumed_on_cpu(args), args.gpus)  # (a CPU run resumed: a CPU group)
+    init_distributed(resumed_on_cpu(args, argv), args.gpus)  # (a CPU run resumed joins a CPU group)
     try:
         with process_settings_kept():  # --deterministic, --detect_anomaly: for this run only
             if args.fast_dev_run:

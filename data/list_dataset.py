@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from data.image_io import CROP_PCT, IMAGE_EXTENSIONS, check_images, decode_image, find_images
 from data.list_file import collections_paused, not_a_file, read_lines, read_list_file, resolve_path
 from utils.checkpoint import atomic_write_bytes, remove_abandoned_temporaries
-from utils.errors import KilnError
+from utils.errors import KilnError, listed
 
 # `<data_root>/.cache`: what reading the data found out (decoded images, passed header checks); hidden, so
 # that a --data_root that is itself a folder of class folders does not read it as a class
@@ -68,13 +68,13 @@ def match_classes(dataset, class_names, source):
     found = getattr(dataset, 'class_names', None)
     reference = [unicodedata.normalize('NFC', name) for name in class_names or ()]
     numbered = [int(name) if name.isdecimal() else None for name in reference]
-    moved = next((label for label, number in enumerate(numbered) if number != label), None)
-    if not found and reference and None not in numbered and moved is not None:
+    if not found and None not in numbered and numbered != sorted(numbered) and hasattr(dataset, 'list_path'):
         # class folders named 0, 1, 2, ..., 10 sort as text: label 2 of a list would be the folder '10'
+        moved = next(label for label, number in enumerate(numbered) if number != sorted(numbered)[label])
         raise KilnError(
-            f'{dataset.list_path} gives classes by label number alone, but {source} has classes named by other '
-            f'numbers ({listed(reference, 4)}): label {moved} would be the class {reference[moved]!r}; give the '
-            f'list a classes.txt naming its labels in order (one name per line), or use class folders'
+            f'{dataset.list_path} gives classes by label number alone, but {source} has classes named by numbers '
+            f'in another order ({listed(reference, 4)}): label {moved} would be the class {reference[moved]!r}; '
+            f'give the list a classes.txt naming its labels in order (one name per line), or use class folders'
         )
     if not found or not reference or found == reference[: len(found)]:
         return  # the same classes (a list may number more classes than it names)
@@ -104,12 +104,6 @@ def match_classes(dataset, class_names, source):
         f'{dataset.list_path}: its classes.txt names the classes {listed(found)}, {source} has '
         f'{listed(named)}; labels are positions in that list, so give it the same classes.txt'
     )
-
-
-def listed(names, shown=10):
-    """`names` for a message: the first `shown`, then how many more (a thousand classes are no line)."""
-    more = len(names) - shown
-    return ', '.join(names[:shown]) + (f', ... and {more} more' if more > 0 else '')
 
 
 def read_class_names(list_path, file_names=('classes.txt',)):

@@ -12,6 +12,7 @@ background, 1 + class on the shape's pixels), `seg_train.txt`/`seg_val.txt` of
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from utils.errors import KilnError, file_in_the_way, run_cli
+from utils.errors import KilnError, file_in_the_way, listed, run_cli
 
 CLASS_NAMES = ('circle', 'square', 'triangle', 'star', 'cross', 'ring')
 GENERATOR_VERSION = 2
@@ -258,9 +259,9 @@ def refuse_added_by_hand(generated, what_to_do):
         elif count > made['folders'][folder]:
             added.append(f'files in {folder}/')
     if added:
-        shown = ', '.join(added[:3]) + (f' and {len(added) - 3} more' if len(added) > 3 else '')
         raise KilnError(
-            f'{generated} was generated with other settings, but holds {shown} that the generator did not make; '
+            f'{generated} was generated with other settings, but holds {listed(added, 3)} that the generator did '
+            f'not make; '
             f'{what_to_do}'
         )
 
@@ -274,6 +275,8 @@ def staging_folder(parent, prefix, where_option):
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
     except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):  # a full disk: utils/errors.py's advice
+            raise
         raise KilnError(
             f'cannot write a dataset into {parent} ({error.strerror}); give a folder you can write to as {where_option}'
         ) from None
@@ -307,8 +310,8 @@ def _generate(root, manifest, write, total, where_option):
         found = _read_manifest(manifest_path)
     except PermissionError as error:  # a shared copy of another user's: not "no dataset of ours"
         raise KilnError(
-            f'cannot read {manifest_path} ({error.strerror}): ask its owner to make the dataset readable to you '
-            f'(chmod -R g+rX, or a+rX), or choose another {where_option}'
+            f'cannot read {manifest_path} ({error.strerror}): ask its owner to open the dataset and the folders '
+            f'above it to you (chmod g+rX, or a+rX), or choose another {where_option}'
         ) from None
     if found == manifest:
         return root

@@ -66,11 +66,15 @@ class {cls}(Task):
         # TODO: the loss of one batch from the model's outputs and the batch's targets
         return self.criterion(outputs, batch['label'])
 
-    def metrics(self):
+    def metrics(self, per_class=True):
         # TODO: an object with update(outputs, batch), compute(class_names=None), reset(), state_dict() and
         # load_state_dict(state) (see tasks/task.py's metrics and metrics.py)
         monitor = getattr(self.options, 'monitor', None)
-        return ClassificationMetrics(self.num_classes, self.options.topk, monitor=monitor)
+        return ClassificationMetrics(self.num_classes, self.options.topk, monitor=monitor, per_class=per_class)
+
+    def train_metrics(self):
+        # TODO: the metrics of the training curves (None for none): here without the per-class counts
+        return self.metrics(per_class=False)
 
     def pictures(self, batch, outputs):
         # TODO: what to look at in TensorBoard and eval's pictures
@@ -163,7 +167,7 @@ def fail(message):
 def copy_template(dest):
     """Copy the template's committed files into `dest` (see the module docstring); return how."""
     archive = subprocess.run(  # (safe.directory: a shared install of another user's is read all the same)
-        ['git', '-c', f'safe.directory={TEMPLATE}', 'archive', '--format=tar', 'HEAD'],
+        ['git', '-c', f'safe.directory={os.path.realpath(TEMPLATE)}', 'archive', '--format=tar', 'HEAD'],
         cwd=TEMPLATE,
         capture_output=True,
     )

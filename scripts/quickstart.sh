@@ -7,12 +7,18 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)
 
 CHECKPOINTS_DIR=${CHECKPOINTS_DIR:-$ROOT/checkpoints}  # where the run goes (as scripts/eval.sh reads it)
+for word in "$@"; do
+    if [[ $word == --checkpoints_dir* ]]; then  # the run would go there, and its evaluation look here
+        echo "error: quickstart.sh takes CHECKPOINTS_DIR=DIR before the command, not --checkpoints_dir DIR" >&2
+        exit 2
+    fi
+done
 RUN=quickstart_$(date +%Y%m%d_%H%M%S)
 SAVE_PREFIX=$RUN bash "$ROOT/scripts/train.sh" --checkpoints_dir "$CHECKPOINTS_DIR" "$@"
 # the run's folder is <checkpoints_dir>/<model>_<data>_<RUN>: whichever model and data the arguments chose
 CHECKPOINTS=("$CHECKPOINTS_DIR"/*_"$RUN"/best.pth)
 if [ ! -f "${CHECKPOINTS[0]}" ]; then
-    echo "error: no $CHECKPOINTS_DIR/*_$RUN/best.pth to evaluate (set CHECKPOINTS_DIR=... rather than giving --checkpoints_dir)" >&2
+    echo "error: no $CHECKPOINTS_DIR/*_$RUN/best.pth to evaluate" >&2
     exit 2
 fi
 # its results in <run>/eval/best_val_quickstart: `bash scripts/eval.sh` then writes its own beside them

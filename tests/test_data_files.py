@@ -466,6 +466,13 @@ def test_classes_named_by_numbers_keep_their_names_and_a_list_of_numbers_for_the
     assert strange.returncode == 2 and strange.stderr.count('\n') == 1, strange.stderr
     assert '12 class folders that' in strange.stderr and '20, 21, 22' in strange.stderr
     assert strange.stderr.count(', ') < 25 and 'and 2 more' in strange.stderr
+    from types import SimpleNamespace
+
+    from data.list_dataset import match_classes
+
+    for names in (['3', '7'], ['1', '2', '3'], ['2019', '2020']):  # a classes.txt naming numbers, in order: no mix-up
+        match_classes(SimpleNamespace(class_names=None, list_path='val.txt'), names, 'train.txt')
+    match_classes(SimpleNamespace(class_names=None), ['0', '1', '10', '2'], 'train.txt')  # yours, with no list
 
 
 def test_class_names_files_take_each_line_whole(tmp_path):

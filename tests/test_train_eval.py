@@ -336,6 +336,20 @@ def test_scripts_train_then_eval_on_the_default_dataset(tmp_path):
     assert accuracy > 0.3
 
 
+def test_quickstart_trains_and_evaluates_into_checkpoints_dir(tiny_shapes, tmp_path):
+    """quickstart.sh looked for its run in the project's checkpoints/ alone: given --checkpoints_dir (a
+    project that is not yours to write) it trained, then said there was nothing to evaluate."""
+    lists = tiny_run_args(tiny_shapes, tmp_path)[:6]  # --data_type list and the two lists
+    quick = ['bash', 'scripts/quickstart.sh', *lists, '--model_type', 'linear', '--max_iteration', '1', '--cpu']
+    ran = run_script(*quick, '--no-progress_bar', env={'CHECKPOINTS_DIR': str(tmp_path / 'mine')})
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    (run,) = os.listdir(tmp_path / 'mine')
+    assert os.path.isfile(tmp_path / 'mine' / run / 'eval' / 'best_val_quickstart' / 'result.txt')
+    refused = run_script(*quick, '--checkpoints_dir', tmp_path / 'other')
+    assert refused.returncode == 2 and 'takes CHECKPOINTS_DIR=DIR before the command' in refused.stderr
+    assert not (tmp_path / 'other').exists()
+
+
 def test_eval_script_evaluates_the_newest_best_checkpoint(tiny_shapes, tmp_path):
     """scripts/eval.sh without CHECKPOINT named the default classification run's folder, which another task,
     model or dataset (or a project from scripts/new_task.py) never makes: it takes the newest best.pth."""

@@ -554,7 +554,7 @@ def test_shared_and_read_only_places_are_said_before_any_work_in_one_line(tiny_s
         real_open = open
         patch.setattr('builtins.open', lambda path, *a, **k: (_ for _ in ()).throw(PermissionError(13, 'Denied'))
             if str(path).endswith('manifest.json') else real_open(path, *a, **k))  # fmt: skip
-        with pytest.raises(KilnError, match=r'manifest.json \(Denied\): ask its owner to make the dataset readable'):
+        with pytest.raises(KilnError, match=r'manifest.json \(Denied\): ask its owner to open the dataset and the'):
             shapes.generate_shapes(str(shared / 'mine'), train_size=6, val_size=6, where_option='--data_root')
         patch.setattr(list_file.os, 'stat', lambda path, **k: (_ for _ in ()).throw(PermissionError(13, 'Denied')))
         assert list_file.not_open_to_you(str(tmp_path / 'closed' / 'train.txt')).startswith('cannot be reached (')
@@ -1187,9 +1187,11 @@ def test_a_cpu_run_resumed_under_torchrun_joins_a_cpu_group(tiny_shapes, tmp_pat
     assert run_script('train.py', *args).returncode == 0
     folder = experiment_of(args, 'linear')
     options = [*args[: args.index('--cpu')], *args[args.index('--cpu') + 1 :]]  # the same run, --cpu not given
-    for resume in (['--resume', folder], ['--resume', os.path.join(folder, 'last.pth')], [*options, '--resume']):
-        assert resumed_on_cpu(parse_args(parse_train_args, resume)), resume
-    assert not resumed_on_cpu(parse_args(parse_train_args, options))  # a new run: as its own options say
+    monkeypatch.chdir(folder)
+    for resume in (['--resume', folder], ['--resume', 'last.pth'], [*options, '--resume']):
+        assert resumed_on_cpu(parse_args(parse_train_args, resume), resume), resume
+    for argv in (options, ['--resume', folder, '--no-cpu']):  # a new run, a resume moved to the GPU: as given
+        assert not resumed_on_cpu(parse_args(parse_train_args, argv), argv), argv
     joined = []
 
     def record_and_stop(cpu, gpus):

@@ -20,6 +20,12 @@ class KilnError(Exception):
     """
 
 
+def listed(names, shown=10):
+    """`names` for a one-line message: the first `shown`, then how many more (a thousand classes are no line)."""
+    more = len(names) - shown
+    return ', '.join(names[:shown]) + (f', ... and {more} more' if more > 0 else '')
+
+
 def shell_word(path):
     """`path` as one word of a command to paste into a shell: quoted, and taken for no option (a relative
     path that starts with '-' as ./-path)."""
@@ -285,7 +291,7 @@ def _run_reporting_errors(main, argv):
         if error.errno in (errno.EMFILE, errno.ENFILE):
             exit_with_error(too_many_open_files(system_wide=error.errno == errno.ENFILE))
         where = f'cannot use {error.filename}: ' if error.filename else ''  # (writes to an open file name none)
-        yours = 'fix its permissions, or give a path of your own'  # (disk space has nothing to do with it)
+        yours = f'fix {"its" if error.filename else "the"} permissions, or give a path of your own'  # (not disk space)
         fix = {
             errno.ENOSPC: 'free disk space',
             errno.EDQUOT: 'free disk space (you are over your quota)',

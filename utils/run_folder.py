@@ -379,13 +379,14 @@ def open_experiment(argv, args):
     return args.replace(model_dir=folder, resume_from=resume_from), lock
 
 
-def resumed_on_cpu(args):
-    """Whether the run that `args` (--resume) continue was trained with --cpu, as its args.yaml says: under
-    torchrun the processes join their group before the options are merged with the run's, and on a GPU
-    machine they would join one of GPUs (or be refused with fewer GPUs than processes) for a CPU run."""
-    if not args.resume:
-        return False
-    named = args.resume if args.resume != 'last' else None
+def resumed_on_cpu(args, argv):
+    """Whether a torchrun process should join a CPU group: --cpu given (or not: --no-cpu) in `argv`, else
+    as the run that --resume continues was trained, its args.yaml says. Processes join their group before
+    the options are merged with the run's: on a GPU machine they joined one of GPUs for a CPU run (or were
+    refused, with fewer GPUs than processes), though the line the run printed to continue it was given."""
+    if not args.resume or 'cpu' in given_options(parse_train_args, argv):
+        return bool(args.cpu)
+    named = os.path.abspath(args.resume) if args.resume != 'last' else None
     try:
         folder = named if named and os.path.isdir(named) else os.path.dirname(named) if named else None
         with open(os.path.join(folder or experiment_folder(resolve(args)), ARGS_YAML)) as f:

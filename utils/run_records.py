@@ -60,11 +60,11 @@ class TrainerRunConfig:
 
 def _git(*command):
     """`git COMMAND` in the template's folder, started now (its output is read by `_output`), or None. The
-    folder counts as safe (safe.directory), as the code run from it does: a shared install owned by
-    another user ("dubious ownership") lost its record."""
+    folder counts as safe (safe.directory, by its real path as git before 2.46 compares it), as the code run
+    from it does: a shared install owned by another user ("dubious ownership") lost its record."""
     try:
         return subprocess.Popen(
-            ['git', '-c', f'safe.directory={REPO}', *command], cwd=REPO, stdout=subprocess.PIPE,
+            ['git', '-c', f'safe.directory={os.path.realpath(REPO)}', *command], cwd=REPO, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, text=True,
             errors='surrogateescape',  # a file name or diff line that is no UTF-8: kept as its bytes
         )  # fmt: skip
