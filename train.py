@@ -78,7 +78,7 @@ from utils.run_folder import (
 from utils.run_history import RunHistory, write_history_json
 from utils.run_records import TrainerRunConfig, append_reproducibility_record, reproducibility_record, save_args
 from utils.seeding import process_settings_kept, set_deterministic, set_seed
-from utils.stopping import Stopper, StopReason
+from utils.stopping import StoppedWaitingForData, Stopper, StopReason
 from utils.trackers import build_trackers, keeps_pictures
 
 # `fused`: one kernel per step; with --amp fp16 on a GPU it also takes GradScaler's inf check on the
@@ -137,6 +137,7 @@ def batches(options, task, dataset, device, train):
         channels_last=options.channels_last,
         image_size=options.img_size,
         options=options,
+        stop_ends_wait=train and world_size() == 1,  # (under torchrun the processes agree on a step to stop at)
     )
 
 
@@ -399,7 +400,7 @@ class Trainer:
         """Train until --epochs (or --max_iteration) are done or a stop; return the Stop, or None when done."""
         o, position, stopper = self.options, self.position, self.stopper
         self.record_start()
-        seen, self.pictured_at = 0, time.perf_counter()
+        seen, self.pictured_at, self.saved_step = 0, time.perf_counter(), position.step
         self.printed_at = self.pictured_at, 0  # (time, samples trained) of the last printed line
         with stopper, training_profiler(o.profile, o.model_dir, self.device) as profiler:
             if position.validation_due:  # resumed from a stop signal that came before this step's validation
@@ -410,12 +411,13 @@ class Trainer:
                     self.setup.wrap(o)  # DDP syncs only what was trainable when it wrapped
                 self.finetuning.train_mode(self.setup.wrapped)
                 epoch, epoch_batches = position.epoch, len(self.train_data)
-                for batch in progress(
+                epoch_data = progress(
                     self.train_data.epoch(epoch, start=position.batch),
                     o.progress_bar if is_main_process() else False,
                     f'epoch {epoch + 1}',
                     total=epoch_batches - position.batch,
-                ):
+                )
+                for batch in self.until_stopped_waiting(epoch_data):
                     # the batches of one update: --grad_accum_steps of them, fewer at the end of the epoch
                     group_start = position.batch // o.grad_accum_steps * o.grad_accum_steps
                     group_size = min(o.grad_accum_steps, epoch_batches - group_start)
@@ -441,6 +443,17 @@ class Trainer:
                     if stopper.stop or position.step >= self.max_steps:
                         break
         return stopper.stop
+
+    def until_stopped_waiting(self, batches):
+        """`batches`, until a stop signal comes while the loop waits for one (a worker stuck in a read):
+        then the run stops at its last step, saved now if it was not (see utils/stopping.py)."""
+        try:
+            yield from batches
+        except StoppedWaitingForData as stopped:
+            self.train_data.close(stuck=True)
+            self.stopper.stop_by_signal(stopped.signum)
+            if self.saved_step != self.position.step:
+                self.save()
 
     def train_step(self, batch, group_size, update):
         """Forward, loss and backward of one batch, whose gradient counts 1/`group_size` in the update;
@@ -545,6 +558,7 @@ class Trainer:
             'trainer': type(self).__qualname__,  # a subclass's run resumed by another Trainer is told so
         }
         self.checkpointer.save(self.position.epoch, self.position.step, monitored, bool(metrics.get('improved')), extra)
+        self.saved_step = self.position.step
         self.logger.commit(self.position.step)  # after the file: every point up to this step is final
         self.write_history()
 

@@ -11,6 +11,7 @@ whole batch on the device.
 """
 
 import atexit
+import contextlib
 import functools
 import multiprocessing
 import multiprocessing.queues
@@ -26,6 +27,7 @@ from data.augment import BatchTransform
 from data.sampler import ResumableBatchSampler, SeededDataset, mix
 from utils.distributed import die_with_parent, rank, world_size
 from utils.seeding import seed_worker
+from utils.stopping import stop_ends_the_wait
 
 AUGMENT_STREAM = -1  # a number no sample position is (they count from 0): the epoch's draws apart from the samples'
 
@@ -71,7 +73,8 @@ def init_worker(parent, worker_id):
 def _end_with_a_lost_batch(error, batch):
     """A worker's batch could not be sent to the main process: say why in one line and end the worker,
     which the main process notices within seconds (a DataLoader error, see utils/errors.run_cli)."""
-    print(f'error: a DataLoader worker could not hand over its batch: {error}', file=sys.stderr, flush=True)
+    line = f'error: a DataLoader worker could not hand over its batch: {error}\n'  # one write: workers' lines
+    os.write(sys.stderr.fileno(), line.encode(errors='replace'))  # do not interleave (unbuffered stderr split it)
     os._exit(1)
 
 
@@ -88,10 +91,12 @@ def _kill_workers_left():
 
 
 def default_workers(requested):
-    """--num_workers, or min(4, CPUs per process) when not given (torchrun's processes share the CPUs)."""
+    """--num_workers, or min(4, CPUs per process) when not given (the CPUs this process may run on, as
+    taskset or a job's CPU set leaves them; torchrun's processes share them)."""
     if requested is not None:
         return requested
-    cpus_per_process = (os.cpu_count() or 1) // int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1  # (taskset)
+    cpus_per_process = cpus // int(os.environ.get('LOCAL_WORLD_SIZE', 1))
     return max(1, min(4, cpus_per_process))
 
 
@@ -127,8 +132,10 @@ class Batches:
         channels_last=False,
         image_size=32,
         options=None,
+        stop_ends_wait=False,
     ):
         self.dataset, self.device, self.seed = dataset, device, seed
+        self.stop_ends_wait = stop_ends_wait  # a stop signal ends a wait for a worker's batch (utils/stopping.py)
         self.sampler = ResumableBatchSampler(
             len(dataset), batch_size, shuffle, seed, rank(), world_size(), limit, fixed_order
         )
@@ -152,13 +159,20 @@ class Batches:
                 generator=torch.Generator(),
             )
 
-    def close(self):
+    def close(self, stuck=False):
         """Stop this split's DataLoader workers now. Persistent workers ignore stop signals (see
         init_worker), so a run that ends by an error, while something still refers to them, would
-        otherwise wait for them at exit forever."""
+        otherwise wait for them at exit forever. `stuck`: they are known not to answer (kill them first,
+        rather than wait seconds for each to end by itself)."""
         iterator = getattr(self.loader, '_iterator', None)
         if iterator is not None:
+            if stuck:  # (torch's SIGCHLD handler would take these deaths for failures)
+                chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for worker in getattr(iterator, '_workers', ()):
+                    worker.kill()
             iterator._shutdown_workers()  # asks them to end, then SIGTERM (ignored) to those that did not
+            if stuck:
+                signal.signal(signal.SIGCHLD, chld)
             for worker in iterator._workers:
                 if worker.is_alive():
                     worker.kill()
@@ -204,7 +218,13 @@ class Batches:
             yield batch, positions
 
     def _from_loader(self):
-        for batch, positions in self.loader:
+        iterator = iter(self.loader)
+        while True:
+            with stop_ends_the_wait() if self.stop_ends_wait else contextlib.nullcontext():
+                try:
+                    batch, positions = next(iterator)
+                except StopIteration:
+                    return
             yield (
                 {key: t.to(self.device, non_blocking=True) for key, t in batch.items()},
                 positions.to(self.device, non_blocking=True),

@@ -380,3 +380,35 @@ def test_sigterm_ends_a_process_whose_worker_is_stuck(tmp_path):
         process.kill()
         raise AssertionError('the process did not end after SIGTERM') from None
     assert process.returncode == 128 + signal.SIGTERM and stderr.strip() == 'terminated (SIGTERM)', stderr
+
+
+def test_a_stop_signal_while_training_waits_for_a_stuck_worker_saves_the_last_step_and_ends(tiny_shapes, tmp_path):
+    """The first SIGTERM only asks the loop to stop after its step, and the step waited for a batch that a
+    worker stuck in a read (a hung network disk: here, a stopped process) never sent: the run never saved
+    and never ended, until a SLURM pre-emption killed it outright."""
+    with open(os.path.join(tiny_shapes, 'train.txt')) as f:
+        lines = [os.path.join(tiny_shapes, line) for line in f.read().splitlines()]
+    (tmp_path / 'long.txt').write_text('\n'.join(lines * 40) + '\n')  # an epoch long enough to stop in
+    command = [
+        sys.executable, 'train.py', '--data_type', 'list', '--train_list', tmp_path / 'long.txt', '--val_list',
+        os.path.join(tiny_shapes, 'val.txt'), '--model_type', 'linear', '--batch_size', '4', '--num_workers', '1',
+        '--print_freq', '5', '--no-progress_bar', '--cpu', '--checkpoints_dir', tmp_path / 'ck',
+    ]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while 'step 5/' not in process.stdout.readline():
+            assert process.poll() is None, process.communicate()
+        with open(f'/proc/{process.pid}/task/{process.pid}/children') as f:
+            workers = [int(pid) for pid in f.read().split()]
+        for worker in workers:
+            os.kill(worker, signal.SIGSTOP)  # stuck: it hands over nothing more, and never ends by itself
+        time.sleep(2)  # the loop has taken the batches already handed over, and waits
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=timeout(60))
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    last = os.path.join(tmp_path, 'ck', 'linear_list_default', 'last.pth')
+    step = torch.load(last, weights_only=True)['position']['step']
+    assert 'stopped by SIGTERM after' in stdout and f'at step {step} ' in stdout and step >= 5, stdout
+    assert not any(os.path.exists(f'/proc/{worker}') for worker in workers)

@@ -674,7 +674,8 @@ def test_loader_defaults(tiny_shapes, monkeypatch):
     args = parse_args(
         parse_train_args, tiny_run_args(tiny_shapes, 'unused')[:6] + ['--img_size', '32']
     )  # workers unset
-    monkeypatch.setattr(os, 'cpu_count', lambda: 8)
+    monkeypatch.setattr(os, 'cpu_count', lambda: 32)  # the machine's: it counted them, not those it may run on
+    monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: set(range(8)), raising=False)  # taskset -c 0-7
     monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
     cpu = torch.device('cpu')
     loader = Batches(ListDataset(args, 'train'), cpu, batch_size=16, shuffle=True, seed=0).loader

@@ -504,6 +504,15 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
     def read_only(argv):
         raise OSError(30, 'Read-only file system', '/mnt/ro/run')
 
+    def no_more_processes(argv):  # os.fork at `ulimit -u` (it said: free disk space or fix the permissions)
+        raise BlockingIOError(11, 'Resource temporarily unavailable')
+
+    def no_more_threads(argv):  # a thread at the same limit (it was a traceback)
+        raise RuntimeError("can't start new thread")
+
+    def no_temporary_folder(argv):  # tempfile's, which torch asks for a cache folder
+        raise FileNotFoundError(2, "No usable temporary directory found in ['/nowhere', '/tmp']")
+
     def peer_lost_in_training(argv):  # what Trainer.run adds to it
         error = RuntimeError('Connection closed by peer [127.0.0.1]:9124')
         error.add_note('the newest checkpoint is whole: continue with --resume')
@@ -517,6 +526,9 @@ def test_run_cli_turns_file_system_and_memory_failures_into_one_line(capsys):
         (disk_full_in_an_open_file, 'error: No space left on device; free disk space (--debug', 2),
         (not_yours, '/shared/run/.lock: Permission denied; fix its permissions, or give a path of your own (', 2),
         (read_only, '/mnt/ro/run: Read-only file system; give a path on a file system that can be written (', 2),
+        (no_more_processes, 'the limit on processes of this user is reached (ulimit -u, ', 2),
+        (no_more_threads, 'the limit on processes of this user is reached (ulimit -u, ', 2),
+        (no_temporary_folder, "['/nowhere', '/tmp']; set TMPDIR to a folder you can write to (--debug", 2),
         (out_of_file_descriptors, 'error: too many open files (this process may open ', 2),
         (workers_out_of_file_descriptors, 'lower --num_workers (--debug shows where)', 2),  # a traceback
         (not_deterministic, '--deterministic: upsample_bilinear2d_backward_out_cuda does not have', 2),

@@ -171,6 +171,10 @@ def _stopped(stop, at_once=False):
 
 INTERRUPTED = []  # the Ctrl-Cs quiet_interrupts saw
 RUNNING = []  # the entry points run_cli is running now (none while modules load)
+PROCESS_LIMIT = (
+    'error: cannot start another process or thread: the limit on processes of this user is reached (ulimit -u, '
+    "or a container's pids limit); raise it, or lower --num_workers (0 reads the data in this process)"
+)
 STOPPING = []  # the stop signal a training run took up (utils/stopping.py): another one stops it at once
 # the stop signals other than Ctrl-C: `kill`, a cluster's pre-emption, SLURM's warning before a time limit
 TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ('SIGTERM', 'SIGUSR1') if hasattr(signal, name))
@@ -290,6 +294,12 @@ def _run_reporting_errors(main, argv):
             )
         if error.errno in (errno.EMFILE, errno.ENFILE):
             exit_with_error(too_many_open_files(system_wide=error.errno == errno.ENFILE))
+        if error.errno == errno.EAGAIN:  # fork() at the limit on processes
+            exit_with_error(PROCESS_LIMIT)
+        if 'No usable temporary directory' in str(error):  # tempfile's words; torch asks it for a cache folder
+            exit_with_error(
+                f'error: {error.strerror or error}; set TMPDIR to a folder you can write to (--debug shows where)'
+            )
         where = f'cannot use {error.filename}: ' if error.filename else ''  # (writes to an open file name none)
         yours = f'fix {"its" if error.filename else "the"} permissions, or give a path of your own'  # (not disk space)
         fix = {
@@ -311,6 +321,8 @@ def _run_reporting_errors(main, argv):
             )
         if 'Too many open files' in str(error):  # DataLoader workers hand batches over in file descriptors
             exit_with_error(too_many_open_files())
+        if "can't start new thread" in str(error):  # threads count against the limit on processes
+            exit_with_error(PROCESS_LIMIT)
         if 'DataLoader worker' in str(error) and any(text in str(error) for text in WORKER_LOST):
             advice = (  # (a worker that could not hand over its batch said why in a line above)
                 'often the out-of-memory killer (see `dmesg`): lower --num_workers or --batch_size'
@@ -318,7 +330,7 @@ def _run_reporting_errors(main, argv):
                 else 'if no line above says why, shared memory may be too small (/dev/shm: free it, or docker run '
                 '--shm-size 2g); --num_workers 0 reads the data in this process'
             )
-            exit_with_error(f'error: {_one_line(error).split(". ")[0]}; {advice} (--debug shows where)')
+            exit_with_error(f'error: {_one_line(error).split(". ")[0].rstrip(".")}; {advice} (--debug shows where)')
         if 'does not have a deterministic implementation' in str(error):  # torch's refusal under --deterministic
             exit_with_error(
                 f'error: --deterministic: {str(error).split(",")[0]}; run without --deterministic, or replace '

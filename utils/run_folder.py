@@ -364,9 +364,10 @@ def open_experiment(argv, args):
         args = resolve(merged)
         _refuse_other_world_size(checkpoint, resume_from)
     if not os.access(folder, os.W_OK | os.X_OK):  # said now, not at the first write after training up to it
+        why = 'Read-only file system' if os.statvfs(folder).f_flag & os.ST_RDONLY else 'Permission denied'
         raise KilnError(
-            f'cannot write in {folder} (its permissions, or a read-only file system): --resume goes on in the '
-            f"run's own folder; make it writable, or copy the folder to a place of yours and resume the copy"
+            f"cannot write in {folder} ({why}): --resume goes on in the run's own folder; make it writable, or "
+            f'copy the folder to a place of yours and resume the copy'
         )
     lock = FolderLock(folder)
     try:

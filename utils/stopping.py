@@ -7,6 +7,7 @@ host (gloo) group that is read one step later; losses are kept as they are and r
 points (print intervals and saves).
 """
 
+import contextlib
 import dataclasses
 import enum
 import os
@@ -35,6 +36,29 @@ class Stop:
     reason: StopReason
     message: str
     signum: int | None = None
+
+
+class StoppedWaitingForData(BaseException):
+    """A first stop signal that came while the training loop waited for its next batch (one process):
+    a worker stuck in a read (a hung network disk) would hold the step, and the stop, for ever. A
+    BaseException, so that the DataLoader's `except Exception` lets it through."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+WAITING_FOR_DATA = []  # non-empty while the training loop of a single process waits for a batch
+
+
+@contextlib.contextmanager
+def stop_ends_the_wait():
+    """Inside, a first stop signal raises StoppedWaitingForData: the loop then saves its last step and stops."""
+    WAITING_FOR_DATA.append(True)
+    try:
+        yield
+    finally:
+        WAITING_FOR_DATA.pop()
 
 
 class StopSignals:
@@ -66,6 +90,8 @@ class StopSignals:
                 file=sys.stderr,
                 flush=True,
             )
+        if WAITING_FOR_DATA:
+            raise StoppedWaitingForData(signum)
 
     def __enter__(self):
         STOPPING.clear()  # a new run (several can train in one process)
@@ -114,17 +140,18 @@ class Stopper:
         (under torchrun, one step after the signal, with no wait for the GPU)."""
         if not is_distributed():
             if self.signals.received and self.stop is None:
-                self._stop_by_signal(self.signals.received)
+                self.stop_by_signal(self.signals.received)
             return
         if self._pending is not None:
             handle, flag = self._pending
             handle.wait()
             if flag.item() and self.stop is None:  # a host tensor: no GPU sync
-                self._stop_by_signal(int(flag.item()))
+                self.stop_by_signal(int(flag.item()))
         flag = torch.tensor([self.signals.received or 0])
         self._pending = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group(), async_op=True), flag
 
-    def _stop_by_signal(self, signum):
+    def stop_by_signal(self, signum):
+        """Stop for the signal `signum` (after a step, or while waiting for data: see StoppedWaitingForData)."""
         self.stop = Stop(StopReason.SIGNAL, f'stopped by {signal.Signals(signum).name}', signum)
 
     def check_finite(self, model=None, *, losses_finite=None, step=0):
