@@ -409,6 +409,6 @@ def test_a_stop_signal_while_training_waits_for_a_stuck_worker_saves_the_last_st
         process.kill()
     assert process.returncode == 128 + signal.SIGTERM, stderr
     last = os.path.join(tmp_path, 'ck', 'linear_list_default', 'last.pth')
-    step = torch.load(last, weights_only=True)['position']['step']
+    step = torch.load(last, weights_only=True, map_location='cpu')['position']['step']
     assert 'stopped by SIGTERM after' in stdout and f'at step {step} ' in stdout and step >= 5, stdout
     assert not any(os.path.exists(f'/proc/{worker}') for worker in workers)
