@@ -7,6 +7,7 @@ change times), so a later run loads them in milliseconds instead of decoding eve
 
 import hashlib
 import os
+import resource
 
 import torch
 
@@ -17,15 +18,55 @@ from utils.errors import KilnError
 
 
 def available_memory():
-    """Bytes of memory this machine can still give (MemAvailable), or None where unknown."""
+    """Bytes of memory this process can still get, or None where unknown: the least of the machine's
+    (MemAvailable), its memory cgroup's limit less its use (a container's `--memory`: over it, the
+    kernel kills the process without a word) and the address-space limit (`ulimit -v`) less its size."""
+    found = [_meminfo('/proc/meminfo', 'MemAvailable:'), _cgroup_headroom()]
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    size = _meminfo('/proc/self/status', 'VmSize:')
+    if limit != resource.RLIM_INFINITY and size is not None:
+        found.append(max(0, limit - size))
+    known = [bytes_ for bytes_ in found if bytes_ is not None]
+    return min(known) if known else None
+
+
+def _meminfo(path, key):
+    """The number of kB after `key` in a /proc file, in bytes, or None."""
     try:
-        with open('/proc/meminfo') as f:
-            for line in f:
-                if line.startswith('MemAvailable:'):
-                    return int(line.split()[1]) * 1024
+        with open(path) as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(key)), None)
     except OSError:
-        pass
+        return None
+
+
+def _cgroup_headroom(own='/proc/self/cgroup', mounted='/sys/fs/cgroup'):
+    """Bytes the process's memory cgroup may still use (cgroup v2 or v1), or None: no limit, or none found.
+    Inside a container its own cgroup is at the root of `mounted`; outside, at its path there."""
+    try:
+        with open(own) as f:
+            entries = [line.rstrip('\n').split(':', 2) for line in f]
+    except OSError:
+        return None
+    for _, controllers, path in entries:
+        root, files = mounted, ('memory.max', 'memory.current')
+        if controllers:  # v1: one hierarchy per controller
+            if 'memory' not in controllers.split(','):
+                continue
+            root, files = os.path.join(mounted, 'memory'), ('memory.limit_in_bytes', 'memory.usage_in_bytes')
+        for folder in (os.path.join(root, path.lstrip('/')), root):
+            try:
+                limit, used = (_text(os.path.join(folder, name)) for name in files)
+            except OSError:
+                continue
+            if limit.isdecimal() and used.isdecimal() and int(limit) < 1 << 60:  # v1 says "no limit" with 2**63
+                return max(0, int(limit) - int(used))
+            break
     return None
+
+
+def _text(path):
+    with open(path) as f:
+        return f.read().strip()
 
 
 class InMemory:
@@ -40,7 +81,7 @@ class InMemory:
             if free is not None and needed > free // 2:
                 raise KilnError(
                     f'{len(self)} images of {self.size}x{self.size} need {needed / 2**30:.1f} GiB in memory '
-                    f'but {free / 2**30:.1f} GiB are free; lower --img_size or read them from disk '
+                    f'but {free / 2**30:.1f} GiB are free to this process; lower --img_size or read them from disk '
                     f'(--data_type list)'
                 )
             self._tensors = self.cached() or self.decode_all()

@@ -1214,3 +1214,33 @@ def test_a_cpu_run_resumed_under_torchrun_joins_a_cpu_group(tiny_shapes, tmp_pat
     with pytest.raises(KilnError, match='stop here'):
         train.main(['--resume', folder, '--max_iteration', '2'])
     assert joined == [True]
+
+
+def test_the_memory_an_in_memory_dataset_may_take_counts_a_container_s_limits(tmp_path, monkeypatch):
+    """The check read the machine's MemAvailable only: in a container (`docker run --memory`, a cgroup) or
+    under `ulimit -v` the data were decoded past the limit, and the kernel killed the run without a word
+    (or it said out of memory, lower --batch_size)."""
+    import resource
+
+    import data.mem_list_dataset as mem
+
+    for version, own, files in (
+        ('v2', '0::/job\n', {'job/memory.max': '3000000000', 'job/memory.current': '1000000000'}),
+        (
+            'v1',
+            '4:memory:/docker/x\n1:cpu:/\n',
+            {'memory/memory.limit_in_bytes': '2000000000\n', 'memory/memory.usage_in_bytes': '500000000\n'},
+        ),  # fmt: skip
+        ('none', '0::/\n', {'memory.max': 'max', 'memory.current': '5'}),
+    ):
+        tree = tmp_path / version
+        for name, text in files.items():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            (tree / name).write_text(text)
+        (tree / 'cgroup').write_text(own)
+        expected = {'v2': 2_000_000_000, 'v1': 1_500_000_000, 'none': None}[version]
+        assert mem._cgroup_headroom(str(tree / 'cgroup'), str(tree)) == expected, version
+    size = mem._meminfo('/proc/self/status', 'VmSize:')
+    if size is not None:
+        monkeypatch.setattr(resource, 'getrlimit', lambda kind: (size + 50_000_000, resource.RLIM_INFINITY))
+        assert mem.available_memory() <= 50_000_000
