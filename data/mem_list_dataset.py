@@ -14,7 +14,7 @@ import torch
 from data.list_dataset import ListDataset
 from data.loader import pad_collate
 from utils.checkpoint import atomic_write_bytes, remove_abandoned_temporaries
-from utils.errors import KilnError
+from utils.errors import KilnError, is_out_of_memory
 
 
 def available_memory():
@@ -78,13 +78,21 @@ class InMemory:
         if getattr(self, '_tensors', None) is None:
             needed = len(self) * 3 * self.size * self.size
             free = available_memory()
+            advice = 'lower --img_size or read them from disk (--data_type list)'
             if free is not None and needed > free // 2:
                 raise KilnError(
                     f'{len(self)} images of {self.size}x{self.size} need {needed / 2**30:.1f} GiB in memory '
-                    f'but {free / 2**30:.1f} GiB are free to this process; lower --img_size or read them from disk '
-                    f'(--data_type list)'
+                    f'but {free / 2**30:.1f} GiB are free to this process; {advice}'
                 )
-            self._tensors = self.cached() or self.decode_all()
+            try:
+                self._tensors = self.cached() or self.decode_all()
+            except (MemoryError, RuntimeError) as error:  # past the check: the memory went to something else
+                if not is_out_of_memory(error):
+                    raise
+                raise KilnError(
+                    f'out of memory while {len(self)} images of {self.size}x{self.size} ({needed / 2**30:.1f} GiB) '
+                    f'were put in memory; {advice}'
+                ) from None
         return self._tensors
 
     def decode_all(self):

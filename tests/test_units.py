@@ -616,6 +616,11 @@ def test_an_in_memory_dataset_too_big_for_memory_is_refused(tiny_shapes, monkeyp
     dataset = MemListDataset(_dataset_args(val_list=os.path.join(tiny_shapes, 'val.txt'), img_size=512), 'val')
     with pytest.raises(KilnError, match='need .* GiB in memory'):
         dataset.tensors()
+    # past the check (memory taken by something else meanwhile): said so, not "lower --batch_size"
+    monkeypatch.setattr(mem, 'available_memory', lambda: None)
+    monkeypatch.setattr(dataset, 'decode_all', lambda: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(KilnError, match=r'^out of memory while 48 images .* read them from disk \(--data_type list\)$'):
+        dataset.tensors()
 
 
 def test_every_checkpoint_is_loaded_onto_the_cpu(tmp_path, monkeypatch):

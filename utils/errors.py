@@ -90,7 +90,8 @@ def _one_line(error):
     return text.split('KilnError: ', 1)[-1]
 
 
-def _is_out_of_memory(error):
+def is_out_of_memory(error):
+    """Whether `error` says that memory ran out (the host's or a GPU's)."""
     return (
         isinstance(error, MemoryError)
         or type(error).__name__ == 'OutOfMemoryError'
@@ -336,7 +337,7 @@ def _run_reporting_errors(main, argv):
                 f'error: --deterministic: {str(error).split(",")[0]}; run without --deterministic, or replace '
                 f'that operation in your model (--debug shows where)'
             )
-        if not _is_out_of_memory(error):
+        if not is_out_of_memory(error):
             raise
         exit_with_error('error: out of memory; lower --batch_size or --img_size (--debug shows where)')
 
