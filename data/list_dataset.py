@@ -68,9 +68,10 @@ def match_classes(dataset, class_names, source):
     found = getattr(dataset, 'class_names', None)
     reference = [unicodedata.normalize('NFC', name) for name in class_names or ()]
     numbered = [int(name) if name.isdecimal() else None for name in reference]
-    if not found and None not in numbered and numbered != sorted(numbered) and hasattr(dataset, 'list_path'):
+    in_order = sorted(numbered) if None not in numbered else numbered
+    if not found and numbered != in_order and hasattr(dataset, 'list_path'):
         # class folders named 0, 1, 2, ..., 10 sort as text: label 2 of a list would be the folder '10'
-        moved = next(label for label, number in enumerate(numbered) if number != sorted(numbered)[label])
+        moved = next(label for label, number in enumerate(numbered) if number != in_order[label])
         raise KilnError(
             f'{dataset.list_path} gives classes by label number alone, but {source} has classes named by numbers '
             f'in another order ({listed(reference, 4)}): label {moved} would be the class {reference[moved]!r}; '

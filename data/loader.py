@@ -166,13 +166,15 @@ class Batches:
         rather than wait seconds for each to end by itself)."""
         iterator = getattr(self.loader, '_iterator', None)
         if iterator is not None:
-            if stuck:  # (torch's SIGCHLD handler would take these deaths for failures)
-                chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for worker in getattr(iterator, '_workers', ()):
+            # (stuck: torch's SIGCHLD handler would take the deaths of the workers killed here for failures)
+            chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if stuck else None
+            try:
+                for worker in getattr(iterator, '_workers', ()) if stuck else ():
                     worker.kill()
-            iterator._shutdown_workers()  # asks them to end, then SIGTERM (ignored) to those that did not
-            if stuck:
-                signal.signal(signal.SIGCHLD, chld)
+                iterator._shutdown_workers()  # asks them to end, then SIGTERM (ignored) to those that did not
+            finally:
+                if stuck:
+                    signal.signal(signal.SIGCHLD, chld)
             for worker in iterator._workers:
                 if worker.is_alive():
                     worker.kill()
