@@ -31,7 +31,7 @@ def confusion_matrix(predictions, targets, num_classes, into=None):
     Built with an accumulating index_put (not bincount, whose output size is data-dependent and
     so waits for the GPU).
     """
-    index = (targets.flatten() * num_classes + predictions.flatten()).long()
+    index = targets.flatten().long() * num_classes + predictions.flatten().long()  # uint8 targets would wrap
     if into is None:
         into = torch.zeros(num_classes, num_classes, dtype=torch.long, device=index.device)
     into.view(-1).index_put_((index,), torch.ones_like(index), accumulate=True)

@@ -62,8 +62,7 @@ class ClassifyTask(Task):
     eval_header = ('image', 'label', 'prediction', 'confidence', 'label_name', 'prediction_name')
 
     def eval_rows(self, batch, outputs):
-        confidence, predicted = outputs.softmax(dim=1).max(dim=1)
-        labels, predicted, confidence = self.to_host(batch['label'], predicted, confidence)
+        labels, predicted, confidence = self.to_host(batch['label'], *predicted_with_confidence(outputs))
         names = self.class_names
         return [
             [[label, p, f'{c:.4f}', names[label], names[p]]]
@@ -73,5 +72,12 @@ class ClassifyTask(Task):
     predict_header = ('image', 'prediction', 'prediction_name', 'confidence')
 
     def predict_rows(self, batch, outputs, paths, folder):
-        confidence, predicted = self.to_host(*outputs.softmax(dim=1).max(dim=1))
+        predicted, confidence = self.to_host(*predicted_with_confidence(outputs))
         return [[[p, self.class_names[p], f'{c:.4f}']] for p, c in zip(predicted.tolist(), confidence.tolist())]
+
+
+def predicted_with_confidence(logits):
+    """Each sample's predicted class, the one the metrics count (argmax of the logits: softmax can round
+    two top scores to one value, and its max then names the lower class), and its softmax probability."""
+    predicted = logits.argmax(dim=1)
+    return predicted, logits.softmax(dim=1).gather(1, predicted[:, None]).squeeze(1)

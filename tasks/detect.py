@@ -18,6 +18,7 @@ from utils.viz import caption, font_for
 
 STRIDE = 4  # input pixels per heatmap cell
 MIN_SCORE = 0.3  # detections shown in pictures and written as rows
+MAX_DETECTIONS = 100  # detections kept per image (CenterNet's K; COCO's evaluation counts at most 100 too)
 IOU_THRESHOLDS = np.linspace(0.5, 0.95, int(np.round((0.95 - 0.5) / 0.05)) + 1, endpoint=True)  # COCO's, to the bit
 RECALL_THRESHOLDS = np.linspace(0.0, 1.00, int(np.round((1.00 - 0.0) / 0.01)) + 1, endpoint=True)
 PALETTE = (
@@ -187,7 +188,7 @@ def detection_loss(outputs, boxes, box_labels, size_weight=0.1, offset_weight=1.
 
 
 @torch.no_grad()
-def decode_detections(outputs, k=50, stride=STRIDE):
+def decode_detections(outputs, k=MAX_DETECTIONS, stride=STRIDE):
     """The k best detections per image: (boxes (B, k, 4) xyxy pixels, scores (B, k), labels (B, k)).
 
     A heatmap cell counts only where it is the maximum of its 3x3 neighbourhood (CenterNet's
@@ -235,7 +236,7 @@ def _match(ious, thresholds):
     return hits
 
 
-def mean_average_precision(predictions, targets, num_classes, class_names=None, max_detections=100):
+def mean_average_precision(predictions, targets, num_classes, class_names=None, max_detections=MAX_DETECTIONS):
     """COCO-style box mAP: {'map50': AP at IoU 0.5, 'map': AP averaged over IoU 0.50:0.05:0.95}; with
     `class_names`, each class's AP at IoU 0.5 too ('ap50/<name>', NaN for a class without true boxes).
 

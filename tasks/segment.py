@@ -55,7 +55,7 @@ class SegmentTask(Task):
         os.makedirs(os.path.join(folder, 'masks'), exist_ok=True)
         written = len(os.listdir(os.path.join(folder, 'masks')))  # by the batches before: once a batch, not an image
         rows = []
-        for index, (path, mask) in enumerate(zip(paths, masks.numpy().astype(np.uint8))):
+        for index, (path, mask) in enumerate(zip(paths, masks.numpy().astype(mask_type(self.num_classes)))):
             if 'region' in batch:
                 mask = mask_on_image(mask, batch['region'][index].tolist(), batch['image_size'][index].tolist())
             stem = os.path.splitext(os.path.basename(path))[0]
@@ -65,16 +65,23 @@ class SegmentTask(Task):
         return rows
 
 
-UNSEEN = 255  # a predicted mask's value where the model saw nothing of the image
+UNSEEN = 255  # a predicted mask's value where the model saw nothing of the image (65535 in 16-bit masks)
+
+
+def mask_type(num_classes):
+    """The type of a predicted mask: 8-bit while every class is below UNSEEN, else 16-bit (a 16-bit PNG),
+    whose largest value, 65535, marks what the model did not see."""
+    return np.uint8 if num_classes <= UNSEEN else np.uint16
 
 
 def mask_on_image(mask, region, image_size):
     """A square predicted mask (S, S) resized (nearest) onto the `region` (x0, y0, x1, y1) of an image of
-    `image_size` (width, height) that became the model's input; UNSEEN elsewhere."""
+    `image_size` (width, height) that became the model's input; elsewhere the largest value of the
+    mask's type (UNSEEN for 8-bit masks)."""
     width, height = image_size
     # at least one pixel each way, as data/image_io.decode_image cut the input (a region under a pixel wide)
     x0, y0 = min(round(region[0]), width - 1), min(round(region[1]), height - 1)
     x1, y1 = max(round(region[2]), x0 + 1), max(round(region[3]), y0 + 1)
-    full = np.full((height, width), UNSEEN, np.uint8)
+    full = np.full((height, width), np.iinfo(mask.dtype).max, mask.dtype)
     full[y0:y1, x0:x1] = np.asarray(Image.fromarray(mask).resize((x1 - x0, y1 - y0), Image.NEAREST))
     return full

@@ -1249,3 +1249,46 @@ def test_the_memory_an_in_memory_dataset_may_take_counts_a_container_s_limits(tm
     if size is not None:
         monkeypatch.setattr(resource, 'getrlimit', lambda kind: (size + 50_000_000, resource.RLIM_INFINITY))
         assert mem.available_memory() <= 50_000_000
+
+
+def test_rows_name_the_class_the_metrics_count_when_softmax_ties_two_scores():
+    """predictions.csv and predict.py took the class from softmax's max: two logits a rounding apart
+    became one probability and it named the lower class, where the metrics (argmax) counted the higher."""
+    from metrics import ClassificationMetrics
+    from tasks.classify import ClassifyTask
+
+    task = ClassifyTask(argparse.Namespace(num_classes=2, loss=None, topk=1), ['cat', 'dog'])
+    logits = torch.tensor([[0.1, torch.nextafter(torch.tensor(0.1), torch.tensor(1.0)).item()]])
+    batch = {'label': torch.tensor([1])}
+    metrics = ClassificationMetrics(2, topk=1)
+    metrics.update(logits, batch)
+    assert metrics.compute()['acc'] == 1.0
+    assert task.eval_rows(batch, logits) == [[[1, 1, '0.5000', 'dog', 'dog']]]
+    assert task.predict_rows(batch, logits, ['x.png'], None) == [[[1, 'dog', '0.5000']]]
+
+
+def test_the_confusion_matrix_counts_uint8_targets_without_wrapping():
+    """targets * num_classes was computed in the targets' type: uint8 masks of 21 classes wrapped past 255."""
+    targets = torch.tensor([20, 13, 5, 0], dtype=torch.uint8)
+    counts = confusion_matrix(targets.long(), targets, 21)
+    assert counts.sum() == 4 and torch.equal(counts.diagonal()[targets.long()], torch.ones(4, dtype=torch.long))
+
+
+def test_masks_of_more_than_255_classes_keep_class_255_apart_from_unseen(tmp_path):
+    """A 256-class model's class 255 was written as 255, the value of pixels the model did not see."""
+    import numpy as np
+    from PIL import Image
+
+    from tasks.segment import SegmentTask
+
+    task = SegmentTask(argparse.Namespace(num_classes=256, loss=None))
+    logits = torch.zeros(1, 256, 4, 4)
+    logits[0, 255] = 1.0  # every pixel: class 255
+    batch = {'region': torch.tensor([[2.0, 0.0, 6.0, 4.0]]), 'image_size': torch.tensor([[8, 4]])}
+    ((path,),) = task.predict_rows(batch, logits, ['a.png'], str(tmp_path))[0]
+    mask = np.asarray(Image.open(path))
+    assert mask.dtype == np.uint16 and (mask[:, 2:6] == 255).all()
+    assert (mask[:, :2] == 65535).all() and (mask[:, 6:] == 65535).all()
+    task = SegmentTask(argparse.Namespace(num_classes=255, loss=None))  # below 255: 8-bit, as before
+    ((path,),) = task.predict_rows(batch, logits[:, :255], ['a.png'], str(tmp_path))[0]
+    assert np.asarray(Image.open(path)).dtype == np.uint8
