@@ -172,7 +172,7 @@ def load_specs(args):
         'name',
         'sweep',
         lambda v: isinstance(v, str) and re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', v),
-        'text of letters, digits, ".", "_" and "-" (YAML reads name: 2024_01 as a number: quote it)',
+        'text of ASCII letters, digits, ".", "_" and "-" (YAML reads name: 2024_01 as a number: quote it)',
     )
     if not entries:
         raise KilnError('nothing to sweep: give --grid NAME=VALUES ... or --config FILE')
@@ -378,10 +378,11 @@ def launch(command):
     print('$ ' + shlex.join(command))
     child = CHILD[0] = subprocess.Popen(command, stderr=subprocess.PIPE, process_group=0)
     tail = b''
-    while chunk := os.read(child.stderr.fileno(), 65536):
-        sys.stderr.buffer.write(chunk)
-        sys.stderr.buffer.flush()
-        tail = (tail + chunk)[-8192:]
+    with child.stderr:
+        while chunk := os.read(child.stderr.fileno(), 65536):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+            tail = (tail + chunk)[-8192:]
     code, CHILD[0] = child.wait(), None
     lines = [line.strip() for line in re.split(r'[\r\n]', tail.decode(errors='replace')) if line.strip()]
     return code, lines[-1] if lines else ''
@@ -574,7 +575,8 @@ def read_lines(path):
 
 def main(argv):
     """Check every run's options, then train them here, print them (--dry_run) or submit them (--slurm)."""
-    sys.stdout.reconfigure(line_buffering=True)  # in order with the runs' own output
+    if sys.stdout is not None:  # (None: started with its output closed)
+        sys.stdout.reconfigure(line_buffering=True)  # in order with the runs' own output
     split = argv.index('--') if '--' in argv else len(argv)
     args, train_argv = sweep_args(argv[:split]), argv[split + 1 :]
     specs, sampler, trials, seed, name = load_specs(args)

@@ -26,7 +26,6 @@ import os
 import sys
 
 import torch
-from tqdm import tqdm
 
 from data.augment import AUGMENTATIONS, MIXES, augmentation_names
 from data.data_entry import select_dataset
@@ -66,7 +65,7 @@ from utils.finetune import FineTuning
 from utils.logger import Logger
 from utils.model_setup import setup_model
 from utils.monitor import Monitor
-from utils.progress import progress
+from utils.progress import progress, write_line
 from utils.run_folder import (
     checkpoint_path,
     discard_folder_if_setup_fails,
@@ -539,7 +538,7 @@ class Trainer:
         self.logger.log_metrics(metrics, step, self.position.epoch)
         if is_main_process():
             shown = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if k != 'train/lr')
-            print(f'{self.position_text()} {shown}{" (best)" if improved else ""}', flush=True)
+            write_line(f'{self.position_text()} {shown}{" (best)" if improved else ""}')
         return dict(metrics, improved=improved)
 
     def save(self, metrics=None):
@@ -611,7 +610,7 @@ class Trainer:
         self.stopper.check_finite(losses_finite=math.isfinite(running.get('train/loss', 0.0)), step=self.position.step)
         if is_main_process():
             shown = ' '.join(f'{k} {v:.4f}' for k, v in running.items())
-            tqdm.write(
+            write_line(
                 f'{self.position_text()} {shown} lr {self.applied_lr():.2e} '
                 f'{(seen - seen_then) / (now - then) * world_size():.0f} img/s'
             )
@@ -689,7 +688,7 @@ class Trainer:
         """Say how the run ended (`idle`: it had nothing left to do) and where its files are (only files
         that exist), with commands to paste (paths quoted for the shell)."""
         o, folder = self.options, self.options.model_dir
-        best = 'none' if self.monitor.best is None else f'{self.monitor.best:.4f}'
+        best = f'{self.monitor.best:.4f}' if self.monitor.best is not None else 'none yet'
         first = (  # timed from train.py's first line (imports, data, model), the run's seconds from the loop's start
             ''
             if self.first_step_seconds is None

@@ -571,7 +571,7 @@ def test_the_printed_commands_work_pasted_from_another_folder(tiny_shapes, tmp_p
     )
 
 
-def test_a_name_the_locale_cannot_write_is_kept_as_its_bytes_or_is_one_line(tiny_shapes, tmp_path, capsys):
+def test_a_name_the_locale_cannot_write_is_kept_as_its_bytes_or_is_one_line(tiny_shapes, tmp_path, capsys, monkeypatch):
     """In an ASCII locale without Python's UTF-8 mode, a non-ASCII --save_prefix (or path) ended in a
     UnicodeEncodeError traceback while args.txt was written; then in one line saying to use a UTF-8
     locale. The command line's bytes are now the folder's name and args.txt's, as given; text that the
@@ -593,8 +593,17 @@ def test_a_name_the_locale_cannot_write_is_kept_as_its_bytes_or_is_one_line(tiny
     with pytest.raises(SystemExit):
         run_cli(ascii_file, [])
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error: cannot write 'recall/\u00e9t\u00e9:' in the ascii encoding"), line
+    assert line.startswith("error: cannot write 'recall/\u00e9t\u00e9' in the ascii encoding"), line
     assert 'PYTHONUTF8=1' in line
+    # PYTHONIOENCODING=ascii outdoes both: the line said to set them, which changed nothing
+    monkeypatch.setenv('PYTHONIOENCODING', 'ascii')
+    with pytest.raises(SystemExit):
+        run_cli(ascii_file, [])
+    assert 'unset PYTHONIOENCODING' in capsys.readouterr().err
+    # an error line names a path as its bytes, as the standard output does there (it wrote \udcc3\udcb6)
+    absent = str(tmp_path / 'n\u00f6ne.txt')
+    missing = run_script('train.py', *args, '--train_list', absent, env=ascii_locale)
+    assert f'list file {absent} does not exist' in missing.stderr, missing.stderr
 
 
 def test_the_first_step_time_is_where_the_benchmark_reads_it(tiny_args):

@@ -426,7 +426,7 @@ def test_options_of_two_values_are_swept(tiny_shapes, tmp_path):
         (['--config', 'random: {lr: [1]}\nseed: 1.5'], 'seed: must be an integer, got 1.5'),
         (['--config', 'random: {lr: [1]}\ntrials: true'], 'trials: must be a positive integer, got True'),
         (['--config', 'random: {lr: [1]}\ntrials: "8"'], "trials: must be a positive integer, got the text '8'"),
-        (['--config', 'grid: {lr: [1]}\nname: null'], 'name: must be text of letters, digits'),
+        (['--config', 'grid: {lr: [1]}\nname: null'], 'name: must be text of ASCII letters, digits'),
         (
             ['--grid', 'lr=1', '--name', ''],
             "quote it), got the text ''",
@@ -545,3 +545,29 @@ def test_a_checkpoints_dir_that_cannot_be_written_is_said_once_before_any_run(tm
     with pytest.raises(KilnError, match=r'^cannot write into .*/ck \(Read-only\): a sweep writes its runs under'):
         sweep.run_all([run], 's', base, compare=False)
     assert launched == []
+
+
+def test_a_run_leaves_no_open_pipe_and_help_works_with_the_output_closed(capfd):
+    """Each run's stderr pipe was left open (a ResourceWarning per run under -X dev), and `sweep.py
+    --help >&-` was a traceback: sys.stdout is None there."""
+    import gc
+    import sys
+    import warnings
+
+    import sweep
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        code, last = sweep.launch([sys.executable, '-c', 'import sys; sys.stderr.write("one\\ntwo\\n")'])
+        gc.collect()
+    assert (code, last) == (0, 'two')
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+    closed = subprocess.run(
+        [sys.executable, 'sweep.py', '--help'],
+        cwd=os.path.dirname(sweep.__file__),
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=timeout(60),
+        preexec_fn=lambda: os.close(1),
+    )
+    assert closed.returncode == 0 and 'Traceback' not in closed.stderr, closed.stderr

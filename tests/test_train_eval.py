@@ -435,6 +435,70 @@ def test_the_progress_bar_shows_where_stderr_is_read_live_not_in_log_files(tiny_
     assert bar_drawn(prefix='pycharm')
 
 
+def _train_in_a_terminal(args, columns, rows, **environment):
+    """train.py's output in a pseudo-terminal of `columns` x `rows`, as the bytes it wrote there."""
+    import fcntl
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    main, terminal = os.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack('HHHH', rows, columns, 0, 0))
+    env = {key: value for key, value in os.environ.items() if key not in ('PYCHARM_HOSTED', 'TERM')}
+    process = subprocess.Popen(
+        [sys.executable, 'train.py', *args],
+        cwd=REPO,
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        env={**env, 'TERM': 'xterm', **environment},
+    )
+    os.close(terminal)
+    output = b''
+    try:
+        while chunk := os.read(main, 65536):
+            output += chunk
+    except OSError:  # EIO: the last process writing to the terminal has ended
+        pass
+    finally:
+        os.close(main)
+    assert process.wait(timeout=timeout(120)) == 0, output.decode(errors='replace')[-3000:]
+    return output.decode(errors='replace')
+
+
+def test_in_a_terminal_each_printed_line_starts_a_line_of_its_own(tiny_shapes, tmp_path):
+    """The validation line was printed after the validation bar, which tqdm leaves with the cursor at the
+    end of the epoch bar's line: every epoch's metrics were glued to a leftover bar. A terminal that says
+    it is 0 x 0 (`script` from a job) showed no bar at all; TERM=dumb (no cursor moves) shows none."""
+    args = [arg for arg in tiny_run_args(tiny_shapes, tmp_path / 'ck') if arg != '--no-progress_bar']
+    args += ['--loggers', 'csv']
+    output = _train_in_a_terminal([*args, '--save_prefix', 'sized'], 80, 30)
+    assert 'batch/s' in output  # the bars were drawn
+    starts = [output[max(0, at - 1)] for at in range(len(output)) if output.startswith('epoch 1/2 train/loss', at)]
+    assert starts and set(starts) <= {'\r', '\n'}, output
+    assert 'batch/s' in _train_in_a_terminal([*args, '--save_prefix', 'unsized'], 0, 0)
+    assert 'batch/s' not in _train_in_a_terminal([*args, '--save_prefix', 'dumb'], 80, 30, TERM='dumb')
+
+
+def test_a_closed_stderr_ends_the_run_quietly_as_a_closed_output_does(tiny_shapes, tmp_path):
+    """`train.py 2>&1 >log | head`: the progress bar's write to the closed pipe ended the run with exit
+    code 1 and 'error: Broken pipe; free disk space or fix the permissions' (to the closed pipe)."""
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    command = [sys.executable, 'train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--progress_bar']
+    try:
+        result = subprocess.run(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=write_end, text=True, timeout=timeout(120)
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stdout  # as a tool stopped by SIGPIPE
+
+
 def test_the_printed_commands_paste_into_a_shell_with_spaces_in_paths(tiny_shapes, tmp_path):
     """They were printed unquoted: `python eval.py --load_model_path /tmp/sp ace/...` read /tmp/sp."""
     import shlex

@@ -1,6 +1,7 @@
 """User-facing errors: one clear line and a non-zero exit instead of a traceback (imports no torch)."""
 
 import atexit
+import codecs
 import contextlib
 import errno
 import os
@@ -247,11 +248,28 @@ def run_cli(main, argv=None):
 def print_names_as_their_bytes():
     """Printed file names that are no UTF-8 (kept as surrogates by os.listdir, list files, the command
     line) come out as the bytes they were, as `ls` prints them, where the output is UTF-8: Python's
-    standard output refused them (UnicodeEncodeError) and the run stopped."""
+    standard output refused them (UnicodeEncodeError) and the run stopped. In another locale (LC_ALL=C
+    without Python's UTF-8 mode) every name not in it is such a name: stderr, which wrote them as
+    `\\udcc3\\udca9`, now writes their bytes too, as the standard output does there."""
     for stream in (sys.stdout, sys.stderr):
         encoding = (getattr(stream, 'encoding', None) or '').lower().replace('-', '').replace('_', '')
-        if encoding == 'utf8' and hasattr(stream, 'reconfigure'):
-            stream.reconfigure(errors='surrogateescape')
+        if hasattr(stream, 'reconfigure') and (
+            encoding == 'utf8' or getattr(stream, 'errors', '') == 'backslashreplace'
+        ):
+            stream.reconfigure(errors='surrogateescape' if encoding == 'utf8' else 'kiln_names_as_bytes')
+
+
+def _names_as_bytes(error):
+    """A codec error handler: surrogates of undecodable bytes written as those bytes, other characters
+    the encoding lacks as backslash escapes (what stderr writes them as)."""
+    if isinstance(error, UnicodeEncodeError):
+        text = error.object[error.start : error.end]
+        if all(0xDC80 <= ord(character) <= 0xDCFF for character in text):
+            return bytes(ord(character) - 0xDC00 for character in text), error.end
+    return codecs.backslashreplace_errors(error)
+
+
+codecs.register_error('kiln_names_as_bytes', _names_as_bytes)
 
 
 def _run_reporting_errors(main, argv):
@@ -276,14 +294,20 @@ def _run_reporting_errors(main, argv):
                 f'error: cannot write {word!r}: a name in it has bytes that are no UTF-8; rename it in UTF-8 '
                 f'(--debug shows where)'
             )
+        utf8 = (  # PYTHONIOENCODING overrides the locale and UTF-8 mode
+            'unset PYTHONIOENCODING'
+            if os.environ.get('PYTHONIOENCODING')
+            else 'run in a UTF-8 locale (export PYTHONUTF8=1, or LC_ALL=C.UTF-8)'
+        )
         exit_with_error(
-            f'error: cannot write {word!r} in the {error.encoding} encoding ({error.reason}); run in a UTF-8 '
-            f'locale (export PYTHONUTF8=1, or LC_ALL=C.UTF-8) with names in UTF-8 (--debug shows where)'
+            f'error: cannot write {word.rstrip(":;,.")!r} in the {error.encoding} encoding ({error.reason}); '
+            f'{utf8} with names in UTF-8 (--debug shows where)'
         )
     except OSError as error:
-        if isinstance(error, BrokenPipeError) and _output_gone():
-            # the reader of the output left (`| head -1`): stop quietly with SIGPIPE's status, as tools do
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush must not fail
+        gone = _outputs_gone() if isinstance(error, BrokenPipeError) else []
+        if gone:  # the reader of the output left (`| head -1`): stop quietly with SIGPIPE's status, as tools do
+            for descriptor in gone:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), descriptor)  # Python's last flush must not fail
             raise SystemExit(128 + signal.SIGPIPE) from None
         # a folder to be made where a file is (a path option naming a file): the disk and permissions are fine
         made = error.errno in (errno.EEXIST, errno.ENOTDIR) and isinstance(error.filename, str)
@@ -309,6 +333,7 @@ def _run_reporting_errors(main, argv):
             errno.EACCES: yours,
             errno.EPERM: yours,
             errno.EROFS: 'give a path on a file system that can be written',
+            errno.EPIPE: 'the program reading from it has ended',
         }.get(error.errno, 'free disk space or fix the permissions')
         exit_with_error(f'error: {where}{error.strerror or error}; {fix} (--debug shows where)')
     except (MemoryError, RuntimeError) as error:
@@ -362,14 +387,17 @@ def too_many_open_files(system_wide=False):
     return f'error: too many open files (this process may open {soft}); {fix} (--debug shows where)'
 
 
-def _output_gone():
-    """Whether standard output is a pipe whose reader has closed it."""
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
-    except (OSError, ValueError, AttributeError):  # no file descriptor (captured output), no poll
-        return False
+def _outputs_gone():
+    """The file descriptors of standard output and error that are pipes whose reader has closed them."""
+    gone = []
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            poller = select.poll()
+            poller.register(stream.fileno(), select.POLLOUT)
+            gone += [descriptor for descriptor, events in poller.poll(0) if events & select.POLLERR]
+        except (OSError, ValueError, AttributeError):  # no file descriptor (captured output), no poll
+            pass
+    return gone
 
 
 def run_to_exit(main, argv=None):
