@@ -718,15 +718,22 @@ def parse_test_args(parser):
     return _add_output_dir(parser)
 
 
-NOT_USED_IN_PREDICTION = ('val_list', 'seed', 'topk')  # common options predict.py has no use for: a note
+NOT_USED_IN_PREDICTION = (
+    'val_list',
+    'seed',
+    'topk',
+    'checkpoints_dir',
+    'data_root',
+)  # common options predict.py has no use for: a note
 
 
 def parse_predict_args(parser):
     """Prediction options on top of the common ones; as in evaluation, every option that decides the
     numbers defaults to what the checkpoint was trained with: --task, --model_type, --data_type,
-    --data_root, --num_classes, --img_size, --resize, --crop_pct, --normalize, --amp, --channels_last
-    (give one to change it; the defaults shown below are training's). --val_list, --seed and --topk act
-    in training and evaluation only."""
+    --num_classes, --img_size, --resize, --crop_pct, --normalize, --amp, --channels_last (give one to
+    change it; the defaults shown below are training's). --val_list, --seed, --topk, --checkpoints_dir
+    and --data_root act in training and evaluation only (the results go beside the checkpoint, or into
+    --output_dir)."""
     parser = parse_common_args(parser)
     parser.set_defaults(task=None)
     parser.add_argument(
@@ -798,6 +805,33 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+class WrittenInt(int):
+    """An int read from YAML that keeps the text it was written as (`written`)."""
+
+
+class WrittenFloat(float):
+    """A float read from YAML that keeps the text it was written as (`written`)."""
+
+
+def _keeping_the_text(construct, number_type):
+    """A YAML constructor of numbers that also keeps each one's text."""
+
+    def construct_number(loader, node):
+        number = number_type(construct(loader, node))
+        number.written = node.value
+        return number
+
+    return construct_number
+
+
+UniqueKeyLoader.add_constructor(
+    'tag:yaml.org,2002:int', _keeping_the_text(yaml.SafeLoader.construct_yaml_int, WrittenInt)
+)
+UniqueKeyLoader.add_constructor(
+    'tag:yaml.org,2002:float', _keeping_the_text(yaml.SafeLoader.construct_yaml_float, WrittenFloat)
+)
+
+
 def _config_tokens(parser, action, value, where):
     """The command-line tokens that give `action`'s option the config value `value`, checked as argparse
     would check them (a mistake is one line starting with `where`)."""
@@ -820,7 +854,8 @@ def _config_tokens(parser, action, value, where):
         value = choice_read_as(action, value)
     if isinstance(value, dict) and action.nargs in ('+', '*'):  # {old: new} for --load_prefix_map
         value = [f'{old}={new}' for old, new in value.items()]
-    values = value if isinstance(value, list) else [value]
+    # a number as it was written: the command line's reading of it, not YAML's (010 is 8, 2024_01 is 202401)
+    values = [getattr(item, 'written', item) for item in (value if isinstance(value, list) else [value])]
     if action.nargs in (None, '?') and isinstance(value, (list, dict)):
         parser.error(f'{where}: expected one value, got {value!r}')
     if isinstance(action.nargs, int) and len(values) != action.nargs:
@@ -927,6 +962,8 @@ ACTS_ONLY_WITH = {
     'unfreeze_at_epoch': ('freeze_to', (SET,)),
     'unfrozen_lr_scale': ('freeze_to', (SET,)),
     'early_stop_min_delta': ('early_stop_patience', (SET,)),
+    'load_not_strict': ('load_model_path', (SET,)),
+    'load_prefix_map': ('load_model_path', (SET,)),
     'image_interval': ('log_images', (True,)),
     'log_images': ('loggers', ('tensorboard', 'wandb', 'mlflow')),  # those that keep pictures: trackers' keeps_pictures
     'mlflow_uri': ('loggers', ('mlflow',)),

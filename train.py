@@ -45,7 +45,7 @@ from tasks.task_entry import TASKS, task_class
 from utils.allocator import keep_freed_memory
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, end_written
-from utils.checkpointer import Checkpointer, Position, RandomStates
+from utils.checkpointer import Checkpointer, Position, RandomStates, TrainingData
 from utils.debug import training_profiler
 from utils.device import select_device
 from utils.distributed import (
@@ -136,7 +136,6 @@ def batches(options, task, dataset, device, train):
         channels_last=options.channels_last,
         image_size=options.img_size,
         options=options,
-        stop_ends_wait=train and world_size() == 1,  # (under torchrun the processes agree on a step to stop at)
     )
 
 
@@ -316,7 +315,7 @@ class Trainer:
             'scheduler': scheduler,
             'scaler': scaler,
             'position': position,
-            'data_order': position.data_order(train_data),
+            'data_order': TrainingData(train_data),  # (its name in checkpoints of earlier Kilns)
             'rng': RandomStates(),
             'history': history,
             'monitor': monitor,
@@ -411,7 +410,7 @@ class Trainer:
                 self.finetuning.train_mode(self.setup.wrapped)
                 epoch, epoch_batches = position.epoch, len(self.train_data)
                 epoch_data = progress(
-                    self.train_data.epoch(epoch, start=position.batch),
+                    self.train_data.epoch(epoch, start=position.batch, stop_ends_wait=self.stop_may_end_a_wait),
                     o.progress_bar if is_main_process() else False,
                     f'epoch {epoch + 1}',
                     total=epoch_batches - position.batch,
@@ -442,6 +441,13 @@ class Trainer:
                     if stopper.stop or position.step >= self.max_steps:
                         break
         return stopper.stop
+
+    def stop_may_end_a_wait(self):
+        """Whether a stop signal may end the loop's wait for its next batch: in one process (under torchrun
+        the processes agree on a step to stop at), before an update's first batch. In the middle of an
+        update's batches the state is no step's (half its gradient, batch norm statistics and random
+        numbers moved on): the wait goes on, the update ends, and the stop comes after it."""
+        return world_size() == 1 and self.position.batch % self.options.grad_accum_steps == 0
 
     def until_stopped_waiting(self, batches):
         """`batches`, until a stop signal comes while the loop waits for one (a worker stuck in a read):

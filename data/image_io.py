@@ -226,7 +226,7 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
             fast_jpeg = image.format == 'JPEG' and image.mode in ('RGB', 'L') and simplejpeg is not None
             pixels = None if fast_jpeg else torch.from_numpy(np.array(to_rgb(image)))
             # read after the pixels: Pillow turns some formats (TIFF) upright as it loads them, and drops the tag
-            orientation = image.getexif().get(ORIENTATION, 1)
+            orientation = exif_orientation(image)
             transposed = orientation in (5, 6, 7, 8)
             stored = image.size if pixels is None else (pixels.shape[1], pixels.shape[0])
             width, height = stored[::-1] if transposed else stored  # as shown upright
@@ -250,6 +250,16 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
         )[0]
     picture = picture.contiguous()
     return (picture, box, (width, height)) if with_box else picture
+
+
+def exif_orientation(image):
+    """The EXIF orientation of a Pillow `image` (1, upright, when it has none or its EXIF is malformed: the
+    pixels are fine, as Pillow itself reads a JPEG's with such EXIF)."""
+    try:
+        orientation = image.getexif().get(ORIENTATION, 1)
+    except IMAGE_ERRORS:
+        return 1
+    return orientation if orientation in range(1, 9) else 1
 
 
 def check_image(path):

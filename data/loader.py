@@ -132,10 +132,8 @@ class Batches:
         channels_last=False,
         image_size=32,
         options=None,
-        stop_ends_wait=False,
     ):
         self.dataset, self.device, self.seed = dataset, device, seed
-        self.stop_ends_wait = stop_ends_wait  # a stop signal ends a wait for a worker's batch (utils/stopping.py)
         self.sampler = ResumableBatchSampler(
             len(dataset), batch_size, shuffle, seed, rank(), world_size(), limit, fixed_order
         )
@@ -193,14 +191,15 @@ class Batches:
         """The sample order of `epoch` (a checkpoint keeps it, to check that a resumed run reads the same data)."""
         return self.sampler.order(epoch)
 
-    def epoch(self, epoch, start=0):
-        """Yield the batches of `epoch`, from batch number `start` on."""
+    def epoch(self, epoch, start=0, stop_ends_wait=None):
+        """Yield the batches of `epoch`, from batch number `start` on. `stop_ends_wait`, asked before each
+        wait for a worker's batch: True lets a stop signal end that wait (utils/stopping.py)."""
         self.sampler.set_epoch(epoch, start)
         params = None
         if self.transform.random:  # every sample position's parameters, drawn once per epoch
             generator = torch.Generator().manual_seed(mix(self.seed, epoch, AUGMENT_STREAM))
             params = {k: v.to(self.device) for k, v in self.transform.draw(len(self.dataset), generator).items()}
-        source = self._from_memory(epoch, start) if self.memory is not None else self._from_loader()
+        source = self._from_memory(epoch, start) if self.memory is not None else self._from_loader(stop_ends_wait)
         for batch, positions in source:
             yield self.transform(batch, params and {key: value[positions] for key, value in params.items()}, positions)
 
@@ -219,10 +218,10 @@ class Batches:
                 positions = positions.pin_memory().to(self.device, non_blocking=True)  # pageable: a sync
             yield batch, positions
 
-    def _from_loader(self):
+    def _from_loader(self, stop_ends_wait):
         iterator = iter(self.loader)
         while True:
-            with stop_ends_the_wait() if self.stop_ends_wait else contextlib.nullcontext():
+            with stop_ends_the_wait() if stop_ends_wait is not None and stop_ends_wait() else contextlib.nullcontext():
                 try:
                     batch, positions = next(iterator)
                 except StopIteration:

@@ -180,6 +180,8 @@ IGNORED = [
     (['--unfreeze_at_epoch', '2'], '--unfreeze_at_epoch acts with --freeze_to only'),
     (['--unfrozen_lr_scale', '0.5'], '--unfrozen_lr_scale acts with --freeze_to only'),
     (['--early_stop_min_delta', '0.1'], '--early_stop_min_delta acts with --early_stop_patience only'),
+    (['--load_not_strict'], '--load_not_strict acts with --load_model_path only'),
+    (['--load_prefix_map', 'net.='], '--load_prefix_map acts with --load_model_path only'),
     (['--no-log_images', '--image_interval', '5'], '--image_interval acts with --log_images only'),
     (['--mlflow_uri', 'file:/tmp/x'], '--mlflow_uri acts with mlflow in --loggers only, not tensorboard'),
     (['--loggers', 'csv', '--wandb_project', 'p'], '--wandb_project acts with wandb in --loggers only, not csv'),
@@ -775,6 +777,23 @@ def test_a_path_option_given_with_equals_or_in_a_config_expands_the_home_folder(
     assert evaluate.output_dir == str(tmp_path / 'out')
     predict = parse_args(parse_predict_args, ['--load_model_path=~/a.pth', '--input=~/photos'])
     assert (predict.load_model_path, predict.input) == (str(tmp_path / 'a.pth'), str(tmp_path / 'photos'))
+
+
+def test_a_config_s_numbers_are_read_as_written_as_on_the_command_line(tmp_path):
+    """YAML 1.1 reads 010 as 8, 2024_01 as 202401 and 12:30 as 750: `save_prefix: 010` named the folder
+    `..._8` (and clashed with a run of `save_prefix: 8`). A config's value now means what the same
+    text means after its flag."""
+    from options import parse_args, parse_train_args
+
+    config = tmp_path / 'config.yaml'
+    config.write_text('save_prefix: 010\nepochs: 010\nlr: 2_0\n')
+    options = parse_args(parse_train_args, ['--config', str(config)])
+    assert (options.save_prefix, options.epochs, options.lr) == ('010', 10, 20.0)
+    config.write_text('save_prefix: 2024_01\nseed: 1:00\n')
+    with pytest.raises(SystemExit):  # base 60 for YAML, not a number for --seed
+        parse_args(parse_train_args, ['--config', str(config)])
+    config.write_text('save_prefix: 2024_01\n')
+    assert parse_args(parse_train_args, ['--config', str(config)]).save_prefix == '2024_01'
 
 
 def test_a_new_run_that_fails_to_start_leaves_no_folder_of_its_checkpoints_dir(tiny_shapes, tmp_path):

@@ -412,3 +412,65 @@ def test_a_stop_signal_while_training_waits_for_a_stuck_worker_saves_the_last_st
     step = torch.load(last, weights_only=True, map_location='cpu')['position']['step']
     assert 'stopped by SIGTERM after' in stdout and f'at step {step} ' in stdout and step >= 5, stdout
     assert not any(os.path.exists(f'/proc/{worker}') for worker in workers)
+
+
+STOP_IN_AN_UPDATE = """
+import os, signal, sys, threading, time
+sys.argv[0] = 'train.py'
+import train
+from data.list_dataset import ListDataset
+from utils.errors import run_to_exit
+
+released, reads, read = sys.argv.pop(1), {}, ListDataset.read
+
+def held_read(self, *args, **kwargs):  # the worker's 49th read, batch 3's first sample, waits for the file
+    reads[os.getpid()] = reads.get(os.getpid(), 0) + 1
+    while reads[os.getpid()] == 49 and not os.path.exists(released):
+        time.sleep(0.05)
+    return read(self, *args, **kwargs)
+
+step = train.Trainer.train_step
+
+def signalled_step(self, *args, **kwargs):  # after batch 2 (an update's first), while batch 3 is held back
+    trained = step(self, *args, **kwargs)
+    if self.position.batch == 3:
+        def signal_then_release():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+            open(released, 'w').close()
+        threading.Timer(0.3, signal_then_release).start()
+    return trained
+
+ListDataset.read, train.Trainer.train_step = held_read, signalled_step
+run_to_exit(train.main)
+"""
+
+
+def test_a_stop_while_waiting_in_the_middle_of_an_accumulated_update_saves_after_it(tiny_shapes, tmp_path):
+    """A stop signal that came while the loop waited for the second batch of a --grad_accum_steps update
+    saved the run in the middle of it: half its gradient lost (and batch norm statistics moved on), and
+    the resumed run ended with other weights than an uninterrupted one. The wait now goes on, and the
+    stop comes after the update."""
+    from conftest import tiny_run_args
+
+    def args(name):
+        return tiny_run_args(tiny_shapes, tmp_path / name) + ['--num_workers', '1', '--grad_accum_steps', '2']
+
+    assert run_script('train.py', *args('whole'), '--epochs', '1').returncode == 0
+    released = tmp_path / 'released'
+    stopped = subprocess.run(
+        [sys.executable, '-c', STOP_IN_AN_UPDATE, str(released), *args('stopped'), '--epochs', '1'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(120),
+    )
+    assert stopped.returncode == 128 + signal.SIGTERM and released.exists(), stopped.stderr
+    folder = tmp_path / 'stopped' / 'small_cnn_list_default'
+    last = torch.load(folder / 'last.pth', weights_only=True, map_location='cpu')
+    assert last['position']['batch'] % 2 == 0 and last['position']['step'] == 2, last['position']
+    assert run_script('train.py', *args('stopped'), '--epochs', '1', '--resume').returncode == 0
+    whole = torch.load(tmp_path / 'whole' / 'small_cnn_list_default' / 'last.pth', weights_only=True)
+    resumed = torch.load(folder / 'last.pth', weights_only=True, map_location='cpu')
+    for name, tensor in whole['model'].items():
+        assert torch.equal(tensor, resumed['model'][name]), name

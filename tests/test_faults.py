@@ -7,6 +7,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -273,6 +274,17 @@ def test_a_resume_on_training_data_that_changed_since_is_refused_with_the_counts
         result, 'the training data have 97 samples now, the checkpoint was trained on 96', '--load_model_path'
     )
     assert _snapshot(folder) == before
+    # as many samples, other labels (or lines swapped): resumed silently, the check compared the counts only
+    relabeled = [f'{os.path.join(tiny_shapes, line.rsplit(" ", 1)[0])} {(int(line[-1]) + 1) % 6}' for line in lines]
+    listed.write_text('\n'.join(relabeled) + '\n')
+    result = run_script('train.py', '--resume', folder, '--epochs', '2')
+    _one_error_line(result, 'the training data differ from those the checkpoint was trained on', '--train_list')
+    assert _snapshot(folder) == before
+    # the same samples in another folder (the data moved): resumed
+    moved = tmp_path / 'moved'
+    shutil.copytree(tiny_shapes, moved)
+    listed.write_text(''.join(f'{os.path.join(moved, line)}\n' for line in lines))
+    assert 'resuming' in _ok(run_script('train.py', '--resume', folder, '--epochs', '2')).stdout
 
 
 def test_resume_alone_names_a_run_left_in_the_working_folder_s_checkpoints(tiny_shapes, tmp_path):

@@ -174,6 +174,25 @@ def test_a_dataset_that_does_not_say_how_it_resized_gets_whole_images_in_predict
     assert image[:, :, 0].float().mean() > 100  # the band is there
 
 
+def test_a_state_dict_of_a_photo_model_is_read_as_the_dataset_reads_photos(tmp_path):
+    """A checkpoint that does not say how images were resized (a state dict) left --resize None: eval.py
+    read photos through the dataset (a centred crop), predict.py squashed them (11 of 12 predictions
+    differed), and both recorded `resize: None`. Both now take the dataset's way."""
+    from eval import load_for_inference
+    from options import given_options, parse_args, parse_predict_args, parse_test_args
+
+    path = tmp_path / 'bare.pth'
+    torch.save({'weight': torch.zeros(6, 3 * 8 * 8), 'bias': torch.zeros(6)}, path)
+    for add_args in (parse_test_args, parse_predict_args):
+        argv = ['--load_model_path', str(path), '--model_type', 'linear', '--num_classes', '6', '--img_size', '8']
+        for data_type, resize in (('photos', 'crop'), ('list', 'squash')):
+            words = [*argv, '--data_type', data_type] + (
+                ['--input', str(tmp_path)] if add_args is parse_predict_args else []
+            )
+            options, _, _ = load_for_inference(parse_args(add_args, words), given_options(add_args, words), str(path))
+            assert options.resize == resize, (add_args.__name__, data_type)
+
+
 @pytest.mark.parametrize('resize', ['squash', 'crop'])
 def test_the_fast_decoder_gives_what_pillow_gives(photos, resize):
     from data.image_io import decode_image
@@ -229,6 +248,24 @@ def test_every_exif_orientation_comes_out_upright(tmp_path, orientation, suffix)
         assert ImageOps.exif_transpose(reopened).size == (40, 24)  # Pillow agrees on what upright is
     decoded = decode_image(str(path), 16).permute(1, 2, 0).numpy().astype(int)
     assert np.abs(decoded[8, 3] - (220, 30, 30)).max() < 40 and np.abs(decoded[13, 13] - (30, 30, 220)).max() < 40
+
+
+@pytest.mark.parametrize('suffix', ['jpg', 'png', 'webp'])
+@pytest.mark.parametrize(
+    'exif', [b'Exif\x00\x00' + b'\xff' * 40, b'Exif\x00\x00MM\x00*', b'Exif\x00\x00' + b'\x00' * 8]
+)
+def test_an_image_with_malformed_exif_decodes_as_upright(tmp_path, suffix, exif):
+    """A PNG or WebP whose EXIF Pillow cannot parse passed the header check and then stopped training
+    ('cannot read image ...: not a TIFF file'); Pillow reads such a JPEG's pixels, and so does Kiln now."""
+    from data.image_io import check_image, decode_image
+
+    pixels = np.zeros((24, 40, 3), np.uint8)
+    pixels[:, :20] = (220, 30, 30)
+    path = tmp_path / f'bad_exif.{suffix}'
+    Image.fromarray(pixels).save(path, quality=95, exif=exif)
+    assert check_image(str(path)) is None
+    decoded = decode_image(str(path), 16).permute(1, 2, 0).numpy().astype(int)
+    assert np.abs(decoded[8, 3] - (220, 30, 30)).max() < 40, exif  # as stored: orientation 1
 
 
 def test_gray_and_cmyk_jpegs(tmp_path):

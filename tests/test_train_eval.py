@@ -686,9 +686,12 @@ def test_eval_and_predict_normalize_as_the_run_did(tiny_shapes, tmp_path):
     assert saved['args']['normalize'] == 'imagenet'
     val = os.path.join(tiny_shapes, 'val.txt')
     assert run_script('eval.py', '--load_model_path', folder, '--cpu', '--no-progress_bar').returncode == 0
-    predicted = run_script('predict.py', '--load_model_path', folder, '--input', val, '--cpu', '--topk', '2')
-    assert predicted.returncode == 0, predicted.stderr  # --topk was taken silently: predictions are top-1
-    assert 'note: predict.py does not use --topk: it acts in training and evaluation only' in predicted.stdout
+    unused = ['--topk', '2', '--checkpoints_dir', str(tmp_path / 'unused')]  # were taken silently
+    predicted = run_script('predict.py', '--load_model_path', folder, '--input', val, '--cpu', *unused)
+    assert predicted.returncode == 0, predicted.stderr  # predictions are top-1, beside the checkpoint
+    assert 'note: predict.py does not use --topk, --checkpoints_dir: they act in training and evaluation only' in (
+        predicted.stdout
+    )
     (evaluated,) = glob.glob(os.path.join(folder, 'eval', '*', 'predictions.csv'))
     (predicted,) = glob.glob(os.path.join(folder, 'predict', '*', 'predictions.csv'))
     with open(evaluated) as f, open(predicted) as g:

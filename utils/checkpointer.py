@@ -10,7 +10,10 @@ memory at once (the next steps change the live tensors) and written on the write
 """
 
 import dataclasses
+import hashlib
+import os
 
+import numpy as np
 import torch
 
 from utils.distributed import all_gather_objects, is_main_process, rank, world_size
@@ -38,37 +41,53 @@ class Position:
         self.validation_due = state.get('validation_due', False)  # absent from checkpoints of earlier Kilns
         self.lr = state.get('lr')
 
-    def data_order(self, batches):
-        """A part that keeps the current epoch's sample order, to check that a resumed run reads the same data."""
-        return DataOrder(self, batches)
 
+class TrainingData:
+    """What a resumed run checks of its training data: the number of samples and, for a dataset that lists
+    them (`samples` of (path, target, ...), as data/list_dataset.py), a digest of their file names and
+    targets in order (not their folders: the data may have moved). Loading refuses a checkpoint made on
+    other data. (The sample order is no part of it: it follows from --seed and the epoch.)"""
 
-class DataOrder:
-    """The sample order of the position's epoch; loading refuses a checkpoint made on other data."""
+    def __init__(self, batches):
+        self.batches, self._digest = batches, None
 
-    def __init__(self, position, batches):
-        self.position, self.batches = position, batches
-        self._drawn = (None, None)  # (epoch, its order): drawn once per epoch, not at every save
+    def digest(self):
+        """The digest of the dataset's samples (None for a dataset without `samples`), made once."""
+        samples = getattr(self.batches.dataset, 'samples', None)
+        if self._digest is None and samples is not None:
+            named = (f'{os.path.basename(path)}\0{_named_target(target)}' for path, target, *_ in samples)
+            self._digest = hashlib.sha256(os.fsencode('\n'.join(named))).hexdigest()
+        return self._digest
 
     def state_dict(self):
-        epoch = self.position.epoch
-        if self._drawn[0] != epoch:
-            self._drawn = epoch, self.batches.order(epoch).to(torch.int32)  # a copy
-        return {'order': self._drawn[1]}  # the checkpointer copies it
+        return {'samples': len(self.batches.dataset), 'digest': self.digest()}
 
     def load_state_dict(self, state):
-        saved, order = state['order'], self.batches.order(self.position.epoch)
-        if len(saved) != len(order):  # a list or class folders that changed since
+        if 'order' in state:  # an earlier Kiln kept the first epoch's sample order: its length, to check
+            saved, count = len(state['order']), len(self.batches.order(0))
+        else:
+            saved, count = state['samples'], len(self.batches.dataset)
+        if saved != count:  # a list or class folders that changed since
             raise KilnError(
-                f'the training data have {len(order)} samples now, the checkpoint was trained on {len(saved)}: '
+                f'the training data have {count} samples now, the checkpoint was trained on {saved}: '
                 f'resume on the data it started with, or train on these in a new run from its weights '
                 f'(--load_model_path)'
             )
-        if not torch.equal(saved.long(), order):
+        if state.get('digest') is not None and self.digest() is not None and state['digest'] != self.digest():
             raise KilnError(
-                'the training data or --seed differ from those of the checkpoint; resume with the same '
-                '--train_list and --seed'
+                'the training data differ from those the checkpoint was trained on (file names or targets, '
+                'in order); resume with the same --train_list, or train on these in a new run from its '
+                'weights (--load_model_path)'
             )
+
+
+def _named_target(target):
+    """A sample's target as text: a file's name, a number, or boxes and labels (arrays) as their bytes."""
+    if isinstance(target, str):
+        return os.path.basename(target)
+    if isinstance(target, tuple):
+        return ' '.join(np.asarray(part).tobytes().hex() for part in target)
+    return str(target)
 
 
 class RandomStates:
