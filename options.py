@@ -10,6 +10,7 @@ import argparse
 import functools
 import math
 import os
+import re
 import sys
 
 import yaml
@@ -592,7 +593,7 @@ def parse_train_args(parser):
     parser.add_argument(
         '--monitor_mode',
         choices=['max', 'min'],
-        help="default: min for a loss or error, else max (the task's for its own)",
+        help="default: min for a loss or error (mae, rmse, ...), else max (the task's for its own)",
     )
     parser.add_argument('--keep_last', type=_positive_int, default=1, help='keep the newest N checkpoints')
     parser.add_argument('--keep_best', type=_positive_int, default=1, help='keep the best N checkpoints by --monitor')
@@ -1100,13 +1101,21 @@ def changed_options(saved, options):
     return sorted(name for name in fixed if getattr(options, name) not in (None, saved.get(name)))
 
 
+# words of a metric's name that make it better lower: errors and distances by their usual names
+MINIMIZED_WORDS = {'err', 'mae', 'mse', 'rmse', 'msle', 'mape', 'nll', 'perplexity', 'ppl', 'wer', 'cer', 'fid', 'eer'}
+
+
 def monitor_mode_of(metric, task):
-    """The direction a --monitor metric improves in: 'min' for losses and errors, the task's mode for its
-    own monitor, else 'max' (accuracy, IoU, mAP, ...)."""
+    """The direction a --monitor metric improves in: the task's mode for its own monitor; 'min' for the
+    task's `minimized` metrics, losses, errors and the usual names of errors (MINIMIZED_WORDS: mae,
+    rmse, ...); else 'max' (accuracy, IoU, mAP, ...)."""
+    if metric == task.monitor:
+        return task.monitor_mode
     name = metric.split('/')[-1]
-    if 'loss' in name or 'error' in name:
+    words = set(re.split(r'[^a-z0-9]+', name.lower()))
+    if name in task.minimized or 'loss' in name or 'error' in name or words & MINIMIZED_WORDS:
         return 'min'
-    return task.monitor_mode if metric == task.monitor else 'max'
+    return 'max'
 
 
 def experiment_folder(options):

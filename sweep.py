@@ -29,6 +29,7 @@ that read its files). --dry_run prints the commands, writes nothing.
 
 import argparse
 import contextlib
+import csv
 import difflib
 import functools
 import hashlib
@@ -275,12 +276,21 @@ def tokens(action, value):
     return [flag] if on else [f'--no-{flag[2:]}'] if isinstance(action, argparse.BooleanOptionalAction) else []
 
 
+def shortest(number):
+    """`number` in 6 significant digits (`g`) where that is the number, else in as many as it takes."""
+    text = format(number, 'g')
+    if float(text) == number:
+        return text
+    text = repr(number)
+    return text[:-2] if text.endswith('.0') else text
+
+
 def run_name(name, combo):
     """`<name>_lr0.001_bs64`: short, filesystem-safe, the same for the same values however they are written."""
     parts = [name]
     for option, value in combo:
         try:
-            parts.append(SHORT.get(option, option) + re.sub(r'e\+?(-?)0*(\d)', r'e\1\2', format(float(value), 'g')))
+            parts.append(SHORT.get(option, option) + re.sub(r'e\+?(-?)0*(\d)', r'e\1\2', shortest(float(value))))
         except ValueError:
             parts.append(f'{SHORT.get(option, option)}-{re.sub(r"[^A-Za-z0-9.+-]+", "-", value).strip("-") or "x"}')
     prefix = '_'.join(parts)
@@ -440,6 +450,19 @@ def run_all(runs, name, base, compare):
     return 1 if failed or table is False else 0
 
 
+def compares(table, folders):
+    """Whether the comparison in the folder `table` is of the best.pth of exactly `folders`, each as it is
+    now (none written after the table: a run trained further since by hand is compared again)."""
+    try:
+        with open(os.path.join(table, 'comparison.csv'), newline='', errors='surrogateescape') as f:
+            compared = {os.path.dirname(os.path.realpath(row['checkpoint'])) for row in csv.DictReader(f)}
+        written = os.path.getmtime(os.path.join(table, 'comparison.txt'))
+        newest = max(os.path.getmtime(os.path.join(folder, 'best.pth')) for folder in folders)
+    except (OSError, KeyError, csv.Error):
+        return False
+    return compared == {os.path.realpath(folder) for folder in folders} and newest <= written
+
+
 def compare_runs(runs, name, base, trained):
     """eval.py on the runs' best.pth into one table: its path, None without one, False if eval.py failed."""
     folders = [run.folder for run in runs if os.path.isfile(os.path.join(run.folder, 'best.pth'))]
@@ -453,7 +476,7 @@ def compare_runs(runs, name, base, trained):
         os.path.exists(os.path.join(f, 'eval', f'best_val_{prefix}')) for f in folders
     ):
         newest, prefix = tables.format(prefix), next(prefixes)
-    if not trained and newest and os.path.isfile(os.path.join(newest, 'comparison.txt')):
+    if not trained and newest and compares(newest, folders):
         return os.path.join(newest, 'comparison.txt')  # nothing new to compare
     quiet = ['--no-progress_bar'] if base.progress_bar is False else []  # as training
     device = (['--cpu'] if base.cpu else []) + quiet
@@ -495,10 +518,11 @@ set -euo pipefail
 JOB=${{SLURM_ARRAY_JOB_ID:-?}}
 grep -qx "$JOB" {submitted} 2>/dev/null || echo "$JOB" >> {submitted}
 PYTHON=${{PYTHON:-{python}}}
+COMBOS={combos}
 LINE=$((SLURM_ARRAY_TASK_ID + 1))
-OPTIONS=$(sed -n "${{LINE}}p" {combos}) || true
+OPTIONS=$(sed -n "${{LINE}}p" "$COMBOS") || true
 if [ -z "$OPTIONS" ]; then
-    echo "error: no line $LINE in {combos} (removed or changed since submission): run sweep.py --slurm again" >&2
+    echo "error: no line $LINE in $COMBOS (removed or changed since submission): run sweep.py --slurm again" >&2
     exit 1
 fi
 eval "set -- $OPTIONS"

@@ -824,7 +824,8 @@ def check_trained_task(options, checkpoint, source):
 def check_monitor(options, task_type, own_metrics=()):
     """A KilnError when --monitor is not one of the task's train/ or val/ metrics, nor of `own_metrics`
     (those a Trainer subclass logs)."""
-    metric_names = [f'{split}/{name}' for split in ('val', 'train') for name in task_type.metric_names(options)]
+    metric_names = [f'val/{name}' for name in task_type.metric_names(options)]
+    metric_names += [f'train/{name}' for name in task_type.train_metric_names(options)]
     metric_names += [name for name in own_metrics if name not in metric_names]
     if options.monitor not in metric_names:
         raise KilnError(
@@ -868,12 +869,10 @@ def hparams_metric_names(options):
     names = []
     for name in TASKS:
         with contextlib.suppress(KilnError):
-            names += [
-                f'final/{split}/{metric}'
-                for split in ('train', 'val')
-                for metric in task_class(name).metric_names(options)
-            ]
-            names.append(f'best/{task_class(name).monitor}')
+            task = task_class(name)
+            names += [f'final/train/{metric}' for metric in task.train_metric_names(options)]
+            names += [f'final/val/{metric}' for metric in task.metric_names(options)]
+            names.append(f'best/{task.monitor}')
     return list(dict.fromkeys(names + [f'best/{options.monitor}']))
 
 

@@ -57,6 +57,17 @@ def _shifted(tensor, shift, padding, reflect=True):
     return windows.movedim(1, 3)[samples, start[:, 0], start[:, 1]].reshape(tensor.shape)
 
 
+def pixel_keys(batch):
+    """The keys of the batch's tensors laid out as its images' pixels, which move with them: 'image', and
+    every target of the images' height and width ((N, H, W) or (N, C, H, W): a mask, a depth map, ...)."""
+    size = batch['image'].shape[-2:]
+    return [
+        key
+        for key, value in batch.items()
+        if key == 'image' or (torch.is_tensor(value) and value.dim() >= 3 and value.shape[-2:] == size)
+    ]
+
+
 class RandomCrop:
     """Shift each image by up to `padding` pixels each way, filling the border by reflection
     (torchvision's RandomCrop with reflect padding, batched); with boxes, by black, for a mirrored object
@@ -71,9 +82,8 @@ class RandomCrop:
     def apply(self, batch, params):
         shift = params['shift']
         height, width = batch['image'].shape[-2:]
-        for key in ('image', 'mask'):
-            if key in batch:
-                batch[key] = _shifted(batch[key], shift, self.padding, reflect='boxes' not in batch)
+        for key in pixel_keys(batch):
+            batch[key] = _shifted(batch[key], shift, self.padding, reflect='boxes' not in batch)
         if 'boxes' in batch:  # move with the pixels; a box pushed out of the picture is dropped
             offset = shift.flip(1).repeat(1, 2).to(batch['boxes'].dtype).unsqueeze(1)  # (dx, dy, dx, dy)
             boxes = batch['boxes'] - offset
@@ -103,10 +113,9 @@ class Flip:
 
     def apply(self, batch, params):
         flip = params['flip']
-        for key in ('image', 'mask'):
-            if key in batch:
-                shape = (-1,) + (1,) * (batch[key].dim() - 1)
-                batch[key] = torch.where(flip.view(shape), batch[key].flip(self.dim), batch[key])
+        for key in pixel_keys(batch):
+            shape = (-1,) + (1,) * (batch[key].dim() - 1)
+            batch[key] = torch.where(flip.view(shape), batch[key].flip(self.dim), batch[key])
         if 'boxes' in batch:
             boxes, size = batch['boxes'], batch['image'].shape[self.dim]
             low, high = (0, 2) if self.dim == -1 else (1, 3)
@@ -165,13 +174,19 @@ class RandomResizedCrop:
         theta[:, 1, 1], theta[:, 1, 2] = y1 - y0, y0 + y1 - 1
         image = batch['image']
         grid = torch.nn.functional.affine_grid(theta, list(image.shape), align_corners=False)
-        for key, mode in (('image', 'bilinear'), ('mask', 'nearest')):
-            if key in batch:
-                values = batch[key] if batch[key].dim() == 4 else batch[key][:, None]
-                sampled = torch.nn.functional.grid_sample(
-                    values.float(), grid, mode=mode, padding_mode='border', align_corners=False
-                )
-                batch[key] = sampled.round().clamp(0, 255).to(values.dtype).view(batch[key].shape)
+        for key in pixel_keys(batch):  # targets sampled, not blended: a class (or a value) of their own
+            values = batch[key] if batch[key].dim() == 4 else batch[key][:, None]
+            sampled = torch.nn.functional.grid_sample(
+                values.float(),
+                grid,
+                mode='bilinear' if key == 'image' else 'nearest',
+                padding_mode='border',
+                align_corners=False,
+            )
+            if not values.is_floating_point():  # uint8 pixels and masks: whole numbers of their type
+                kind = torch.iinfo(values.dtype)
+                sampled = sampled.round().clamp(kind.min, kind.max)
+            batch[key] = sampled.to(values.dtype).view(batch[key].shape)
         if 'boxes' in batch:
             height, width = image.shape[-2:]
             scale = torch.stack([1 / (x1 - x0), 1 / (y1 - y0)], dim=1).repeat(1, 2)[:, None]
@@ -370,7 +385,7 @@ class BatchTransform:
             self.mix.apply(batch, own(len(self.augmentations)), positions)
         if self.channels_last and batch['image'].dim() == 4:
             batch['image'] = batch['image'].contiguous(memory_format=torch.channels_last)
-        if 'mask' in batch:
+        if 'mask' in batch and not batch['mask'].is_floating_point():  # class indices (uint8 on disk and in memory)
             batch['mask'] = batch['mask'].long()
         return batch
 

@@ -213,7 +213,10 @@ class ListDataset(Dataset):
             ]
 
     def parse_target(self, fields, number):
-        """The target of one line from its fields after the image path: an integer label >= 0."""
+        """The target of one line from its fields after the image path: an integer label >= 0. Override it
+        for other targets (a float for a regression, several labels): a target that is no int is not
+        counted or checked as a class label (`count_classes`, `check_targets`), so such a run gives
+        --num_classes (its number of outputs), or the dataset overrides count_classes."""
         (field,) = fields
         if not field.isdecimal():
             raise KilnError(
@@ -286,6 +289,12 @@ class ListDataset(Dataset):
         100001 outputs and ended in 'out of memory')."""
         if self.class_names:
             return len(self.class_names)
+        if not self.targets_are_labels():
+            raise KilnError(
+                f"{self.list_path}: its targets are no class labels, so the model's outputs cannot be counted "
+                f'from them; give --num_classes (the number of outputs: 1 for one value), or override '
+                f'count_classes in the dataset'
+            )
         largest, number = max((label, number) for _, label, number in self.samples)
         used = len({label for _, label, _ in self.samples})
         if largest + 1 > max(10, 4 * used):
@@ -295,9 +304,16 @@ class ListDataset(Dataset):
             )
         return largest + 1
 
+    def targets_are_labels(self):
+        """Whether every target is a class label (an int), as the class counts and checks take them."""
+        return all(isinstance(label, int) and not isinstance(label, bool) for _, label, _ in self.samples)
+
     def check_targets(self):
         """Stop with the list file line of the first label outside the class range, or the two lines of the
-        first image listed with two labels (listed twice with one label, it is only seen more often)."""
+        first image listed with two labels (listed twice with one label, it is only seen more often). Targets
+        that are no class labels (`parse_target` of a regression: floats) are the dataset's to check."""
+        if not self.targets_are_labels():
+            return
         labels = {}
         for path, label, number in self.samples:
             if label >= self.num_classes:

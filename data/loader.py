@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from data.augment import BatchTransform
 from data.sampler import ResumableBatchSampler, SeededDataset, mix
 from utils.distributed import die_with_parent, rank, world_size
+from utils.errors import KilnError
 from utils.seeding import seed_worker
 from utils.stopping import stop_ends_the_wait
 
@@ -37,7 +38,13 @@ def pad_collate(samples):
     are padded to the longest with -1 (integers) or 0 (floats)."""
     batch = {}
     for key in samples[0]:
-        values = [torch.as_tensor(sample[key]) for sample in samples]
+        try:
+            values = [torch.as_tensor(sample[key]) for sample in samples]
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise KilnError(
+                f"a sample's {key!r} is a {type(samples[0][key]).__name__}, which cannot go into a batch "
+                f'({error}); give numbers or tensors, or a task `collate` of its own (tasks/task.py)'
+            ) from None
         longest = max(len(v) if v.dim() else 0 for v in values)
         if all(v.shape == values[0].shape for v in values):
             batch[key] = torch.stack(values)

@@ -49,6 +49,10 @@ class DetectTask(Task):
     def metric_names(cls, options):
         return ['loss', 'map50', 'map']
 
+    @classmethod
+    def train_metric_names(cls, options):
+        return ['loss']  # (train_metrics: none)
+
     def loss(self, outputs, batch):
         return detection_loss(outputs, batch['boxes'], batch['box_labels'])
 

@@ -29,6 +29,7 @@ class Task:
     default_image_size = 32  # --img_size
     monitor = 'val/acc'  # default --monitor, and its --monitor_mode
     monitor_mode = 'max'
+    minimized = ()  # names of this task's metrics that are better lower, beyond losses and errors (options.py)
     targets = ('label',)  # the batch keys a dataset must provide besides 'image'
     pictured = 8  # samples per pictured batch: `pictures` gets the first ones of a batch
     mixes = False  # whether `loss` and `metric_targets` take mixed batches (mixup, cutmix: data/augment.Mix)
@@ -50,6 +51,12 @@ class Task:
         """The names `metrics().compute()` returns, plus 'loss': checked against --monitor before training."""
         return ['loss']
 
+    @classmethod
+    def train_metric_names(cls, options):
+        """The names the training curves have (train/<name>): `metric_names`, unless `train_metrics` gives
+        fewer (then say which)."""
+        return cls.metric_names(options)
+
     def check_dataset(self, dataset, data_type):
         """Refuse, with one line, a dataset that does not provide this task's targets."""
         provided = tuple(getattr(dataset, 'targets', ('label',)))
@@ -63,7 +70,8 @@ class Task:
             raise KilnError(
                 f'--task {self.options.task} needs {self.min_classes} classes or more, but the training data has '
                 f'{self.num_classes} ({", ".join(self.class_names)}): with one, every answer is right and the '
-                f'metrics say nothing; add the other classes (a folder or a label each)'
+                f'metrics say nothing; add the other classes (a folder or a label each) (a task of one output, '
+                f'a regression, sets min_classes = 1 in its class)'
             )
 
     # the batch contract -------------------------------------------------------------------------

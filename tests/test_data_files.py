@@ -823,6 +823,29 @@ def test_a_label_far_beyond_the_others_is_refused_not_an_out_of_memory(tmp_path)
     )
 
 
+def test_a_list_of_values_not_classes_needs_only_parse_target(tmp_path):
+    """A regression dataset (a float per image, as the README's "override parse_target" says) met the
+    class checks: a traceback ('float' object cannot be interpreted as an integer), or a label outside
+    0..0 with --num_classes 1. Targets that are no ints are left to the dataset; the outputs are counted
+    by --num_classes, and without it one line says so."""
+    import argparse
+
+    from data.list_dataset import ListDataset
+
+    class Sizes(ListDataset):
+        def parse_target(self, fields, number):
+            return float(fields[0])
+
+    for name in ('a', 'b'):
+        save(Image.new('RGB', (8, 8)), tmp_path / f'{name}.png')
+    (tmp_path / 'sizes.txt').write_text('a.png 0.25\nb.png 356.5\n')
+    options = argparse.Namespace(train_list=str(tmp_path / 'sizes.txt'), img_size=8, num_classes=1)
+    dataset = Sizes(options, 'train')
+    assert dataset.num_classes == 1 and [target for _, target, _ in dataset.samples] == [0.25, 356.5]
+    with pytest.raises(KilnError, match='its targets are no class labels.*give --num_classes'):
+        Sizes(argparse.Namespace(**{**vars(options), 'num_classes': None}), 'train')
+
+
 def test_hidden_folders_inside_class_folders_are_left_out(tmp_path):
     """The thumbnails a NAS keeps in hidden folders (QNAP's .@__thumb, .thumbs) were read as more
     training images of the class, low-resolution copies of the real ones."""

@@ -244,6 +244,29 @@ def test_masks_and_boxes_move_with_their_pixels():
     assert out['image'].dtype == torch.float32 and out['mask'].dtype == torch.int64
 
 
+def test_every_target_laid_out_as_the_pixels_moves_with_them_and_keeps_its_values():
+    """Only 'image' and 'mask' moved: a new task's depth map (or a mask under another name) stayed where it
+    was while its image was flipped and shifted, and a float mask was cut to whole numbers (zeros)."""
+    from data.augment import RandomResizedCrop
+
+    image = torch.zeros(2, 3, 16, 16, dtype=torch.uint8)
+    image[:, :, 4:8, 8:12] = 200
+    depth = (image[:, 0] > 0).float() * 0.75  # 0.75 where the square is
+    for augment, params in (
+        (('crop', 'hflip'), {(0, 'shift'): torch.tensor([[1, -2], [0, 1]]), (1, 'flip'): torch.tensor([True, False])}),
+        ((), None),
+    ):
+        batch = {'image': image.clone(), 'depth': depth.clone(), 'mask': depth.clone(), 'label': torch.tensor([0, 1])}
+        out = BatchTransform(augment, 16)(batch, params)
+        bright = out['image'][:, 0] > 0
+        for key in ('depth', 'mask'):
+            assert out[key].dtype == torch.float32 and torch.equal(out[key] == 0.75, bright), (augment, key)
+    batch = {'image': image.clone(), 'depth': depth.clone(), 'mask': (depth > 0).to(torch.uint8)}
+    RandomResizedCrop(16).apply(batch, {'box': torch.tensor([[0.5, 0.0, 1.0, 0.5]] * 2)})
+    assert torch.equal(batch['depth'] == 0.75, batch['image'][:, 0] > 100) and batch['depth'].max() == 0.75
+    assert torch.equal(batch['mask'].bool(), batch['image'][:, 0] > 100) and batch['mask'].dtype == torch.uint8
+
+
 def test_a_box_pushed_out_of_the_picture_is_dropped():
     batch = {
         'image': torch.zeros(1, 3, 32, 32, dtype=torch.uint8),
@@ -266,6 +289,15 @@ def test_a_shift_fills_no_object_outside_its_box():
     assert (columns.min().item(), columns.max().item() + 1) == tuple(out['boxes'][0, 0, [0, 2]].tolist()) == (2, 10)
     mirrored = RandomCrop(32).apply({'image': image.clone()}, shift)['image'][0, 0]
     assert (mirrored[10:20, :2] > 0).all()  # classification keeps the reflection
+
+
+def test_a_sample_value_that_cannot_be_batched_is_one_line_naming_its_key():
+    """A dataset that added a file name ('name': str) to its samples got torch's bare 'new(): invalid data
+    type 'str'' traceback."""
+    from utils.errors import KilnError
+
+    with pytest.raises(KilnError, match="a sample's 'name' is a str, which cannot go into a batch"):
+        pad_collate([{'image': torch.zeros(3, 2, 2), 'name': 'a.png'}, {'image': torch.zeros(3, 2, 2), 'name': 'b'}])
 
 
 def test_decoding_in_place_gives_what_pad_collate_gives():

@@ -240,6 +240,18 @@ def test_a_python_session_keeps_its_ctrl_c_and_settings_and_gets_a_call_to_conti
     assert 'was trained by NoOutputsTrainer, this run trains with Trainer: to keep its train_step' in out, out
 
 
+def test_monitoring_a_train_metric_that_training_does_not_log_is_refused_before_training():
+    """--task detect --monitor train/map trained a whole epoch, then stopped: training logs no mAP."""
+    import train
+    from options import parse_args, parse_train_args, resolve
+    from tasks.detect import DetectTask
+
+    options = resolve(parse_args(parse_train_args, ['--task', 'detect', '--monitor', 'train/map']))
+    with pytest.raises(train.KilnError, match='--monitor train/map is not a metric of --task detect'):
+        train.check_monitor(options, DetectTask)
+    train.check_monitor(options.replace(monitor='val/map'), DetectTask)
+
+
 def test_a_subclass_can_monitor_a_metric_of_its_own(tiny_shapes, tmp_path):
     """--monitor took only the task's metrics: a curve a subclass records (train/penalty) was refused."""
     import train
@@ -585,7 +597,7 @@ def test_a_name_the_locale_cannot_write_is_kept_as_its_bytes_or_is_one_line(tiny
     (folder,) = os.listdir(os.fsencode(tmp_path / 'ck'))
     assert folder == 'small_cnn_list_é'.encode(), folder
     with open(os.path.join(os.fsencode(tmp_path / 'ck'), folder, b'args.txt'), 'rb') as f:
-        assert b'--save_prefix \xc3\xa9' in f.read()
+        assert b"--save_prefix '\xc3\xa9'" in f.read()  # (quoted: a shell reads it back)
 
     def ascii_file(argv):
         raise UnicodeEncodeError('ascii', 'recall/\u00e9t\u00e9: 1.0', 7, 8, 'ordinal not in range(128)')

@@ -42,10 +42,15 @@ TASK_METRICS = {
 MONITORS = {'classify': 'val/acc', 'segment': 'val/miou', 'detect': 'val/map'}
 
 
+TRAIN_METRICS = {**TASK_METRICS, 'detect': ['loss']}  # detection's curves have no mAP (its train_metrics: none)
+
+
 def final_names(task):
-    return {f'final/{split}/{name}' for split in ('train', 'val') for name in TASK_METRICS[task]} | {
-        f'best/{MONITORS[task]}'
-    }
+    return (
+        {f'final/train/{name}' for name in TRAIN_METRICS[task]}
+        | {f'final/val/{name}' for name in TASK_METRICS[task]}
+        | {f'best/{MONITORS[task]}'}
+    )
 
 
 # --- running train.py ----------------------------------------------------------------------------

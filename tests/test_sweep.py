@@ -294,8 +294,9 @@ def test_slurm_script_quotes_its_paths_as_sbatch_reads_them(tiny_shapes, tmp_pat
     here = tmp_path / 'my project #2'
     here.mkdir()
     monkeypatch.chdir(here)
-    checkpoints = tmp_path / 'check points#1'  # (a # after a space or not: sbatch reads a comment from there)
+    checkpoints = tmp_path / "check points#1's"  # (a # after a space or not: sbatch reads a comment from there)
     train = tiny_run_args(tiny_shapes, checkpoints)
+    path = os.environ['PATH']
     monkeypatch.setenv('PATH', str(tmp_path))  # no sbatch: the script is written, then the submission refused
     with pytest.raises(KilnError, match='^sbatch not found'):
         sweep.main(['--grid', 'lr=1e-3,3e-3', '--slurm', '--name', 'try', '--', *train])
@@ -305,6 +306,12 @@ def test_slurm_script_quotes_its_paths_as_sbatch_reads_them(tiny_shapes, tmp_pat
     options = dict(word.split('=', 1) for (word,) in words if '=' in word)  # each line one word, whole
     assert options['--output'] == f'{checkpoints}/sweeps/try/slurm-%A_%a.out'
     assert options['--chdir'] == str(here) and options['--job-name'] == 'try'
+    # the quoted path inside the error message's double quotes left a quote open: every task failed
+    monkeypatch.setenv('PATH', path)
+    missing = _task(checkpoints / 'sweeps' / 'try' / 'sweep.sbatch', 5, tmp_path)
+    assert missing.returncode == 1 and f'no line 6 in {checkpoints}/sweeps/try/combinations.txt' in missing.stderr, (
+        missing.stderr
+    )
 
 
 def test_random_ranges_are_log_uniform_over_a_decade_else_uniform():
@@ -571,3 +578,45 @@ def test_a_run_leaves_no_open_pipe_and_help_works_with_the_output_closed(capfd):
         preexec_fn=lambda: os.close(1),
     )
     assert closed.returncode == 0 and 'Traceback' not in closed.stderr, closed.stderr
+
+
+def test_an_old_comparison_is_given_again_only_for_the_same_runs_as_they_are(tmp_path):
+    """A rerun with nothing to train gave the newest comparison of that name: after a smaller sweep under
+    the same name, a table with a run not in it; after a run was trained further by hand, its old numbers."""
+    import sweep
+
+    folders = [str(tmp_path / name) for name in ('a', 'b', 'c')]
+    for folder in folders:
+        os.makedirs(folder)
+        (tmp_path / folder / 'best.pth').write_text('')
+    table = tmp_path / 'comparisons' / 'val_sweep'
+    table.mkdir(parents=True)
+    rows = ''.join(f'{folder}/best.pth,0.5\n' for folder in folders)
+    (table / 'comparison.csv').write_text('checkpoint,acc\n' + rows)
+    (table / 'comparison.txt').write_text('')
+    past = os.path.getmtime(table / 'comparison.txt') - 10
+    for folder in folders:
+        os.utime(os.path.join(folder, 'best.pth'), (past, past))
+    assert sweep.compares(str(table), folders)
+    assert not sweep.compares(str(table), folders[:2])  # a smaller sweep: its own table
+    os.utime(os.path.join(folders[0], 'best.pth'))  # trained further since
+    os.utime(table / 'comparison.txt', (past - 5, past - 5))
+    assert not sweep.compares(str(table), folders)
+
+
+def test_values_that_differ_past_six_digits_name_runs_of_their_own():
+    """1000000 and 1000001 were both `iters1e6` (6 significant digits), and the sweep refused them as
+    one; values 6 digits tell apart keep the names they had, however they are written."""
+    import sweep
+
+    named = {value: sweep.run_name('s', [('lr', value)]) for value in ('1e-3', '0.001', '3e-4', '1000000', '64')}
+    assert named == {
+        '1e-3': 's_lr0.001',
+        '0.001': 's_lr0.001',
+        '3e-4': 's_lr0.0003',
+        '1000000': 's_lr1e6',
+        '64': 's_lr64',
+    }
+    pairs = (('1000000', '1000001'), ('0.001234561', '0.001234562'))
+    for a, b in pairs:
+        assert sweep.run_name('s', [('lr', a)]) != sweep.run_name('s', [('lr', b)]), (a, b)

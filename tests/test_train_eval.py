@@ -520,6 +520,15 @@ def test_the_printed_commands_paste_into_a_shell_with_spaces_in_paths(tiny_shape
         [sys.executable, *command[1:], '--no-progress_bar'], cwd=REPO, capture_output=True, timeout=timeout()
     )
     assert evaluated.returncode == 0, evaluated.stderr
+    with open(folder / 'args.txt') as f:  # its command line, joined with spaces, named another folder
+        assert shlex.split(f.readline()[2:]) == [
+            'train.py',
+            *map(str, args),
+            '--max_iteration',
+            '2',
+            '--save_prefix',
+            'my run',
+        ]
 
 
 def test_results_go_to_output_dir_and_leave_the_experiment_folder_as_it_was(trained, tiny_shapes, tmp_path):

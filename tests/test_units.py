@@ -775,6 +775,28 @@ def test_a_monitored_loss_is_minimized(argv, mode):
     assert resolve(parse_args(parse_train_args, argv)).monitor_mode == mode
 
 
+def test_a_monitored_error_of_a_new_task_is_minimized():
+    """A regression task's --monitor val/rmse was maximized (its name says neither loss nor error): best.pth
+    was the worst checkpoint. The usual names of errors are minimized, and a task can name its own."""
+    from options import monitor_mode_of
+    from tasks.task import Task
+
+    class Regress(Task):
+        monitor, monitor_mode, minimized = 'val/mae', 'min', ('spread',)
+
+    expected = {
+        'val/mae': 'min',  # its own
+        'val/rmse': 'min',
+        'train/mse': 'min',
+        'val/top1_err': 'min',
+        'val/spread': 'min',  # the task's `minimized`
+        'val/r2': 'max',
+        'val/map': 'max',
+        'val/acc': 'max',
+    }
+    assert {name: monitor_mode_of(name, Regress) for name in expected} == expected
+
+
 def test_config_values_are_read_as_their_options_take_them(tmp_path, capsys):
     """A config can be overridden both ways, a value may start with '-', `resume: true` is --resume alone,
     a prefix map may be a YAML mapping, and eval.py takes a training run's args.yaml."""

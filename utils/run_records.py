@@ -9,6 +9,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -26,7 +27,7 @@ def save_args(args, folder):
     """Write the options to `folder` as args.txt (for people) and args.yaml (for --config and --resume),
     as durably as checkpoints: fsynced, then renamed (a power cut leaves the old file or the new one)."""
     shown = saved_options(args)
-    lines = ['# ' + ' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n']
+    lines = ['# ' + shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n']  # to paste into a shell
     width = max(map(len, shown))
     lines += [f'{k:<{width}} : {v}\n' for k, v in sorted(shown.items())]
     atomic_write_bytes(''.join(lines).encode('utf-8', 'surrogateescape'), os.path.join(folder, ARGS_TXT))  # as given
