@@ -51,6 +51,7 @@ import yaml
 from options import (
     KilnArgumentParser,
     Options,
+    UniqueKeyLoader,
     changed_options,
     choice_read_as,
     experiment_folder,
@@ -130,8 +131,8 @@ def load_specs(args):
     config = {}
     if args.config:
         try:
-            with open(args.config) as f:
-                config = yaml.safe_load(f) or {}
+            with open(args.config, encoding='utf-8-sig') as f:
+                config = yaml.load(f, UniqueKeyLoader) or {}  # as train.py's --config: numbers as written
         except (OSError, yaml.YAMLError) as error:
             raise KilnError(f'--config {args.config}: cannot read it ({str(error).splitlines()[0]})') from None
         if (
@@ -201,8 +202,10 @@ def parse_spec(name, value):
     """An entry as ('choice', [texts]) or (rule, low, high, integer): [values], {choice: [values]}, or a range
     {uniform|log_uniform|range: [low, high]}; `range` is log-uniform when positive and over a decade wide."""
 
-    def text(v):  # as on a command line
-        return str(v).lower() if isinstance(v, bool) else ' '.join(map(text, v)) if isinstance(v, list) else str(v)
+    def text(v):  # as on a command line (a number as it was written: 010 is 010, not YAML's 8)
+        if isinstance(v, bool):
+            return str(v).lower()
+        return ' '.join(map(text, v)) if isinstance(v, list) else getattr(v, 'written', str(v))
 
     rule, values = next(iter(value.items())) if isinstance(value, dict) and len(value) == 1 else ('choice', value)
     if rule == 'choice' and isinstance(values, list):

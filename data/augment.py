@@ -183,7 +183,9 @@ class RandomResizedCrop:
                 padding_mode='border',
                 align_corners=False,
             )
-            if not values.is_floating_point():  # uint8 pixels and masks: whole numbers of their type
+            if values.dtype == torch.bool:
+                sampled = sampled > 0.5
+            elif not values.is_floating_point():  # uint8 pixels and masks: whole numbers of their type
                 kind = torch.iinfo(values.dtype)
                 sampled = sampled.round().clamp(kind.min, kind.max)
             batch[key] = sampled.to(values.dtype).view(batch[key].shape)
@@ -385,7 +387,7 @@ class BatchTransform:
             self.mix.apply(batch, own(len(self.augmentations)), positions)
         if self.channels_last and batch['image'].dim() == 4:
             batch['image'] = batch['image'].contiguous(memory_format=torch.channels_last)
-        if 'mask' in batch and not batch['mask'].is_floating_point():  # class indices (uint8 on disk and in memory)
+        if 'mask' in batch:  # class indices (uint8 on disk and in memory); a float target goes by another name
             batch['mask'] = batch['mask'].long()
         return batch
 

@@ -8,6 +8,7 @@ as image viewers and labelling tools show it; x2, y2 exclusive), classes indexin
 and encodings as for every list file (data/list_file.py).
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -57,8 +58,14 @@ class DetListDataset(ListDataset):
     @staticmethod
     def box_hint(field, fields):
         """What likely went wrong with the box `field` (one of the line's `fields`), as a parenthesis, or ''."""
-        if ',' in field:
-            return ''  # a box with the wrong values: the message says what a box must be
+        if ',' in field:  # a box with the wrong values: the message says what a box must be, and maybe why
+            with contextlib.suppress(ValueError):
+                x1, y1, x2, y2 = (float(value) for value in field.split(',')[:4])
+                if x2 == x1 or y2 == y1:
+                    return ' (a box of no area: drop it)'
+                if x2 < x1 or y2 < y1:
+                    return ' (the third and fourth values are the far corner x2,y2, not a width and height)'
+            return ''
         if any(_looks_like_path(f) for f in fields if ',' not in f):
             # the image path was cut at a space: its pieces were read as boxes
             return ' (a path with spaces must be quoted: "my images/a.png" 1,2,30,40,0)'

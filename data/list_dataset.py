@@ -12,6 +12,7 @@ writes file names decomposed.
 
 import contextlib
 import hashlib
+import numbers
 import os
 import re
 import unicodedata
@@ -305,8 +306,8 @@ class ListDataset(Dataset):
         return largest + 1
 
     def targets_are_labels(self):
-        """Whether every target is a class label (an int), as the class counts and checks take them."""
-        return all(isinstance(label, int) and not isinstance(label, bool) for _, label, _ in self.samples)
+        """Whether every target is a class label (an integer, numpy's too), as the class counts and checks take them."""
+        return all(isinstance(label, numbers.Integral) and not isinstance(label, bool) for _, label, _ in self.samples)
 
     def check_targets(self):
         """Stop with the list file line of the first label outside the class range, or the two lines of the

@@ -194,10 +194,6 @@ class Batches:
         """The numbers of this process's batches among every process's (see ResumableBatchSampler.numbers)."""
         return self.sampler.numbers()
 
-    def order(self, epoch):
-        """The sample order of `epoch` (a checkpoint keeps it, to check that a resumed run reads the same data)."""
-        return self.sampler.order(epoch)
-
     def epoch(self, epoch, start=0, stop_ends_wait=None):
         """Yield the batches of `epoch`, from batch number `start` on. `stop_ends_wait`, asked before each
         wait for a worker's batch: True lets a stop signal end that wait (utils/stopping.py)."""

@@ -79,13 +79,12 @@ class ResumableBatchSampler(Sampler):
 
     def order(self, epoch=None):
         """The sample order (all ranks) of `epoch` (default: the current one): a tensor of indices, not to
-        be changed (the same one is handed out until another epoch's is drawn). A tensor, not a list: a
-        checkpoint keeps it, and a list of a million samples takes 100 ms to become one."""
+        be changed (the same one is handed out until another epoch's is drawn)."""
         epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:
             return torch.arange(self.length)
         seed = mix(self.seed, 0 if self.fixed_order else epoch)
-        if self._drawn[0] != seed:  # drawn once per epoch: a checkpoint keeps the order the epoch then reads
+        if self._drawn[0] != seed:  # drawn once per epoch
             generator = torch.Generator()
             generator.manual_seed(seed)
             self._drawn = seed, torch.randperm(self.length, generator=generator)

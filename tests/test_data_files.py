@@ -845,6 +845,16 @@ def test_a_list_of_values_not_classes_needs_only_parse_target(tmp_path):
     with pytest.raises(KilnError, match='its targets are no class labels.*give --num_classes'):
         Sizes(argparse.Namespace(**{**vars(options), 'num_classes': None}), 'train')
 
+    class NumpyLabels(ListDataset):  # (a parse_target that reads with numpy): labels still, and checked
+        def parse_target(self, fields, number):
+            return np.int64(fields[0])
+
+    (tmp_path / 'labels.txt').write_text('a.png 0\nb.png 3\n')
+    labelled = argparse.Namespace(**{**vars(options), 'train_list': str(tmp_path / 'labels.txt'), 'num_classes': None})
+    assert NumpyLabels(labelled, 'train').num_classes == 4
+    with pytest.raises(KilnError, match='label 3 is outside 0..2'):
+        NumpyLabels(argparse.Namespace(**{**vars(labelled), 'num_classes': 3}), 'train')
+
 
 def test_hidden_folders_inside_class_folders_are_left_out(tmp_path):
     """The thumbnails a NAS keeps in hidden folders (QNAP's .@__thumb, .thumbs) were read as more

@@ -246,7 +246,8 @@ def test_masks_and_boxes_move_with_their_pixels():
 
 def test_every_target_laid_out_as_the_pixels_moves_with_them_and_keeps_its_values():
     """Only 'image' and 'mask' moved: a new task's depth map (or a mask under another name) stayed where it
-    was while its image was flipped and shifted, and a float mask was cut to whole numbers (zeros)."""
+    was while its image was flipped and shifted. A float target keeps its values, a bool one stays bool;
+    'mask' holds class indices (long)."""
     from data.augment import RandomResizedCrop
 
     image = torch.zeros(2, 3, 16, 16, dtype=torch.uint8)
@@ -256,15 +257,19 @@ def test_every_target_laid_out_as_the_pixels_moves_with_them_and_keeps_its_value
         (('crop', 'hflip'), {(0, 'shift'): torch.tensor([[1, -2], [0, 1]]), (1, 'flip'): torch.tensor([True, False])}),
         ((), None),
     ):
-        batch = {'image': image.clone(), 'depth': depth.clone(), 'mask': depth.clone(), 'label': torch.tensor([0, 1])}
+        batch = {'image': image.clone(), 'depth': depth.clone(), 'seen': depth > 0, 'mask': (depth > 0).byte()}
+        batch['label'] = torch.tensor([0, 1])
         out = BatchTransform(augment, 16)(batch, params)
         bright = out['image'][:, 0] > 0
-        for key in ('depth', 'mask'):
-            assert out[key].dtype == torch.float32 and torch.equal(out[key] == 0.75, bright), (augment, key)
-    batch = {'image': image.clone(), 'depth': depth.clone(), 'mask': (depth > 0).to(torch.uint8)}
+        assert out['depth'].dtype == torch.float32 and torch.equal(out['depth'] == 0.75, bright), augment
+        assert out['seen'].dtype == torch.bool and torch.equal(out['seen'], bright), augment
+        assert out['mask'].dtype == torch.int64 and torch.equal(out['mask'].bool(), bright), augment
+    batch = {'image': image.clone(), 'depth': depth.clone(), 'seen': depth > 0, 'mask': (depth > 0).byte()}
     RandomResizedCrop(16).apply(batch, {'box': torch.tensor([[0.5, 0.0, 1.0, 0.5]] * 2)})
-    assert torch.equal(batch['depth'] == 0.75, batch['image'][:, 0] > 100) and batch['depth'].max() == 0.75
-    assert torch.equal(batch['mask'].bool(), batch['image'][:, 0] > 100) and batch['mask'].dtype == torch.uint8
+    bright = batch['image'][:, 0] > 100
+    assert torch.equal(batch['depth'] == 0.75, bright) and batch['depth'].max() == 0.75
+    assert torch.equal(batch['seen'], bright) and batch['seen'].dtype == torch.bool
+    assert torch.equal(batch['mask'].bool(), bright) and batch['mask'].dtype == torch.uint8
 
 
 def test_a_box_pushed_out_of_the_picture_is_dropped():

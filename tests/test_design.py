@@ -613,6 +613,9 @@ def test_a_name_the_locale_cannot_write_is_kept_as_its_bytes_or_is_one_line(tiny
         run_cli(ascii_file, [])
     assert 'unset PYTHONIOENCODING' in capsys.readouterr().err
     # an error line names a path as its bytes, as the standard output does there (it wrote \udcc3\udcb6)
+    import utils.errors  # noqa: F401  (registers the handler)
+
+    assert '\u00e9\udcc3\udca9'.encode('ascii', 'kiln_names_as_bytes') == b'\\xe9\xc3\xa9'  # each as it can be
     absent = str(tmp_path / 'n\u00f6ne.txt')
     missing = run_script('train.py', *args, '--train_list', absent, env=ascii_locale)
     assert f'list file {absent} does not exist' in missing.stderr, missing.stderr

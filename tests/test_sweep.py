@@ -620,3 +620,17 @@ def test_values_that_differ_past_six_digits_name_runs_of_their_own():
     pairs = (('1000000', '1000001'), ('0.001234561', '0.001234562'))
     for a, b in pairs:
         assert sweep.run_name('s', [('lr', a)]) != sweep.run_name('s', [('lr', b)]), (a, b)
+
+
+def test_a_sweep_file_reads_numbers_as_written_as_train_py_does(tmp_path):
+    """grid: {seed: [010, 011]} ran --seed 8 and --seed 9 (YAML's octal), where train.py's --config reads
+    010 as 10; and a key given twice was taken without a word."""
+    import sweep
+
+    config = tmp_path / 'sweep.yaml'
+    config.write_text('grid: {seed: [010, 011], lr: [1e-3, 2_0]}\n')
+    specs = sweep.load_specs(sweep.sweep_args(['--config', str(config)]))[0]
+    assert specs == {'seed': ('choice', ['010', '011']), 'lr': ('choice', ['1e-3', '2_0'])}
+    config.write_text('grid: {seed: [1]}\nname: a\nname: b\n')
+    with pytest.raises(KilnError, match="the key 'name' is given twice"):
+        sweep.load_specs(sweep.sweep_args(['--config', str(config)]))

@@ -1332,9 +1332,6 @@ def test_a_checkpoint_that_kept_the_sample_order_is_checked_by_its_length():
         def __init__(self, samples):
             self.dataset = Listed(samples)
 
-        def order(self, epoch):
-            return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(epoch))
-
     data = TrainingData(Batches([('a/1.png', 0, 1), ('a/2.png', 1, 2)]))
     data.load_state_dict({'order': torch.tensor([1, 0], dtype=torch.int32)})
     with pytest.raises(KilnError, match='have 2 samples now, the checkpoint was trained on 3'):
@@ -1344,3 +1341,8 @@ def test_a_checkpoint_that_kept_the_sample_order_is_checked_by_its_length():
     TrainingData(Batches([('b/1.png', 0, 1), ('b/2.png', 1, 2)])).load_state_dict(state)  # moved: the same
     with pytest.raises(KilnError, match='differ from those the checkpoint was trained on'):
         TrainingData(Batches([('a/1.png', 1, 1), ('a/2.png', 0, 2)])).load_state_dict(state)
+    # samples of another kind (tensors and labels, dicts): the count alone (the digest read a tensor as a path)
+    for samples in ([(torch.zeros(3), 0), (torch.ones(3), 1)], [{'path': 'a'}, {'path': 'b'}]):
+        other = TrainingData(Batches(samples))
+        assert other.state_dict() == {'samples': 2, 'digest': None}
+        other.load_state_dict(state)

@@ -54,7 +54,10 @@ class TrainingData:
     def digest(self):
         """The digest of the dataset's samples (None for a dataset without `samples`), made once."""
         samples = getattr(self.batches.dataset, 'samples', None)
-        if self._digest is None and samples is not None:  # (under a second for a million samples)
+        listed = isinstance(samples, list) and all(  # (path, target, ...) each, as ListDataset's
+            isinstance(sample, tuple) and len(sample) >= 2 and isinstance(sample[0], str) for sample in samples
+        )
+        if self._digest is None and listed:  # (under a second for a million samples)
             digest = hashlib.sha256(os.fsencode('\n'.join([path.rpartition(os.sep)[2] for path, *_ in samples])))
             digest.update(os.fsencode(repr([_named_target(target) for _, target, *_ in samples])))
             self._digest = digest.hexdigest()
@@ -64,10 +67,8 @@ class TrainingData:
         return {'samples': len(self.batches.dataset), 'digest': self.digest()}
 
     def load_state_dict(self, state):
-        if 'order' in state:  # an earlier Kiln kept the first epoch's sample order: its length, to check
-            saved, count = len(state['order']), len(self.batches.order(0))
-        else:
-            saved, count = state['samples'], len(self.batches.dataset)
+        # (an earlier Kiln kept its epoch's sample order, as long as the data)
+        saved, count = state['samples'] if 'order' not in state else len(state['order']), len(self.batches.dataset)
         if saved != count:  # a list or class folders that changed since
             raise KilnError(
                 f'the training data have {count} samples now, the checkpoint was trained on {saved}: '

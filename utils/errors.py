@@ -263,9 +263,13 @@ def _names_as_bytes(error):
     """A codec error handler: surrogates of undecodable bytes written as those bytes, other characters
     the encoding lacks as backslash escapes (what stderr writes them as)."""
     if isinstance(error, UnicodeEncodeError):
-        text = error.object[error.start : error.end]
-        if all(0xDC80 <= ord(character) <= 0xDCFF for character in text):
-            return bytes(ord(character) - 0xDC00 for character in text), error.end
+        written = (
+            bytes([ord(character) - 0xDC00])
+            if 0xDC80 <= ord(character) <= 0xDCFF
+            else character.encode('ascii', 'backslashreplace')
+            for character in error.object[error.start : error.end]
+        )
+        return b''.join(written), error.end
     return codecs.backslashreplace_errors(error)
 
 
