@@ -33,8 +33,11 @@ LOSSES = {
 }
 
 
-def select_loss(name):
-    """Build the loss named `name`."""
+def select_loss(name, **settings):
+    """Build the loss named `name`, with `settings` (ignore_index: --ignore_index) where given."""
     if name not in LOSSES:
         raise KilnError(f'unknown --loss {name!r}; choose one of: {", ".join(sorted(LOSSES))}')
-    return LOSSES[name]()
+    try:
+        return LOSSES[name](**settings)
+    except TypeError:
+        raise KilnError(f'--loss {name} takes no {", ".join(settings)}; use --loss cross_entropy') from None

@@ -23,7 +23,7 @@ def topk_hits(logits, targets, k):
     return above.sum(dim=1) < k
 
 
-def confusion_matrix(predictions, targets, num_classes, into=None):
+def confusion_matrix(predictions, targets, num_classes, into=None, ignore=None):
     """Counts (num_classes, num_classes): row = true class, column = predicted class; with `into` (such
     counts, on the device of `targets`), added to it in place, so that a split's counting makes no
     num_classes² tensor per batch.
@@ -31,10 +31,15 @@ def confusion_matrix(predictions, targets, num_classes, into=None):
     Built with an accumulating index_put (not bincount, whose output size is data-dependent and
     so waits for the GPU).
     """
-    index = targets.flatten().long() * num_classes + predictions.flatten().long()  # uint8 targets would wrap
+    targets = targets.flatten().long()  # (uint8 targets would wrap)
+    index = targets * num_classes + predictions.flatten().long()
+    counts = torch.ones_like(index)
+    if ignore is not None:  # targets of value `ignore` count nothing (at cell 0: no data-dependent shape)
+        counts = (targets != ignore).long()
+        index = index * counts
     if into is None:
         into = torch.zeros(num_classes, num_classes, dtype=torch.long, device=index.device)
-    into.view(-1).index_put_((index,), torch.ones_like(index), accumulate=True)
+    into.view(-1).index_put_((index,), counts, accumulate=True)
     return into
 
 
@@ -75,8 +80,8 @@ class ConfusionMetrics:
     """The confusion matrix of argmax predictions against `batch[target]` over a split, summed on
     the device; subclasses turn it into metrics. After `compute`, `confusion` is the reduced matrix."""
 
-    def __init__(self, num_classes, target):
-        self.num_classes, self.target = num_classes, target
+    def __init__(self, num_classes, target, ignore=None):
+        self.num_classes, self.target, self.ignore = num_classes, target, ignore
         self.confusion = None
         self.reset()
 
@@ -89,7 +94,7 @@ class ConfusionMetrics:
         """Add one batch of class scores `logits` (N, C, ...) and targets `batch[target]` (N, ...)."""
         targets = batch[self.target]
         into = None if self.matrix is None else self.matrix.to(targets.device)  # a resume's counts: on the CPU
-        self.matrix = confusion_matrix(logits.argmax(dim=1), targets, self.num_classes, into)
+        self.matrix = confusion_matrix(logits.argmax(dim=1), targets, self.num_classes, into, self.ignore)
 
     def totals(self):
         """The counters as tensors (zeros before any update)."""
@@ -179,8 +184,8 @@ class SegmentationMetrics(ConfusionMetrics):
     """Pixel accuracy `pixel_acc` and mean IoU `miou` (over the classes present) of every pixel;
     in detail, the IoU of each class."""
 
-    def __init__(self, num_classes, target='mask'):
-        super().__init__(num_classes, target)
+    def __init__(self, num_classes, target='mask', ignore=None):
+        super().__init__(num_classes, target, ignore)
 
     def compute(self, class_names=None):
         """{'pixel_acc', 'miou'} and, with `class_names`, 'iou/<name>' for each class (a collective)."""

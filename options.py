@@ -65,6 +65,7 @@ INHERITED = (
     'data_root',
     'val_list',
     'num_classes',
+    'ignore_index',
     'img_size',
     'resize',
     'crop_pct',
@@ -352,6 +353,12 @@ def parse_common_args(parser):
         help="where generated datasets are written (default: the project's data/generated/)",
     )
     parser.add_argument('--num_classes', type=_positive_int, help='default: what the dataset reports')
+    parser.add_argument(
+        '--ignore_index',
+        type=count_at_least(0),
+        help="segmentation: the mask value of pixels left out of the loss and the metrics (255: Pascal VOC's "
+        "and Cityscapes' void), one no class has; default: none, every value is a class",
+    )
     parser.add_argument(
         '--img_size',
         type=_image_side,
@@ -691,9 +698,9 @@ def parse_test_args(parser):
     """Evaluation options on top of the common ones.
 
     Every option that decides the numbers defaults to what the checkpoint was trained with: --task,
-    --model_type, --data_type, --data_root, --val_list, --num_classes, --img_size, --resize, --crop_pct,
-    --normalize, --topk, --amp, --channels_last (give one to change it; the defaults shown below are
-    training's), and its loss and monitored metric.
+    --model_type, --data_type, --data_root, --val_list, --num_classes, --ignore_index, --img_size, --resize,
+    --crop_pct, --normalize, --topk, --amp, --channels_last (give one to change it; the defaults shown below
+    are training's), and its loss and monitored metric.
     """
     parser = parse_common_args(parser)
     parser.set_defaults(task=None)
@@ -725,6 +732,7 @@ NOT_USED_IN_PREDICTION = (
     'topk',
     'checkpoints_dir',
     'data_root',
+    'ignore_index',
 )  # common options predict.py has no use for: a note
 
 
@@ -963,6 +971,7 @@ ACTS_ONLY_WITH = {
     'unfreeze_at_epoch': ('freeze_to', (SET,)),
     'unfrozen_lr_scale': ('freeze_to', (SET,)),
     'early_stop_min_delta': ('early_stop_patience', (SET,)),
+    'ignore_index': ('task', ('segment',)),
     'load_not_strict': ('load_model_path', (SET,)),
     'load_prefix_map': ('load_model_path', (SET,)),
     'image_interval': ('log_images', (True,)),

@@ -25,6 +25,10 @@ class SegListDataset(ListDataset):
     renumber_classes = None  # class numbers are in the masks: the names must match as they are
     class_files = ('seg_classes.txt', 'classes.txt')
 
+    def __init__(self, args, split):
+        self.ignore_index = getattr(args, 'ignore_index', None)  # a mask value that is no class (the void)
+        super().__init__(args, split)
+
     def parse_target(self, fields, number):
         path = resolve_path(self.list_path, fields[0])
         if not os.path.isfile(path):
@@ -38,6 +42,8 @@ class SegListDataset(ListDataset):
 
     def check_targets(self):
         """Masks are checked as they are read (see read_mask): reading all of them here would be slow."""
+        if self.ignore_index is not None and self.ignore_index > 255:
+            raise KilnError(f'--ignore_index {self.ignore_index}: masks hold one byte per pixel, 0 to 255')
         if self.num_classes > 256:
             raise KilnError(
                 f'{self.list_path}: masks hold at most 256 classes (one byte per pixel), not {self.num_classes}'
@@ -72,11 +78,19 @@ class SegListDataset(ListDataset):
         if values.dtype.kind == 'f' and not np.array_equal(values, np.floor(values)):
             fraction = values[values != np.floor(values)].flat[0]
             raise KilnError(f'{where} holds the value {fraction:g}, not a class number; a mask holds whole numbers')
-        low, high = values.min(), values.max()
+        if self.ignore_index is not None:
+            values = values[values != self.ignore_index]
+        low, high = (values.min(), values.max()) if values.size else (0, 0)
         if low < 0 or high >= self.num_classes:
+            void = (  # the usual reasons for a 255
+                ' (255 is the void of Pascal VOC and Cityscapes: give --ignore_index 255 to leave it out; a '
+                'mask of 0 and 255 for two classes: save it as 0 and 1)'
+                if high == 255 and self.ignore_index is None
+                else ''
+            )
             raise KilnError(
                 f'{where} holds class {low if low < 0 else high:g}, outside 0..{self.num_classes - 1}; fix the mask, '
-                f'the classes file or --num_classes'
+                f'the classes file or --num_classes{void}'
             )
 
     def __getitem__(self, index):

@@ -3,10 +3,13 @@
 import os
 
 import numpy as np
+import torch
 from PIL import Image
 
+from loss import select_loss
 from metrics import SegmentationMetrics
 from tasks.task import Task
+from utils.errors import KilnError
 from utils.viz import confusion_matrix_image, segmentation_grid
 
 
@@ -19,12 +22,23 @@ class SegmentTask(Task):
     monitor = 'val/miou'
     targets = ('mask',)
 
+    def __init__(self, options, class_names=None):
+        super().__init__(options, class_names)
+        self.ignore = getattr(options, 'ignore_index', None)  # a mask value left out of the loss and metrics
+        if self.ignore is not None:
+            if self.ignore < self.num_classes:
+                raise KilnError(
+                    f'--ignore_index {self.ignore} is class {self.ignore} of 0..{self.num_classes - 1}; give a '
+                    f'value no class has (255, the void of Pascal VOC and Cityscapes)'
+                )
+            self.criterion = select_loss(options.loss or self.default_loss, ignore_index=self.ignore)
+
     @classmethod
     def metric_names(cls, options):
         return ['loss', 'pixel_acc', 'miou']
 
     def metrics(self):
-        return SegmentationMetrics(self.num_classes)
+        return SegmentationMetrics(self.num_classes, ignore=self.ignore)
 
     def pictures(self, batch, outputs):
         count = min(self.pictured, self.count(batch))
@@ -40,7 +54,11 @@ class SegmentTask(Task):
     eval_header = ('image', 'pixel_accuracy')
 
     def eval_rows(self, batch, outputs):
-        (accuracy,) = self.to_host((outputs.argmax(dim=1) == batch['mask']).flatten(1).double().mean(dim=1))
+        """Each image's pixel accuracy, over its pixels that are not --ignore_index (nan if none is)."""
+        mask = batch['mask'].flatten(1)
+        counted = mask != self.ignore if self.ignore is not None else torch.ones_like(mask, dtype=torch.bool)
+        right = (outputs.argmax(dim=1).flatten(1) == mask) & counted
+        (accuracy,) = self.to_host(right.sum(dim=1).double() / counted.sum(dim=1))
         return [[[f'{a:.4f}']] for a in accuracy.tolist()]
 
     predict_header = ('image', 'mask')

@@ -896,3 +896,51 @@ def test_train_sh_leaves_a_config_and_a_resumed_run_their_settings(tiny_shapes, 
     longer = run_script('bash', script, '--resume', folder, env={**env, 'EPOCHS': '2'}, timeout_seconds=300)
     assert longer.returncode == 0, longer.stderr
     assert torch.load(folder / 'last.pth', weights_only=True, map_location='cpu')['position']['epoch'] == 2
+
+
+def test_a_void_label_is_left_out_of_the_loss_and_the_metrics_with_ignore_index(tiny_shapes, tmp_path):
+    """Masks with Pascal VOC's void (255 around each object) were refused with advice to raise
+    --num_classes, which trains the void as a class and counts it in the mIoU. --ignore_index 255 leaves
+    it out of the loss and the metrics (pixel accuracy over the other pixels); without it, the refusal
+    says so."""
+    import numpy as np
+    from PIL import Image
+
+    from conftest import tiny_seg_args
+
+    lists = {}
+    for split in ('train', 'val'):
+        lines = []
+        for line in open(os.path.join(tiny_shapes, f'seg_{split}.txt')).read().split('\n'):
+            if line:
+                image, mask = line.split()
+                pixels = np.array(Image.open(os.path.join(tiny_shapes, mask)))
+                pixels[:2] = 255  # a band of void along the top
+                void = tmp_path / 'void' / mask
+                void.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(pixels).save(void)
+                lines.append(f'{os.path.join(tiny_shapes, image)} {void}')
+        lists[split] = tmp_path / 'void' / f'seg_{split}.txt'
+        lists[split].write_text('\n'.join(lines) + '\n')
+    (tmp_path / 'void' / 'seg_classes.txt').write_text(open(os.path.join(tiny_shapes, 'seg_classes.txt')).read())
+    args = tiny_seg_args(tiny_shapes, tmp_path / 'ck') + ['--task', 'segment', '--epochs', '1', '--img_size', '32']
+    args[args.index('--train_list') + 1], args[args.index('--val_list') + 1] = lists['train'], lists['val']
+    refused = run_script('train.py', *args)
+    assert refused.returncode == 2 and 'give --ignore_index 255 to leave it out' in refused.stderr, refused.stderr
+    trained = run_script('train.py', *args, '--ignore_index', '255')
+    assert trained.returncode == 0, trained.stderr
+    folder = tmp_path / 'ck' / 'seg_net_seg_list_default'
+    evaluated = run_script('eval.py', '--load_model_path', folder, '--cpu', '--no-progress_bar')
+    assert evaluated.returncode == 0, evaluated.stderr
+    (result,) = glob.glob(str(folder / 'eval' / '*' / 'result.json'))
+    with open(result) as f:
+        metrics = json.load(f)['metrics']
+    assert 0 < metrics['pixel_acc'] < 1 and all(not name.endswith('/255') for name in metrics), metrics
+    # per image, the rows count the pixels that are not void: the mean of the rows (the same pixels per
+    # image) is the split's pixel accuracy
+    (rows,) = glob.glob(str(folder / 'eval' / '*' / 'predictions.csv'))
+    with open(rows) as f:
+        accuracies = [float(row['pixel_accuracy']) for row in csv.DictReader(f)]
+    assert abs(np.mean(accuracies) - metrics['pixel_acc']) < 1e-3
+    wrong = run_script('train.py', *args, '--ignore_index', '3', '--save_prefix', 'three')
+    assert wrong.returncode == 2 and '--ignore_index 3 is class 3 of 0..' in wrong.stderr, wrong.stderr

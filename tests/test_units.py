@@ -1346,3 +1346,25 @@ def test_a_checkpoint_that_kept_the_sample_order_is_checked_by_its_length():
         other = TrainingData(Batches(samples))
         assert other.state_dict() == {'samples': 2, 'digest': None}
         other.load_state_dict(state)
+
+
+def test_ignore_index_leaves_its_pixels_out_of_the_confusion_matrix_and_the_loss():
+    """--ignore_index: counted nowhere (no host sync: the pixels add 0), and no part of the loss."""
+    from loss import select_loss
+    from metrics import SegmentationMetrics
+
+    seed = 5
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 3, 4, 4, generator=generator)
+    mask = torch.randint(0, 3, (2, 4, 4), generator=generator)
+    mask[:, 0] = 255  # a void row
+    counts = confusion_matrix(logits.argmax(1), mask, 3, ignore=255)
+    kept = mask != 255
+    assert counts.sum() == kept.sum(), f'seed {seed}'
+    assert counts.trace() == (logits.argmax(1) == mask)[kept].sum(), f'seed {seed}'
+    metrics = SegmentationMetrics(3, ignore=255)
+    metrics.update(logits, {'mask': mask})
+    assert metrics.compute()['pixel_acc'] == pytest.approx(((logits.argmax(1) == mask)[kept]).double().mean().item())
+    loss = select_loss('cross_entropy', ignore_index=255)(logits, mask)
+    scores = logits.movedim(1, -1)[kept]
+    assert torch.allclose(loss, torch.nn.functional.cross_entropy(scores, mask[kept])), f'seed {seed}'

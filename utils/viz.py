@@ -167,8 +167,9 @@ def segmentation_grid(images, predicted, true, num_classes, tile=96, class_names
     """Rows of image | predicted mask | true mask under a header naming the columns, over a key of each
     class's colour (HxWx3 uint8); `images` in [0, 1], masks (N, H, W)."""
     colours = mask_colours(num_classes)
-    shares = colours.astype(np.float32) / 255  # numpy: see `tiles`
-    masks = [shares[m.cpu().numpy().clip(0, num_classes - 1)].transpose(0, 3, 1, 2) for m in (predicted, true)]
+    shares = np.concatenate([colours, np.zeros((1, 3), colours.dtype)]).astype(np.float32) / 255  # numpy: `tiles`
+    # a value that is no class (--ignore_index: the void) black
+    masks = [shares[m.cpu().numpy().clip(0, num_classes)].transpose(0, 3, 1, 2) for m in (predicted, true)]
     pixels = [tiles(picture, tile) for picture in (images, *masks)]  # (N, T, T, 3) each
     side = pixels[0].shape[2]
     header = np.concatenate([caption(name, (0, 0, 0), side) for name in ('image', 'predicted', 'true')], axis=1)
