@@ -507,7 +507,9 @@ def test_a_stop_while_waiting_in_the_middle_of_an_accumulated_update_saves_after
     last = torch.load(folder / 'last.pth', weights_only=True, map_location='cpu')
     assert last['position']['batch'] % 2 == 0 and last['position']['step'] == 2, last['position']
     assert run_script('train.py', *args('stopped'), '--epochs', '1', '--resume').returncode == 0
-    whole = torch.load(tmp_path / 'whole' / 'small_cnn_list_default' / 'last.pth', weights_only=True)
+    whole = torch.load(
+        tmp_path / 'whole' / 'small_cnn_list_default' / 'last.pth', weights_only=True, map_location='cpu'
+    )
     resumed = torch.load(folder / 'last.pth', weights_only=True, map_location='cpu')
     for name, tensor in whole['model'].items():
         assert torch.equal(tensor, resumed['model'][name]), name

@@ -49,18 +49,22 @@ class TrainingData:
     other data. (The sample order is no part of it: it follows from --seed and the epoch.)"""
 
     def __init__(self, batches):
-        self.batches, self._digest = batches, None
+        self.batches, self._digest = batches, ()  # (): not made yet
 
     def digest(self):
-        """The digest of the dataset's samples (None for a dataset without `samples`), made once."""
-        samples = getattr(self.batches.dataset, 'samples', None)
-        listed = isinstance(samples, list) and all(  # (path, target, ...) each, as ListDataset's
-            isinstance(sample, tuple) and len(sample) >= 2 and isinstance(sample[0], str) for sample in samples
-        )
-        if self._digest is None and listed:  # (under a second for a million samples)
-            digest = hashlib.sha256(os.fsencode('\n'.join([path.rpartition(os.sep)[2] for path, *_ in samples])))
-            digest.update(os.fsencode(repr([_named_target(target) for _, target, *_ in samples])))
-            self._digest = digest.hexdigest()
+        """The digest of the dataset's samples (None for a dataset without `samples` of (path, target, ...)
+        each, as ListDataset's), made once (under a second for a million samples)."""
+        if self._digest == ():
+            samples = getattr(self.batches.dataset, 'samples', None)
+            listed = isinstance(samples, list) and all(
+                isinstance(sample, tuple) and len(sample) >= 2 and isinstance(sample[0], str) for sample in samples
+            )
+            self._digest = None
+            if listed:
+                names = '\n'.join([path.rpartition(os.sep)[2] for path, *_ in samples])
+                digest = hashlib.sha256(os.fsencode(names))
+                digest.update(os.fsencode(repr([_named_target(target) for _, target, *_ in samples])))
+                self._digest = digest.hexdigest()
         return self._digest
 
     def state_dict(self):
