@@ -174,7 +174,7 @@ def load_specs(args):
         'name',
         'sweep',
         lambda v: isinstance(v, str) and re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', v),
-        'text of ASCII letters, digits, ".", "_" and "-" (YAML reads name: 2024_01 as a number: quote it)',
+        'text of ASCII letters, digits, ".", "_" and "-"',
     )
     if not entries:
         raise KilnError('nothing to sweep: give --grid NAME=VALUES ... or --config FILE')
@@ -192,6 +192,9 @@ def setting(args, config, key, default, valid, requirement):
     value, where = getattr(args, key), f'--{key}'
     if value is None:
         value, where = config.get(key, default), f'--config {args.config}: {key}:'
+        if hasattr(value, 'written'):  # a number, read as its flag reads it (trials: 010 is 10; name: 010 is '010')
+            with contextlib.suppress(ValueError):
+                value = value.written if isinstance(default, str) else int(value.written)
     if not valid(value):
         text = 'the text ' if isinstance(value, str) else ''  # trials: "8" is no number
         raise KilnError(f'{where} must be {requirement}, got {text}{value!r}')

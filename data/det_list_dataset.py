@@ -65,7 +65,7 @@ class DetListDataset(ListDataset):
                     return ' (a box of no area: drop it)'
                 if x2 < x1 or y2 < y1:
                     return ' (the third and fourth values are the far corner x2,y2, not a width and height)'
-            return ''
+            return ' (five values, with commas and no spaces: 10,10,30,20,1)' if field.count(',') < 4 else ''
         if any(_looks_like_path(f) for f in fields if ',' not in f):
             # the image path was cut at a space: its pieces were read as boxes
             return ' (a path with spaces must be quoted: "my images/a.png" 1,2,30,40,0)'

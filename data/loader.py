@@ -17,7 +17,6 @@ import multiprocessing
 import multiprocessing.queues
 import os
 import signal
-import sys
 
 import numpy as np
 import torch
@@ -26,7 +25,7 @@ from torch.utils.data import DataLoader
 from data.augment import BatchTransform
 from data.sampler import ResumableBatchSampler, SeededDataset, mix
 from utils.distributed import die_with_parent, rank, world_size
-from utils.errors import KilnError
+from utils.errors import KilnError, write_to_stderr_now
 from utils.seeding import seed_worker
 from utils.stopping import stop_ends_the_wait
 
@@ -80,8 +79,8 @@ def init_worker(parent, worker_id):
 def _end_with_a_lost_batch(error, batch):
     """A worker's batch could not be sent to the main process: say why in one line and end the worker,
     which the main process notices within seconds (a DataLoader error, see utils/errors.run_cli)."""
-    line = f'error: a DataLoader worker could not hand over its batch: {error}\n'  # one write: workers' lines
-    os.write(sys.stderr.fileno(), line.encode(errors='replace'))  # do not interleave (unbuffered stderr split it)
+    # one write: the workers' lines do not interleave (unbuffered stderr split them)
+    write_to_stderr_now(f'error: a DataLoader worker could not hand over its batch: {error}\n')
     os._exit(1)
 
 

@@ -167,7 +167,11 @@ def test_boxes_dataset_generates_its_default_copy_and_checks_lines(tmp_path, mon
     with pytest.raises(KilnError, match=r"got '24;18;36;28;0' \(separate the five values of a box with commas"):
         DetListDataset(_args(train_list=str(listing)), 'train')
     # x,y,width,height (COCO's) is told that x2,y2 is a corner; a box of no area, to drop it
-    for bad, hint in (('40,40,10,10,0', 'not a width and height'), ('5,5,5,9,0', 'a box of no area: drop it')):
+    for bad, hint in (
+        ('40,40,10,10,0', 'not a width and height'),
+        ('5,5,5,9,0', 'a box of no area: drop it'),
+        ('10, 10, 30, 20, 1', 'with commas and no spaces'),
+    ):
         listing.write_text(f'{image} {bad}\n')
         with pytest.raises(KilnError, match=hint):
             DetListDataset(_args(train_list=str(listing)), 'train')

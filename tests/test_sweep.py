@@ -436,7 +436,7 @@ def test_options_of_two_values_are_swept(tiny_shapes, tmp_path):
         (['--config', 'grid: {lr: [1]}\nname: null'], 'name: must be text of ASCII letters, digits'),
         (
             ['--grid', 'lr=1', '--name', ''],
-            "quote it), got the text ''",
+            'and "-", got the text \'\'',
         ),
         (['--grid', 'lr=1e-3', 'lr=2e-3'], '--grid lr= is given twice: give its values once, lr=a,b'),
         (['--grid', 'lr=1e-3', '--epochs', '1'], '--epochs 1: train.py options go after `--`'),
@@ -510,16 +510,17 @@ def test_list_files_given_relative_are_the_options_a_run_saved(tmp_path, monkeyp
         sweep.check_earlier_runs([other], 'sweep')
 
 
-def test_a_sweep_named_by_a_number_in_its_file_is_told_to_quote_it(tmp_path):
+def test_a_sweep_named_by_a_number_in_its_file_keeps_the_name_as_written(tmp_path):
     """YAML reads `name: 2024_01` as the number 202401: it was refused, 'must be letters, digits ... got
-    2024', which it is; taken as a number it would have been named 202401."""
+    2024', which it is; then told to quote it. A number is now read as written, quoted or not."""
     import sweep
 
-    (tmp_path / 'sweep.yaml').write_text('grid: {lr: [1e-3]}\nname: 2024_01\n')
-    with pytest.raises(KilnError, match=r'name: must be text .* quote it\), got 202401$'):
+    for written in ('2024_01', '"2024_01"'):
+        (tmp_path / 'sweep.yaml').write_text(f'grid: {{lr: [1e-3]}}\nname: {written}\n')
+        assert sweep.load_specs(sweep.sweep_args(['--config', str(tmp_path / 'sweep.yaml')]))[4] == '2024_01'
+    (tmp_path / 'sweep.yaml').write_text('grid: {lr: [1e-3]}\nname: [a]\n')
+    with pytest.raises(KilnError, match=r'name: must be text of ASCII letters'):
         sweep.load_specs(sweep.sweep_args(['--config', str(tmp_path / 'sweep.yaml')]))
-    (tmp_path / 'sweep.yaml').write_text('grid: {lr: [1e-3]}\nname: "2024_01"\n')
-    assert sweep.load_specs(sweep.sweep_args(['--config', str(tmp_path / 'sweep.yaml')]))[4] == '2024_01'
 
 
 def test_a_slurm_sweep_submits_from_a_login_node_without_torch(monkeypatch, capsys):
@@ -631,6 +632,8 @@ def test_a_sweep_file_reads_numbers_as_written_as_train_py_does(tmp_path):
     config.write_text('grid: {seed: [010, 011], lr: [1e-3, 2_0]}\n')
     specs = sweep.load_specs(sweep.sweep_args(['--config', str(config)]))[0]
     assert specs == {'seed': ('choice', ['010', '011']), 'lr': ('choice', ['1e-3', '2_0'])}
+    config.write_text('random: {lr: {log_uniform: [1e-4, 1e-2]}}\ntrials: 010\nseed: 010\nname: 010\n')
+    assert sweep.load_specs(sweep.sweep_args(['--config', str(config)]))[2:] == (10, 10, '010')
     config.write_text('grid: {seed: [1]}\nname: a\nname: b\n')
     with pytest.raises(KilnError, match="the key 'name' is given twice"):
         sweep.load_specs(sweep.sweep_args(['--config', str(config)]))

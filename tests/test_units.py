@@ -856,6 +856,13 @@ def test_segmentation_pictures_name_their_columns():
     # the key: which colour is which class (there was none: a star and a cross were two similar pinks)
     key = grid[CAPTION + 64 :]
     assert (key[8, 8] == grid[CAPTION + 5, 40]).all() and (key == grid[CAPTION + 5, 72]).all(-1).any()
+    # the void (--ignore_index 255) was drawn black, as the background: its own colour now, in the key too
+    from utils.viz import VOID_COLOUR
+
+    true[:, :8] = 255
+    grid = segmentation_grid(images, predicted, true, num_classes=3, tile=32, class_names=['sky', 'cat', 'dog'])
+    assert tuple(grid[CAPTION + 2, 72]) == VOID_COLOUR and tuple(grid[CAPTION + 20, 72]) != VOID_COLOUR
+    assert (grid[CAPTION + 64 :] == VOID_COLOUR).all(-1).any()
 
 
 def test_prediction_captions_fit_their_tiles():
@@ -1368,3 +1375,38 @@ def test_ignore_index_leaves_its_pixels_out_of_the_confusion_matrix_and_the_loss
     loss = select_loss('cross_entropy', ignore_index=255)(logits, mask)
     scores = logits.movedim(1, -1)[kept]
     assert torch.allclose(loss, torch.nn.functional.cross_entropy(scores, mask[kept])), f'seed {seed}'
+
+
+def test_a_stop_signal_in_the_middle_of_a_write_to_stderr_still_says_so(capfd, monkeypatch):
+    """The handler printed to sys.stderr: a Ctrl-C that came while the progress bar was writing there
+    ended the run with "RuntimeError: reentrant call inside <_io.BufferedWriter name='<stderr>'>" (2 of 10
+    tries in a terminal), unsaved. It writes to the file descriptor now."""
+    import signal
+    import sys
+
+    from utils.stopping import StopSignals
+
+    class BusyStream:  # a buffered stream in the middle of a write, as the interrupted code left it
+        encoding = 'utf-8'
+
+        def fileno(self):
+            return sys.__stderr__.fileno()
+
+        def isatty(self):
+            return False
+
+        def write(self, text):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+        flush = write
+
+    from utils.errors import STOPPING
+
+    signals = StopSignals()
+    monkeypatch.setattr(sys, 'stderr', BusyStream())
+    try:
+        signals._handle(signal.SIGINT, None)
+    finally:
+        STOPPING.clear()  # (the handler notes the stop for the run it would end)
+    assert signals.received == signal.SIGINT
+    assert 'SIGINT received: finishing the current step and saving' in capfd.readouterr().err

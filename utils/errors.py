@@ -64,6 +64,23 @@ PEER_LOST_EXIT_CODE = 3
 SHARED_ERROR_WAIT = 30.0  # seconds a rank other than 0 gives rank 0 to say the same error first
 
 
+def write_to_stderr_now(text):
+    """Write `text` to stderr in one call on its file descriptor, past the buffered stream: from a signal
+    handler, which may have interrupted a write to that stream (Python then refuses a second one,
+    'reentrant call'), and from processes whose lines must not interleave. A stream without a descriptor
+    (captured output) is written as it is."""
+    try:
+        descriptor = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both)
+        if sys.stderr is not None:
+            sys.stderr.write(text)
+        return
+    data = text.encode(getattr(sys.stderr, 'encoding', None) or 'utf-8', 'backslashreplace')
+    with contextlib.suppress(OSError):  # a closed or full pipe: nothing more to say there
+        while data:
+            data = data[os.write(descriptor, data) :]
+
+
 def exit_with_error(line, code=MISTAKE_EXIT_CODE):
     """Print `line` (`error: ...`) to stderr and exit with `code`, once per torchrun job.
 

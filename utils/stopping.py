@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed import all_reduce_max, collective_device, host_group, is_distributed
-from utils.errors import STOPPING, TERMINATING_SIGNALS, second_stop_signal
+from utils.errors import STOPPING, TERMINATING_SIGNALS, second_stop_signal, write_to_stderr_now
 
 STOP_SIGNALS = (signal.SIGINT, *TERMINATING_SIGNALS)
 
@@ -83,12 +83,10 @@ class StopSignals:
         self.received = signum
         STOPPING.append(signum)
         if os.environ.get('RANK', '0') == '0':  # under torchrun every process hears it: one says so
-            print(
-                ('\n' if sys.stderr.isatty() else '')  # off the progress bar's line (and the ^C) in a terminal
+            write_to_stderr_now(  # (not print: the signal may have come in the middle of the bar's write)
+                ('\n' if getattr(sys.stderr, 'isatty', bool)() else '')  # off the bar's line (and the ^C) in a terminal
                 + f'{signal.Signals(signum).name} received: finishing the current step and saving; '
-                f'send it again to stop at once',
-                file=sys.stderr,
-                flush=True,
+                f'send it again to stop at once\n'
             )
         if WAITING_FOR_DATA:
             raise StoppedWaitingForData(signum)

@@ -163,18 +163,22 @@ def mask_colours(num_classes):
     return colours
 
 
+VOID_COLOUR = (224, 224, 192)  # a mask value that is no class: Pascal VOC's colour for its void
+
+
 def segmentation_grid(images, predicted, true, num_classes, tile=96, class_names=None):
     """Rows of image | predicted mask | true mask under a header naming the columns, over a key of each
     class's colour (HxWx3 uint8); `images` in [0, 1], masks (N, H, W)."""
-    colours = mask_colours(num_classes)
-    shares = np.concatenate([colours, np.zeros((1, 3), colours.dtype)]).astype(np.float32) / 255  # numpy: `tiles`
-    # a value that is no class (--ignore_index: the void) black
-    masks = [shares[m.cpu().numpy().clip(0, num_classes)].transpose(0, 3, 1, 2) for m in (predicted, true)]
+    # a value that is no class (--ignore_index: the void) in Pascal VOC's colour for it, named in the key
+    colours = np.concatenate([mask_colours(num_classes), np.array([VOID_COLOUR], np.uint8)])
+    shares = colours.astype(np.float32) / 255  # numpy: see `tiles`
+    predicted, true = (m.cpu().numpy().clip(0, num_classes) for m in (predicted, true))
+    masks = [shares[m].transpose(0, 3, 1, 2) for m in (predicted, true)]
     pixels = [tiles(picture, tile) for picture in (images, *masks)]  # (N, T, T, 3) each
     side = pixels[0].shape[2]
     header = np.concatenate([caption(name, (0, 0, 0), side) for name in ('image', 'predicted', 'true')], axis=1)
     rows = [np.concatenate(row, axis=1) for row in zip(*pixels)]
-    names = [str(name) for name in (class_names or range(num_classes))]
+    names = [str(name) for name in (class_names or range(num_classes))] + ['void'] * bool((true == num_classes).any())
     return np.concatenate([header, *rows, colour_key(names, colours, 3 * side)], axis=0)
 
 
