@@ -21,7 +21,7 @@ import csv
 import os
 import unicodedata
 
-from data.data_entry import dataset_class, select_dataset
+from data.data_entry import dataset_class, resize_of, select_dataset
 from data.list_dataset import match_classes
 from data.list_file import open_names_file
 from data.loader import Batches
@@ -57,7 +57,7 @@ def load_for_inference(args, given, path):
         raise KilnError(f'{path} does not say which model it holds; give --model_type')
     options = inherit(args, given, trained_with).replace(load_model_path=path)
     if options.resize is None:  # a checkpoint that does not say (a state dict): the dataset's way, as train.py
-        options = options.replace(resize=getattr(dataset_class(options.data_type), 'resize', None) or 'squash')
+        options = options.replace(resize=resize_of(dataset_class(options.data_type)))
     class_names = checkpoint.get('class_names')
     if options.num_classes is None and class_names:
         options = options.replace(num_classes=len(class_names))

@@ -28,7 +28,7 @@ import sys
 import torch
 
 from data.augment import AUGMENTATIONS, MIXES, augmentation_names
-from data.data_entry import select_dataset
+from data.data_entry import resize_of, select_dataset
 from data.list_dataset import match_classes
 from data.loader import Batches
 from options import (
@@ -221,8 +221,7 @@ class Trainer:
         train_set = select_dataset(options, 'train')
         options = options.replace(
             num_classes=options.num_classes or train_set.num_classes,
-            # a dataset that does not say gave whole images: predict.py reads files the same way
-            resize=options.resize or getattr(train_set, 'resize', None) or 'squash',
+            resize=options.resize or resize_of(train_set),
         )
         check_monitor(options, task_type, cls.own_metrics)
         task = task_type(options, train_set.class_names)

@@ -32,6 +32,12 @@ def dataset_class(name):
     return load_entry(DATASETS, name, '--data_type', 'data/data_entry.py')
 
 
+def resize_of(dataset):
+    """How `dataset` (a Dataset class or instance) makes images square: its `resize`, else 'squash' (a
+    dataset that does not say gave whole images); predict.py reads files the same way."""
+    return getattr(dataset, 'resize', None) or 'squash'
+
+
 def select_dataset(args, split):
     """Build the dataset named by --data_type for `split` ('train' or 'val')."""
     return dataset_class(args.data_type)(args, split)
