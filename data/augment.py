@@ -17,6 +17,8 @@ import math
 import numpy as np
 import torch
 
+from utils.errors import KilnError
+
 # --normalize: the per-channel pixel mean and std in [0, 1] that images are normalized with
 NORMALIZATIONS = {
     'kiln': ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
@@ -214,13 +216,23 @@ class ColorJitter:
 
     def apply(self, batch, params):
         factors = params['factors'].view(-1, 3, 1, 1, 1).unbind(1)
-        image = batch['image'].float() * factors[0]
-        mean = _gray(image).mean(dim=(-2, -1), keepdim=True)
-        image = (image - mean) * factors[1] + mean
+        image = _pixels(batch['image'], 'color').float().mul_(factors[0]).clamp_(0, 255)
+        mean = _gray(image).mean(dim=(-2, -1), keepdim=True)  # of the clamped image, as torchvision's
+        image = ((image - mean) * factors[1] + mean).clamp_(0, 255)
         gray = _gray(image)
         image = (image - gray) * factors[2] + gray
-        batch['image'] = image.clamp(0, 255).round().to(torch.uint8)
+        batch['image'] = image.clamp_(0, 255).round_().to(torch.uint8)
         return batch
+
+
+def _pixels(image, name):
+    """`image` if it holds uint8 pixels; a float image (already preprocessed: its units unknown) is refused."""
+    if image.is_floating_point():
+        raise KilnError(
+            f'--augment {name} changes uint8 pixels, and this dataset gives float images (already '
+            f'preprocessed): leave {name} out of --augment, or give uint8 images'
+        )
+    return image
 
 
 def _gray(image):
@@ -249,7 +261,7 @@ class RandomErasing:
         }
 
     def apply(self, batch, params):
-        image = batch['image']
+        image = _pixels(batch['image'], 'erase')
         inside = _inside(params['box'], *image.shape[-2:]) & params['erase'].view(-1, 1, 1, 1)
         batch['image'] = torch.where(inside, params['colour'].view(-1, 3, 1, 1), image)
         return batch
@@ -266,7 +278,7 @@ def _inside(box, height, width):
 class Mix:
     """Mixup and CutMix of pairs of samples: the samples at positions 2k and 2k + 1 of an epoch's order
     are mixed with each other (both with the pair's share), so a sample's mix is the same whatever the
-    (even) batch size, workers or processes; a sample whose partner is not in its batch is left alone.
+    batch size, workers or processes; a sample whose partner is not in its batch is left alone.
     Mixup blends the two images (share lam ~ Beta(alpha, alpha)); CutMix pastes a box of the partner
     covering 1 - lam of the image, in whole pixels of `image_size` squares (lam then the share of pixels
     actually kept). With both, each pair takes one of them at random (`switch_prob` CutMix). The batch gets
@@ -304,7 +316,8 @@ class Mix:
         """Mix the (normalized, float) images of `batch`; `positions` are its samples' places in the epoch."""
         image = batch['image']
         index = torch.arange(len(image), device=image.device)
-        partner = (index ^ 1).clamp(max=len(image) - 1)
+        # the neighbour in the epoch's order: a batch (or a process's share) may start at an odd position
+        partner = (index + 1 - 2 * (positions & 1)).clamp(0, len(image) - 1)
         partner = torch.where(positions[partner] == positions ^ 1, partner, index)
         lam = torch.where(partner == index, torch.ones_like(params['lam']), params['lam'])
         other = image[partner]

@@ -40,6 +40,40 @@ def test_colour_jitter_scales_brightness_contrast_and_saturation():
     assert torch.equal(flat[..., 0], flat[..., 1])
 
 
+@pytest.mark.parametrize('seed', range(3))
+def test_colour_jitter_matches_torchvision_clamping_after_each_step(seed):
+    """Kiln clamped only at the end: pixels that brightness pushed past 255 raised the contrast's mean
+    and the saturation's grey, 39 levels off torchvision's ColorJitter with the same factors."""
+    from torchvision.transforms.v2 import functional
+
+    from data.augment import ColorJitter
+
+    generator = torch.Generator().manual_seed(seed)
+    image = torch.randint(0, 256, (1, 3, 24, 24), generator=generator, dtype=torch.uint8)
+    image[..., :12, :] = (image[..., :12, :] // 2 + 128).to(torch.uint8)  # bright: brightness 1.4 clips it
+    brightness, contrast, saturation = 1.4, 0.6, 1.4
+    batch = {'image': image.clone()}
+    ColorJitter(24).apply(batch, {'factors': torch.tensor([[brightness, contrast, saturation]])})
+    expected = functional.adjust_saturation(
+        functional.adjust_contrast(functional.adjust_brightness(image[0], brightness), contrast), saturation
+    )
+    difference = (batch['image'][0].int() - expected.int()).abs().max().item()
+    assert difference <= 3, f'seed {seed}: {difference} levels off torchvision'
+
+
+@pytest.mark.parametrize('name', ['color', 'erase'])
+def test_pixel_augmentations_refuse_a_float_image_in_one_line(name):
+    """A dataset's own float (already normalized) image came out of `color` nearly constant and got
+    pixel values up to 255 pasted in by `erase`, with no word."""
+    from data.augment import BatchTransform
+    from utils.errors import KilnError
+
+    transform = BatchTransform((name,), 8)
+    images = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(KilnError, match=f'--augment {name} .*float images.*leave {name} out of --augment'):
+        transform({'image': images}, transform.draw(2, torch.Generator().manual_seed(1)), torch.arange(2))
+
+
 def test_random_erasing_fills_its_box_and_nothing_else():
     from data.augment import RandomErasing
 
@@ -88,6 +122,21 @@ def test_mixup_and_cutmix_mix_neighbouring_positions_and_their_targets():
     assert torch.allclose(task.loss(logits, batch), expected)
     batch['mix_lam'] = torch.tensor([0.75, 0.25, 0.5, 0.4, 1.0])
     assert task.metric_targets(batch)['label'].tolist() == [0, 0, 2, 2, 4]  # the larger share's label
+
+
+def test_mix_pairs_neighbours_in_a_batch_that_starts_at_an_odd_position():
+    """Pairs were taken by index in the batch: a batch (or a process's share of it) that started at an
+    odd position of the epoch, every other batch with an odd batch size, mixed nothing."""
+    from data.augment import Mix
+
+    images = torch.arange(5, dtype=torch.float32).view(5, 1, 1, 1).expand(5, 3, 2, 2).clone()
+    positions = torch.tensor([11, 12, 13, 14, 15])  # 10 is in the batch before: 11 stays alone
+    params = {'lam': torch.full((5,), 0.5), 'cut': torch.zeros(5, dtype=torch.bool), 'box': torch.zeros(5, 4)}
+    batch = {'image': images.clone()}
+    Mix().apply(batch, params, positions)
+    assert batch['mix_partner'].tolist() == [0, 2, 1, 4, 3]
+    assert batch['mix_lam'].tolist() == [1.0, 0.5, 0.5, 0.5, 0.5]
+    assert batch['image'][1:, 0, 0, 0].tolist() == [1.5, 1.5, 3.5, 3.5]
 
 
 @pytest.mark.parametrize('seed', range(5))
