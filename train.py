@@ -44,7 +44,7 @@ from options import (
 from tasks.task_entry import TASKS, task_class
 from utils.allocator import keep_freed_memory
 from utils.checkpoint import atomic_write_json, load_checkpoint, unwrap_model
-from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, end_written
+from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, end_written, verify
 from utils.checkpointer import Checkpointer, Position, RandomStates, TrainingData
 from utils.debug import training_profiler
 from utils.device import select_device
@@ -215,6 +215,8 @@ class Trainer:
         source = (
             checkpoint_path(options.load_model_path) if options.load_model_path and not options.resume_from else None
         )
+        if source:
+            verify(source)  # against its folder's recorded checksum, as eval.py and --resume do
         weights = load_checkpoint(source) if source else None
         if weights is not None:
             check_trained_task(options, weights, source)
@@ -361,6 +363,8 @@ class Trainer:
             checkpointer.keeper = CheckpointKeeper(
                 options.model_dir, options.keep_last, options.keep_best, options.monitor_mode
             )
+            if checkpoint is not None:  # best.pth: the checkpoint of the resumed run's best value
+                checkpointer.keeper.settle_best(monitor.best)
         if setup.load_report is not None and is_main_process():
             report = {'source': options.load_model_path, **setup.load_report.to_dict()}
             atomic_write_json(report, os.path.join(options.model_dir, 'load_report.json'))

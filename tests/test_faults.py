@@ -96,6 +96,22 @@ def test_a_kill_between_the_checkpoint_and_last_pth_does_not_block_resume(tiny_s
     }
 
 
+def test_a_kill_before_a_new_best_is_linked_leaves_best_pth_on_the_best_after_resume(tiny_shapes, tmp_path):
+    """Killed after the checkpoint of a new best was written, before best.pth was linked to it: the
+    resumed run reported that best, while best.pth (and eval.py of the folder) stayed on the old one."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--monitor', 'train/loss', '--keep_last', '2']
+    killed = run_script('train.py', *args, env={'KILN_KILL_AT': 'checkpoint_written:2'})
+    assert killed.returncode == -signal.SIGKILL
+    folder = _folder(args)
+    first, second = (_load(os.path.join(folder, f'epoch00{e}_step00000{6 * e:02d}.pth')) for e in (1, 2))
+    assert second['monitor_value'] < first['monitor_value'], 'the second epoch must improve for this test'
+    assert os.path.samefile(os.path.join(folder, 'best.pth'), os.path.join(folder, 'epoch001_step0000006.pth'))
+    _ok(run_script('train.py', *args, '--resume'))
+    assert os.path.samefile(os.path.join(folder, 'best.pth'), os.path.join(folder, 'epoch002_step0000012.pth'))
+    with open(os.path.join(folder, 'checkpoints.json')) as f:
+        assert json.load(f)['best'] == 'epoch002_step0000012.pth'
+
+
 def test_a_run_killed_after_its_last_checkpoint_writes_its_end_when_resumed(tiny_shapes, tmp_path):
     """Killed between its last checkpoint and its end records (or a full disk as the record was written),
     a run resumed said "nothing left to train" and never wrote history.json, its final and best metrics,
@@ -166,6 +182,13 @@ def test_flipped_bytes_in_a_checkpoint_are_detected(saved_often):
         'eval.py', '--load_model_path', os.path.join(folder, 'last.pth'), '--no-progress_bar', '--cpu'
     )
     _one_error_line(evaluated, 'corrupt', 'last.pth')
+    # the file named (the `train more:` line's last.pth) and fine-tuning from it: they trained on it, silently
+    named = run_script('train.py', *saved_often, '--resume', os.path.join(folder, 'last.pth'), '--epochs', '3')
+    _one_error_line(named, 'corrupt', 'last.pth')
+    at = saved_often.index('--checkpoints_dir')
+    other = [*saved_often[: at + 1], saved_often[at + 1] + '_tuned', *saved_often[at + 2 :]]
+    tuned = run_script('train.py', *other, '--load_model_path', os.path.join(folder, 'last.pth'))
+    _one_error_line(tuned, 'corrupt', 'last.pth')
     resumed = _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
     assert 'skipping' in resumed.stdout and 'epoch002_step0000012.pth' in resumed.stdout
     assert 'resuming' in resumed.stdout and 'epoch001_step0000010.pth' in resumed.stdout

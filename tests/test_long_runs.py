@@ -421,6 +421,28 @@ def test_keeper_keeps_newest_and_best_across_restarts(tmp_path):
     assert _load(tmp_path / 'best.pth')['step'] == 6
 
 
+def test_a_resume_from_an_older_checkpoint_points_best_pth_at_its_best_kept(tmp_path):
+    """A resume from an older checkpoint sets the newer ones aside, best.pth with them when it was theirs:
+    the folder then had no best.pth (eval.py of the folder refused) while the kept checkpoint of the
+    resumed run's best value was still there."""
+    from utils.run_folder import set_aside_newer
+
+    keeper = CheckpointKeeper(str(tmp_path), keep_last=4, keep_best=1, mode='max')
+    for step, metric in enumerate([0.3, 0.5, 0.5, 0.9, 0.2], start=1):
+        keeper.save(
+            {'step': step}, 0, step, metric=metric, is_best=metric > max([0.3, 0.5, 0.5, 0.9][: step - 1] or [0])
+        )
+    set_aside_newer(str(tmp_path), 3)  # a resume from step 3, whose run's best was 0.5 (reached at step 2)
+    assert not (tmp_path / 'best.pth').exists()
+    resumed = CheckpointKeeper(str(tmp_path), keep_last=4, keep_best=1, mode='max')
+    resumed.settle_best(0.5)
+    assert _load(tmp_path / 'best.pth')['step'] == 2
+    with open(tmp_path / 'checkpoints.json') as f:
+        assert json.load(f)['best'] == 'epoch000_step0000002.pth'
+    resumed.settle_best(float('nan'))  # no validation yet: best.pth stays as it is
+    assert _load(tmp_path / 'best.pth')['step'] == 2
+
+
 def test_nonfinite_loss_stops_with_the_step_and_saves_nothing_after_it(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     result = _train(args, '--optimizer', 'sgd', '--lr', '1e30', '--epochs', '5', '--print_freq', '3', code=2)

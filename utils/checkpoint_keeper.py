@@ -193,6 +193,18 @@ class CheckpointKeeper:
                 self.files[name]['metric'] = _monitor_value(path)
         self.best = _linked_name(folder, BEST, self.unrecorded) or self.best  # made best, then killed
 
+    def settle_best(self, best):
+        """Point best.pth at the kept checkpoint that first reached `best`, the best monitored value of the
+        run being resumed, when it points elsewhere or nowhere: a kill between a checkpoint and its links
+        left it at the previous best, and a resume from an older checkpoint sets a newer best aside."""
+        if not _finite(best) or (self.best and self.files[self.best]['metric'] == best):
+            return
+        holders = [name for name in self.files if self.files[name]['metric'] == best and name not in self.held]
+        if holders:
+            self.best = min(holders, key=lambda name: self.files[name]['step'])  # reached first: made best then
+            _link_or_copy(os.path.join(self.folder, self.best), os.path.join(self.folder, BEST))
+            self.write_record()
+
     def rebuild_record(self):
         """A record made from the checkpoint files themselves (when checkpoints.json is missing or corrupt):
         those that load, with the checksum of the bytes that loaded. One that does not is left out: found

@@ -35,7 +35,7 @@ from options import (
     with_absolute_lists,
 )
 from utils.checkpoint import TEMPORARY, load_checkpoint, process_running, sync_directory
-from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of
+from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of, verify
 from utils.distributed import world_size
 from utils.errors import KilnError, StoppedBySignal, file_in_the_way
 from utils.fault_points import fault_point
@@ -345,6 +345,8 @@ def open_experiment(argv, args):
             return args.replace(model_dir=folder, resume_from=None, resume=None), lock
     # read-only checks first: a refused resume touches no file (not even the lock's)
     FolderLock.refuse_if_held(folder)  # a running process may prune the checkpoint about to be read
+    if named:
+        verify(named)  # (the newest is found by its checksum)
     resume_from = named or _newest_checkpoint(folder)
     saved = os.path.join(folder, ARGS_YAML)
     if resume_from and not os.path.isfile(saved):
