@@ -252,7 +252,7 @@ def main(argv=None, args=None):
     given = given_options(parse_test_args, argv)
     init_distributed(args.cpu, args.gpus)
     try:
-        checkpoints = checkpoints_to_evaluate(args.load_model_path)
+        checkpoints = checkpoints_to_evaluate(args.load_model_path, args.config)
         if len(checkpoints) == 1:
             return evaluate_checkpoint(args, given, checkpoints[0])[0]
         comparison = run_on_main_process(prepare_comparison, args, checkpoints)

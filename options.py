@@ -780,11 +780,16 @@ def _config_to_argv(parser, path):
     if not isinstance(config, dict):
         parser.error(f'--config {path}: expected a mapping of option: value, got {type(config).__name__}')
     actions = {action.dest: action for action in parser._actions if action.option_strings}
+    # a training run's options given to eval.py or predict.py: its load_model_path named the weights it
+    # started from, not the checkpoint to evaluate
+    training_record = 'epochs' in config and 'epochs' not in actions
     argv = []
     for key, value in config.items():
         action = actions.get(key)
         if action is None and key not in ('config', 'help') and key in _kiln_option_names():
             continue  # another script's option: a saved args.yaml is a whole record
+        if key == 'load_model_path' and training_record:
+            continue
         if key in ('config', 'help'):
             parser.error(f'--config {path}: {key!r} cannot be set in a config file; give --{key} on the command line')
         if action is None:
@@ -1070,11 +1075,11 @@ def given_options(add_args, argv):
 
 
 def resolve(args, **changes):
-    """The options a run computes with, read-only: `args` with `changes` (list files made absolute), and,
+    """The options a run computes with, read-only: `args` with `changes` (PATH_OPTIONS made absolute), and,
     for the options left unset, what the task decides (TASK_DEFAULTS: model, dataset, loss, image size,
     monitor). The one place these defaults are decided, for train.py, eval.py, predict.py and sweep.py.
     Imports the task's module (and so torch) only when an option is unset."""
-    options = with_absolute_lists(Options.of(args, **changes))
+    options = with_absolute_paths(Options.of(args, **changes))
     unset = [name for name in TASK_DEFAULTS if name in vars(options) and getattr(options, name) is None]
     options = options.replace(task=options.task or 'classify')
     if unset:
@@ -1094,12 +1099,17 @@ def resolve(args, **changes):
     return options
 
 
-def with_absolute_lists(options):
-    """`options` (Options) with its list files as absolute paths: saved with the run, they still name the
-    same files from another folder, and `a/train.txt` and its absolute path are the same option."""
-    list_files = {name: getattr(options, name, None) for name in ('train_list', 'val_list')}
+# options naming one file or folder, saved with a run: made absolute (eval.py's several checkpoints stay as given)
+PATH_OPTIONS = ('train_list', 'val_list', 'data_root', 'load_model_path', 'pretrained_path')
+
+
+def with_absolute_paths(options):
+    """`options` (Options) with its list files, data root and weight files as absolute paths: saved with
+    the run (args.yaml, reproduce.json), they still name the same files from another working folder, and
+    `a/train.txt` and its absolute path are the same option."""
+    paths = {name: getattr(options, name, None) for name in PATH_OPTIONS}
     return options.replace(
-        **{name: os.path.abspath(os.path.expanduser(p)) for name, p in list_files.items() if isinstance(p, str)}
+        **{name: os.path.abspath(os.path.expanduser(p)) for name, p in paths.items() if isinstance(p, str)}
     )
 
 

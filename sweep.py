@@ -59,7 +59,7 @@ from options import (
     parse_train_args,
     resolve,
     user_path,
-    with_absolute_lists,
+    with_absolute_paths,
 )
 from utils.errors import KilnError, run_cli
 
@@ -369,7 +369,7 @@ def check_earlier_runs(runs, name):
         if not any(step_of(name) is not None for name in names):
             continue
         saved = read_run_file(run.folder, 'args.yaml')
-        given = with_absolute_lists(Options.of(run.options))  # as train.py saved them: a relative list is the same
+        given = with_absolute_paths(Options.of(run.options))  # as train.py saved them: a relative list is the same
         changed = changed_options(saved, given) if isinstance(saved, dict) else []
         if changed:
             shown = ', '.join(

@@ -198,7 +198,7 @@ def refuse_other_options(parsed, train_argv):
         given_options,
         parse_train_args,
         resolve,
-        with_absolute_lists,
+        with_absolute_paths,
     )
     from utils.checkpoint_keeper import step_of
     from utils.errors import KilnError
@@ -214,7 +214,7 @@ def refuse_other_options(parsed, train_argv):
     if not isinstance(saved, dict):
         return
     given = given_options(parse_train_args, train_argv)
-    options = with_absolute_lists(Options.of(parsed))  # as train.py saved them
+    options = with_absolute_paths(Options.of(parsed))  # as train.py saved them
     changed = [option for option in changed_options(saved, options) if option in given]
     if changed:
         shown = ', '.join(f'--{option} {getattr(options, option)} (it has {saved.get(option)})' for option in changed)

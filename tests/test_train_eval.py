@@ -14,6 +14,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO, experiment_of, run_script, timeout, tiny_run_args, train_succeeds
+from utils.errors import KilnError
 
 
 def _train(tiny_args, *extra):
@@ -268,6 +269,42 @@ def test_saved_args_given_back_with_config_reproduce_the_run(trained, tmp_path):
         'model'
     ]
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_a_fine_tuned_runs_args_yaml_names_its_weights_from_anywhere_and_eval_takes_it_for_that_run(
+    trained, tiny_args, tmp_path
+):
+    """A relative --load_model_path was saved as given: `--config args.yaml` from another folder loaded
+    other weights or none; and eval.py --config of a fine-tuned run evaluated the weights it started from,
+    writing into that other run's folder."""
+    folder, _ = trained
+    relative = os.path.relpath(folder, REPO)
+    _train(tiny_args, '--epochs', '1', '--save_prefix', 'tuned', '--load_model_path', relative)
+    tuned = _experiment(tiny_args, 'tuned')
+    with open(os.path.join(tuned, 'args.yaml')) as f:
+        assert yaml.safe_load(f)['load_model_path'] == folder
+    with open(os.path.join(tuned, 'reproduce.json')) as f:
+        assert json.load(f)[-1]['args']['load_model_path'] == folder
+    before = sorted(os.listdir(folder))
+    evaluated = run_script('eval.py', '--config', os.path.join(tuned, 'args.yaml'), '--no-progress_bar')
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert evaluated.stdout.startswith(os.path.join(tuned, 'best.pth') + ':'), evaluated.stdout
+    assert os.path.isdir(os.path.join(tuned, 'eval')) and sorted(os.listdir(folder)) == before
+
+
+def test_a_glob_of_checkpoints_leaves_out_files_that_are_none(tmp_path):
+    """'ck/*' took a notes.txt beside the experiments for a checkpoint and stopped on it."""
+    from utils.run_folder import checkpoints_to_evaluate
+
+    (tmp_path / 'run').mkdir()
+    for name in ('run/args.yaml', 'run/best.pth', 'notes.txt', 'weights.safetensors'):
+        (tmp_path / name).write_text('x')
+    assert checkpoints_to_evaluate([str(tmp_path / '*')]) == [
+        str(tmp_path / 'run' / 'best.pth'),
+        str(tmp_path / 'weights.safetensors'),
+    ]
+    with pytest.raises(KilnError, match=r'--load_model_path .*\*.txt matches no checkpoint'):
+        checkpoints_to_evaluate([str(tmp_path / '*.txt')])
 
 
 def test_command_line_overrides_config(tiny_args, tmp_path):

@@ -32,7 +32,7 @@ from options import (
     parse_args,
     parse_train_args,
     resolve,
-    with_absolute_lists,
+    with_absolute_paths,
 )
 from utils.checkpoint import TEMPORARY, load_checkpoint, process_running, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of, verify
@@ -465,7 +465,7 @@ def _refuse_other_world_size(checkpoint, source):
 def _refuse_changes(saved, merged, folder):
     """A KilnError naming the options whose new values differ from the resumed run's (list files compared
     as absolute paths: the run saved them so)."""
-    saved, merged = with_absolute_lists(Options.of(saved)), with_absolute_lists(Options.of(merged))
+    saved, merged = with_absolute_paths(Options.of(saved)), with_absolute_paths(Options.of(merged))
     changed = [
         name
         for name, value in vars(merged).items()
@@ -494,11 +494,19 @@ def checkpoint_path(path):
     return resolved
 
 
-def checkpoints_to_evaluate(paths):
+CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.ckpt', '.bin', '.safetensors', '.tar')  # files a glob may name
+
+
+def checkpoints_to_evaluate(paths, config=None):
     """The checkpoint files named by eval.py's --load_model_path, in order, each once: files as they are,
-    experiment folders as their best.pth, globs (e.g. 'checkpoints/*') expanded, the folders a glob
-    matches that are no experiment (no args.yaml: Kiln's comparisons/, say) left out. A path that exists
-    is taken as it is, wildcards or not (--save_prefix 'exp[1]' makes a folder whose name is one)."""
+    experiment folders as their best.pth, globs (e.g. 'checkpoints/*') expanded, what a glob matches that
+    is no checkpoint left out (folders without args.yaml, such as Kiln's comparisons/, and files without a
+    checkpoint's suffix, such as notes.txt). A path that exists is taken as it is, wildcards or not
+    (--save_prefix 'exp[1]' makes a folder whose name is one). Without paths, the experiment whose
+    args.yaml is the --config file `config`."""
+    run = os.path.dirname(os.path.abspath(config)) if config and os.path.basename(config) == ARGS_YAML else None
+    if not paths and run and any(os.path.isfile(os.path.join(run, link)) for link in (BEST, LAST)):
+        paths = [run]
     if not paths:
         raise KilnError(
             'no checkpoint to evaluate; give --load_model_path PATH (e.g. checkpoints/<experiment>/best.pth)'
@@ -508,9 +516,16 @@ def checkpoints_to_evaluate(paths):
         pattern = glob.has_magic(item) and not os.path.exists(item)
         matches = sorted(glob.glob(item)) if pattern else [item]
         if pattern:
-            matches = [m for m in matches if not os.path.isdir(m) or os.path.isfile(os.path.join(m, ARGS_YAML))]
+            matches = [
+                m
+                for m in matches
+                if os.path.isfile(os.path.join(m, ARGS_YAML)) or os.path.isfile(m) and m.endswith(CHECKPOINT_SUFFIXES)
+            ]
         if not matches:
-            raise KilnError(f'--load_model_path {item} matches no file')
+            raise KilnError(
+                f'--load_model_path {item} matches no checkpoint (an experiment folder or a '
+                f'{", ".join(CHECKPOINT_SUFFIXES)} file)'
+            )
         found += [checkpoint_path(match) for match in matches]
     unique, seen = [], set()
     for path in found:  # a file named twice (a folder and its best.pth, say) is evaluated once
