@@ -17,7 +17,7 @@ import yaml
 
 PROJECT = os.path.dirname(os.path.abspath(__file__))  # the defaults' outputs stay in it, run from anywhere
 
-NOT_SAVED = ('config', 'debug', 'resume')  # how a run was started, not what it is
+NOT_SAVED = ('config', 'debug', 'resume', 'command')  # how a run was started, not what it is
 DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: in args.txt, not args.yaml
 RESUME_LATEST = 'last'  # --resume without a path
 NONE = 'none'  # the value that puts an option whose default is unset back to it (--ema_decay none: off)
@@ -924,6 +924,7 @@ def _config_and_flags(parser, argv, base_config):
 
 
 _PARSERS = {}  # add_args -> the parser parse_args built with it last (building one takes milliseconds)
+ENTRY_SCRIPTS = {'parse_train_args': 'train.py', 'parse_test_args': 'eval.py', 'parse_predict_args': 'predict.py'}
 
 
 def command_words(argv=None):
@@ -938,6 +939,10 @@ def parse_args(add_args, argv=None, base_config=None):
     `base_config` (a resumed run's options: its checkpoint's, or its args.yaml) comes before even that.
     Registered names are checked.
     """
+    # the command that made these options, to record: the script's own, or the words given to its main()
+    script = ENTRY_SCRIPTS.get(add_args.__name__)
+    given = argv is None or [str(word) for word in argv] == sys.argv[1:]  # the script's own command line
+    command = sys.argv if given else [os.path.join(PROJECT, script) if script else sys.argv[0], *argv]
     argv = command_words(argv)
     epilog = (
         f'An option that takes a value and whose default is unset takes {NONE}: back to that default (off, '
@@ -950,6 +955,7 @@ def parse_args(add_args, argv=None, base_config=None):
         if low > high:
             parser.error(f'argument --{name}: MIN {low:g} is above MAX {high:g}')
     _check_names(args)
+    args.command = [str(word) for word in command]
     return args
 
 

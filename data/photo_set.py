@@ -22,7 +22,7 @@ import tempfile
 from PIL import Image
 
 from data.shapes import record_made, refuse_added_by_hand, staging_folder
-from utils.errors import KilnError, file_in_the_way, run_cli
+from utils.errors import KilnError, file_in_the_way, is_a_file, run_cli
 
 MANIFEST = 'photo_set.json'  # the settings a set was made with: what marks a folder as one this command made
 SOURCES = {  # class -> the photographs of scikit-image's data folder it is cut from
@@ -113,7 +113,7 @@ def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0
         refuse_added_by_hand(root, 'move them out of it, or choose another DEST')
     blocker = file_in_the_way(root)
     if blocker is not None:
-        raise KilnError(f'{blocker} is a file, not a folder; give a folder as DEST')
+        raise KilnError(f'{blocker} {is_a_file(blocker)}; give a folder as DEST')
     photographs = _photographs()
     parent = os.path.dirname(os.path.abspath(root))
     staging = staging_folder(parent, '.photo_set-', 'DEST')

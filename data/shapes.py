@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from utils.errors import KilnError, file_in_the_way, listed, run_cli
+from utils.errors import KilnError, file_in_the_way, is_a_file, listed, run_cli
 
 CLASS_NAMES = ('circle', 'square', 'triangle', 'star', 'cross', 'ring')
 GENERATOR_VERSION = 2
@@ -323,7 +323,7 @@ def _generate(root, manifest, write, total, where_option):
     parent = os.path.dirname(os.path.abspath(root))
     blocker = file_in_the_way(root)
     if blocker is not None:
-        raise KilnError(f'{blocker} is a file, not a folder; give a folder as {where_option}')
+        raise KilnError(f'{blocker} {is_a_file(blocker)}; give a folder as {where_option}')
     staging = staging_folder(parent, '.shapes-', where_option)
     try:
         # disable=None: no bar when stderr is not a terminal (CI logs, tests)

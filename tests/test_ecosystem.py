@@ -781,6 +781,14 @@ def test_a_file_given_as_a_folder_option_says_it_is_a_file(tmp_path):
         f'error: {file} is a file, not a folder; give a folder as --data_root\n',
     )
     assert not (tmp_path / 'ck').exists()  # the run folder made before the data is gone again, and ck/
+    broken = tmp_path / 'results'  # a link whose target is gone (an unmounted disk): it was called a file
+    broken.symlink_to(tmp_path / 'unmounted')
+    result = run_script('train.py', '--checkpoints_dir', broken, '--save_prefix', 'zz', '--cpu', '--no-progress_bar')
+    assert (result.returncode, result.stderr) == (
+        2,
+        f'error: {broken} is a link to {tmp_path / "unmounted"}, which does not exist; give a folder you can '
+        f'write to as --checkpoints_dir\n',
+    )
 
 
 def test_making_a_folder_where_a_file_is_is_one_line_saying_so_wherever_it_is_made(tmp_path, capsys):

@@ -361,6 +361,22 @@ def test_a_resume_of_a_folder_in_use_says_so_before_reading_its_checkpoints(tiny
         holder.stdout.close()
 
 
+def test_a_folder_on_a_file_system_without_locks_trains_with_a_note(tiny_shapes, tmp_path, monkeypatch):
+    """On NFS mounted with nolock (lockf: ENOLCK) no run could start, told to free disk space."""
+    import errno
+    import fcntl
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, 'lockf', no_locks)  # run_script runs train.py in this process
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--max_iteration', '2']
+    trained = _ok(run_script('train.py', *args))
+    assert 'cannot be locked (No locks available' in trained.stdout, trained.stdout
+    resumed = _ok(run_script('train.py', *args, '--resume', '--max_iteration', '3'))
+    assert 'resuming' in resumed.stdout and 'step 3' in resumed.stdout, resumed.stdout
+
+
 def test_a_resume_started_while_a_new_run_makes_its_folder_finds_it_in_use(tiny_shapes, tmp_path, monkeypatch):
     """A new run took the folder's lock only after writing its options: a --resume arriving in that moment
     took the lock and removed the run's half-written args file; the run's failed start then removed the

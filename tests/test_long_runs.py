@@ -679,6 +679,25 @@ def test_reproducibility_record(tiny_shapes, tmp_path):
     assert 'git_commit' in entry and 'git_diff' in entry
 
 
+def test_runs_started_from_python_record_their_own_command(tiny_shapes, tmp_path):
+    """train.main(argv) from a script of several runs recorded the script's command line for each run (in
+    args.txt and reproduce.json), not the options that made it."""
+    script = tmp_path / 'two.py'
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--max_iteration', '1']
+    script.write_text(
+        f'import sys\nsys.path.insert(0, {REPO!r})\nimport train\n'
+        f'for prefix in ("a", "b"):\n    train.main({args!r} + ["--save_prefix", prefix])\n'
+    )
+    result = subprocess.run([sys.executable, str(script), '--flag-of-the-script'], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for prefix in ('a', 'b'):
+        folder = tmp_path / 'ck' / f'small_cnn_list_{prefix}'
+        words = [*args, '--save_prefix', prefix]
+        assert (folder / 'args.txt').read_text().splitlines()[0] == '# ' + ' '.join(['train.py', *words])
+        with open(folder / 'reproduce.json') as f:
+            assert json.load(f)[-1]['command'][1:] == [os.path.join(REPO, 'train.py'), *words]
+
+
 def test_the_record_keeps_untracked_sources_and_the_thread_count(tmp_path, monkeypatch):
     """reproduce.json had `git diff HEAD` only: a new model file (README's own workflow) was nowhere in it,
     and CPU results depend on torch's thread count in the last bits, which it did not say either."""

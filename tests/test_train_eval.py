@@ -908,6 +908,21 @@ def test_a_result_folder_with_a_name_near_the_limit_is_staged_and_named_so(tmp_p
     assert os.listdir(tmp_path) == [folder.name] and os.path.isfile(folder / 'args.yaml')
 
 
+def test_a_result_name_past_the_limit_is_refused_before_evaluating(trained, tiny_shapes, tmp_path):
+    """eval.py ran the whole evaluation, then failed renaming its results, naming the hidden staging folder
+    and telling to free disk space; a run's folder named the wrong option too."""
+    folder, _ = trained
+    prefix = 'y' * 250
+    evaluated = run_script('eval.py', '--load_model_path', folder, '--save_prefix', prefix, '--no-progress_bar')
+    line = evaluated.stderr.strip()
+    assert evaluated.returncode == 2 and '\n' not in line and 'acc' not in evaluated.stdout, evaluated.stdout + line
+    assert line.endswith('above the 255 a file system takes; give a shorter --save_prefix (or folder name)'), line
+    assert f'eval/best_val_{prefix}:' in line
+    args = tiny_run_args(tiny_shapes, tmp_path)
+    trained_again = run_script('train.py', *args, '--save_prefix', prefix)
+    assert trained_again.returncode == 2 and 'give a shorter --save_prefix' in trained_again.stderr
+
+
 def test_train_sh_leaves_a_config_and_a_resumed_run_their_settings(tiny_shapes, tmp_path):
     """scripts/train.sh passed --task classify --epochs 12 --batch_size 128 --lr 3e-3 every time: flags
     override a --config, so the config's settings were silently lost, and `train.sh --resume` of a run

@@ -46,8 +46,15 @@ def file_in_the_way(path):
 def not_a_folder(path, blocker):
     """The start of a message saying that the folder `path` cannot be made because of the file `blocker`."""
     if os.path.normpath(path) == blocker:
-        return f'{path} is a file, not a folder'
-    return f'cannot make the folder {path}: {blocker} is a file, not a folder'
+        return f'{path} {is_a_file(blocker)}'
+    return f'cannot make the folder {path}: {blocker} {is_a_file(blocker)}'
+
+
+def is_a_file(path):
+    """What `path`, in the way of a folder, is: 'is a file, not a folder', or a link that leads nowhere."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f'is a link to {os.readlink(path)}, which does not exist'
+    return 'is a file, not a folder'
 
 
 # the exit code of a mistake said in one line (an option, a missing file, a full disk), as argparse's

@@ -37,7 +37,7 @@ from options import (
 from utils.checkpoint import TEMPORARY, load_checkpoint, process_running, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of, verify
 from utils.distributed import world_size
-from utils.errors import KilnError, StoppedBySignal, file_in_the_way
+from utils.errors import KilnError, StoppedBySignal, file_in_the_way, is_a_file
 from utils.fault_points import fault_point
 from utils.run_records import ARGS_TXT, ARGS_YAML, save_args
 
@@ -91,14 +91,23 @@ def create_run_folder(folder, args, what_to_change, where_option='--checkpoints_
     return lock
 
 
+NAME_MAX = 255  # bytes in a file or folder name, on every common file system
+
+
 def cannot_create(folder, error, what_to_change, where_option):
     """The KilnError for an OSError making the folder `folder` or its parents: one that exists is
     `what_to_change`, a file on the way (a parent, or `folder` itself) names `where_option`."""
     blocker = file_in_the_way(folder) if error.errno in (errno.EEXIST, errno.ENOTDIR) else None
     if blocker is not None and blocker != os.path.normpath(folder):  # a parent is a file: not "already exists"
-        return KilnError(f'{blocker} is a file, not a folder; give a folder you can write to as {where_option}')
+        return KilnError(f'{blocker} {is_a_file(blocker)}; give a folder you can write to as {where_option}')
     if isinstance(error, FileExistsError) and os.path.lexists(folder):
         return KilnError(f'{folder} already exists; {what_to_change}')
+    name = os.fsencode(os.path.basename(os.path.normpath(folder)))
+    if error.errno == errno.ENAMETOOLONG and len(name) > NAME_MAX:
+        return KilnError(
+            f'cannot create {folder}: its name is {len(name)} bytes, above the {NAME_MAX} a file system takes; '
+            f'give a shorter --save_prefix (or folder name)'
+        )
     return KilnError(f'cannot create {folder} ({error.strerror}); give a folder you can write to as {where_option}')
 
 
@@ -153,8 +162,10 @@ class StagedResults:
     def __init__(self, folder, args, what_to_change, where_option='--output_dir'):
         self.folder, self.what_to_change, self.made = folder, what_to_change, []
         parent, name = os.path.split(folder)
+        if len(os.fsencode(name)) > NAME_MAX:  # said now, not when the finished results are renamed to it
+            raise cannot_create(folder, OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG)), '', '')
         staged = f'.{name}.tmp{os.getpid()}@{socket.gethostname()}'
-        if len(os.fsencode(staged)) > 255:  # a name near the file system's limit: its digest stands for it
+        if len(os.fsencode(staged)) > NAME_MAX:  # a name near the file system's limit: its digest stands for it
             staged = f'.{hashlib.sha256(os.fsencode(name)).hexdigest()[:16]}.tmp{os.getpid()}@{socket.gethostname()}'
         self.path = os.path.join(parent, staged)
         if os.path.lexists(folder):
@@ -281,11 +292,22 @@ class FolderLock:
             _lock_or_refuse(file, fcntl.LOCK_SH, folder)
 
 
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # a file system without POSIX locks (NFS with nolock)
+
+
 def _lock_or_refuse(file, kind, folder):
-    """Take a POSIX record lock of `kind` on `file` at once, or raise the KilnError naming its holder."""
+    """Take a POSIX record lock of `kind` on `file` at once, or raise the KilnError naming its holder. On a
+    file system without locks the run goes on unlocked, and an exclusive lock says so."""
     try:
         fcntl.lockf(file, kind | fcntl.LOCK_NB)
     except OSError as error:
+        if error.errno in NO_LOCKS:
+            if kind == fcntl.LOCK_EX:
+                print(
+                    f'note: {folder} cannot be locked ({error.strerror}: its file system has no POSIX locks), so '
+                    f'a second run started in it meanwhile would not be refused'
+                )
+            return
         if error.errno not in (errno.EACCES, errno.EAGAIN):
             raise
         file.seek(0)

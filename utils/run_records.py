@@ -27,7 +27,8 @@ def save_args(args, folder):
     """Write the options to `folder` as args.txt (for people) and args.yaml (for --config and --resume),
     as durably as checkpoints: fsynced, then renamed (a power cut leaves the old file or the new one)."""
     shown = saved_options(args)
-    lines = ['# ' + shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\n']  # to paste into a shell
+    command = getattr(args, 'command', None) or sys.argv  # (options.parse_args records it)
+    lines = ['# ' + shlex.join([os.path.basename(command[0]), *command[1:]]) + '\n']  # to paste into a shell
     width = max(map(len, shown))
     lines += [f'{k:<{width}} : {v}\n' for k, v in sorted(shown.items())]
     atomic_write_bytes(''.join(lines).encode('utf-8', 'surrogateescape'), os.path.join(folder, ARGS_TXT))  # as given
@@ -137,11 +138,11 @@ def reproducibility_record(args):
     adds the versions and the host, which take milliseconds to look up and start no process."""
     return {
         'start_time': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-        'command': [sys.executable] + sys.argv,  # under torchrun, each process's: see world_size
+        'command': [sys.executable, *(getattr(args, 'command', None) or sys.argv)],  # under torchrun, each process's
         'world_size': int(os.environ.get('WORLD_SIZE', 1)),  # torchrun's processes, in all and per machine
         'processes_per_machine': int(os.environ.get('LOCAL_WORLD_SIZE', 1)),
         'cwd': os.getcwd(),
-        'args': {k: v for k, v in sorted(vars(args).items())},
+        'args': {k: v for k, v in sorted(vars(args).items()) if k != 'command'},
         'git_commit': _git('rev-parse', 'HEAD'),
         'git_diff': _git('diff', 'HEAD'),
         'git_untracked': _git('ls-files', '--others', '--exclude-standard', '-z'),
