@@ -33,7 +33,7 @@ import glob
 import torch
 
 from data.augment import BatchTransform
-from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images, image_format
+from data.image_io import IMAGE_EXTENSIONS, decode_image, find_images, image_format, special_file
 from data.list_file import open_names_file, read_image_paths
 from data.loader import default_workers, init_worker
 from eval import load_for_inference
@@ -73,8 +73,10 @@ def images_to_predict(source):
             path for path in glob.glob(os.path.expanduser(source)) if path.lower().endswith(IMAGE_EXTENSIONS)
         )
     else:
+        kind = special_file(source)
         raise KilnError(
-            f'--input {source} does not exist: give a folder of images, an image, a quoted glob or a list file'
+            f'--input {source} {f"is {kind}, not a file or folder" if kind else "does not exist"}: give a folder of '
+            f'images, an image, a quoted glob or a list file'
         )
     if not paths:
         raise KilnError(f'--input {source} holds no images ({", ".join(IMAGE_EXTENSIONS)})')

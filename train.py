@@ -679,7 +679,7 @@ class Trainer:
         limited = o.overfit_batches or o.limit_train_batches or o.limit_val_batches
         used = f' (using {len(self.train_data)} and {len(self.val_data)} batches)' if limited else ''
         warmup = ''
-        if o.scheduler == 'cosine' and o.warmup_steps >= self.max_steps:
+        if o.scheduler == 'cosine' and o.warmup_steps > self.max_steps:  # (equal: --lr at the last step)
             warmup = (
                 f' (the warm-up, --warmup_steps {o.warmup_steps}, outlasts them: the learning rate never reaches --lr)'
             )
@@ -781,7 +781,10 @@ class Trainer:
                 self.write_history(now=True)
         except BaseException as error:
             if is_peer_lost(error):  # the line that says so (utils/errors.py) says what to do next
-                error.add_note('the newest checkpoint is whole: continue with --resume')
+                saved = self.options.resume_from or getattr(self, 'saved_step', 0) > 0  # a checkpoint to go on from
+                error.add_note(
+                    'the newest checkpoint is whole: continue with --resume' if saved else 'nothing was saved yet'
+                )
             with contextlib.suppress(Exception):  # the error to show is the first one
                 self.write_history(now=True)
             with contextlib.suppress(Exception):

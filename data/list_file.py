@@ -215,7 +215,8 @@ def read_image_paths(path):
     works here. A line whose whole text names an existing file is that file (a plain path with
     spaces, one per line, as `find images -name '*.png' > list.txt` writes it); an unquoted path with
     spaces before a label is the shortest start of the line that names a file; otherwise a first field
-    that names no file is one line saying to quote it."""
+    that names no file is one line saying to quote it. A listed file that is not there (or is a folder)
+    stops it in one line, with or without a label after it; unreadable.txt is for files that are there."""
     paths = []
     for number, fields, text in _entries(path):
         first = image = resolve_path(path, fields[0])
@@ -229,6 +230,8 @@ def read_image_paths(path):
             if image is None:
                 spaces = '; put quotes around a path with spaces ("my photos/cat 1.jpg" 3)' if len(fields) > 2 else ''
                 raise KilnError(f'{path}:{number}: image {first} {not_a_file(path, first)}{spaces}')
+        elif not os.path.isfile(image):  # as with a label after it: a list names files that are there
+            raise KilnError(f'{path}:{number}: image {image} {not_a_file(path, image)}')
         paths.append(image)
     return paths
 

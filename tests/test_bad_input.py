@@ -300,13 +300,15 @@ def test_none_turns_off_what_a_config_or_a_resumed_run_turned_on(data, tmp_path)
 
 
 def test_the_summary_line_says_when_the_warmup_outlasts_the_run(data, tmp_path):
-    """A warm-up as long as the run never reaches --lr: the line printed at the start says so."""
-    long_warmup = train(tmp_path / 'ck', data, '--warmup_steps', '3', '--save_prefix', 'long')  # 3 steps of 8 of 24
+    """A warm-up longer than the run never reaches --lr: the line printed at the start says so. One as
+    long as the run reaches it at the last step (the line said it never did)."""
+    long_warmup = train(tmp_path / 'ck', data, '--warmup_steps', '4', '--save_prefix', 'long')  # 3 steps of 8 of 24
     assert_succeeded(long_warmup)
     assert 'outlasts them' in long_warmup.stdout.splitlines()[0], long_warmup.stdout
-    short_warmup = train(tmp_path / 'ck', data, '--warmup_steps', '2', '--save_prefix', 'short')
-    assert_succeeded(short_warmup)
-    assert 'warm-up' not in short_warmup.stdout, short_warmup.stdout
+    for steps in ('3', '2'):
+        short_warmup = train(tmp_path / 'ck', data, '--warmup_steps', steps, '--save_prefix', f'short{steps}')
+        assert_succeeded(short_warmup)
+        assert 'warm-up' not in short_warmup.stdout, short_warmup.stdout
 
 
 def test_loggers_are_given_apart_or_joined_by_commas_as_augmentations_are():

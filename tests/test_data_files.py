@@ -931,6 +931,25 @@ def test_a_list_of_another_layout_is_one_overridden_method(tiny_shapes, tmp_path
     assert dataset[0]['image'].shape == (3, 16, 16) and dataset.num_classes == max(int(e[1]) for e in entries) + 1
 
 
+def test_predict_refuses_a_listed_image_that_is_not_there_with_or_without_a_label(tmp_path):
+    """A list of paths alone predicted the others and put the missing one in unreadable.txt, while the same
+    list with labels stopped at it: both stop now, as training and evaluation do. An --input that is a named
+    pipe was said not to exist."""
+    from data.list_file import read_image_paths
+    from predict import images_to_predict
+
+    save(Image.new('RGB', (8, 8)), tmp_path / 'a.png')
+    for text in ('a.png 1\nnope.png 2\n', 'a.png\nnope.png\n'):
+        listed = list_file(tmp_path, text, 'list.txt')
+        with pytest.raises(KilnError) as caught:
+            read_image_paths(listed)
+        assert str(caught.value).startswith(f'{listed}:2: image {tmp_path / "nope.png"} does not exist'), text
+    pipe = tmp_path / 'input'
+    os.mkfifo(pipe)
+    with pytest.raises(KilnError, match=f'^--input {re.escape(str(pipe))} is a named pipe, not a file or folder: give'):
+        images_to_predict(str(pipe))
+
+
 def test_an_image_without_a_known_extension_is_predicted_and_refused_as_a_list(tmp_path):
     """A JPEG named `photo_noext` or `img.jpe` was read as a list file: 'looks like UTF-16 or UTF-32 text
     without a byte-order mark'. predict.py now predicts it; as a training list it is one line saying what it is."""

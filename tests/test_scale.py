@@ -226,6 +226,28 @@ def test_a_shared_error_stops_every_rank_with_one_line(one_and_two_processes):
     assert result.stderr.count('error: ') == 1 and 'already exists' in result.stderr
 
 
+def test_a_non_finite_loss_is_said_at_the_job_s_first_bad_step(tmp_path):
+    """Each process found its own first bad step and the job took the latest: a NaN at step 10 in one
+    process, which DDP spreads to the others at step 11, was reported at step 11."""
+    script = tmp_path / 'nonfinite.py'
+    script.write_text(
+        f'import sys\nsys.path.insert(0, {REPO!r})\n'
+        'import torch, torch.distributed as dist\n'
+        'from utils.stopping import Stopper\n'
+        "dist.init_process_group('gloo')\n"
+        'rank, stopper = dist.get_rank(), Stopper()\n'
+        'for step in (9, 10, 11):\n'
+        '    bad = step >= (10 if rank == 0 else 11)\n'
+        "    stopper.watch_loss(torch.tensor(float('nan') if bad else 1.0), step)\n"
+        'assert not stopper.check_finite(step=11)\n'
+        "print(f'rank {rank}: {stopper.stop.message}')\n"
+        'dist.destroy_process_group()\n'
+    )
+    result = _torchrun(str(script), seconds=120)
+    said = sorted(re.findall(r'rank \d: non-finite loss at step \d+', result.stdout))
+    assert said == ['rank 0: non-finite loss at step 10', 'rank 1: non-finite loss at step 10'], result.stdout
+
+
 @pytest.mark.parametrize(
     'mistake, needle',
     [

@@ -1163,8 +1163,10 @@ def test_a_training_run_whose_peer_is_gone_says_to_resume(monkeypatch):
     import train
 
     class Gone(train.Trainer):
-        def __init__(self):  # nothing built: run() only calls these
+        def __init__(self, saved_step):  # nothing built: run() only calls these
             self.logger = train.Logger()
+            self.options = argparse.Namespace(resume_from=None)
+            self.saved_step = saved_step
 
         def summary_line(self):
             return ''
@@ -1176,8 +1178,11 @@ def test_a_training_run_whose_peer_is_gone_says_to_resume(monkeypatch):
             raise RuntimeError('[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:9124')
 
     with pytest.raises(RuntimeError) as raised:
-        Gone().run()
+        Gone(saved_step=6).run()
     assert raised.value.__notes__ == ['the newest checkpoint is whole: continue with --resume']
+    with pytest.raises(RuntimeError) as raised:  # gone before the first checkpoint: it told to resume
+        Gone(saved_step=0).run()
+    assert raised.value.__notes__ == ['nothing was saved yet']
 
 
 def test_a_checkpoint_whose_optimizer_groups_differ_says_an_earlier_kiln_may_have_grouped_the_layers():

@@ -11,10 +11,11 @@ from utils.distributed import is_distributed
 
 
 class ModelEma:
-    """A copy of the model whose weights follow the trained ones, as timm's ModelEmaV3: after every
-    optimizer step, ema = d * ema + (1 - d) * weights with d = min(decay, (1 + n) / (10 + n)) at the
-    n-th step, so early steps are not drowned by the random start. One fused foreach kernel on the
-    device and no host sync per step; a stateful part of the checkpoint (its weights and n)."""
+    """A copy of the model whose weights follow the trained ones: after every optimizer step,
+    ema = d * ema + (1 - d) * weights with d = min(decay, (1 + n) / (10 + n)) at the n-th step (TensorFlow's
+    ExponentialMovingAverage with num_updates), so early steps are not drowned by the random start. One
+    fused foreach kernel on the device and no host sync per step; a stateful part of the checkpoint (its
+    weights and n)."""
 
     def __init__(self, model, decay):
         self.decay, self.updates = decay, 0

@@ -159,13 +159,16 @@ class Stopper:
         calls it and all agree. Returns whether everything is finite, i.e. whether the state may be saved."""
         if self.stop is not None and self.stop.reason == StopReason.NONFINITE:
             return False  # the first reason found is the one to report
-        bad_step = -1
+        none = 2**62  # no bad step: above any step
+        bad_step = none
         if self.watched and losses_finite is not True:
             finite = torch.isfinite(torch.stack([loss.float() for _, loss in self.watched])).tolist()
-            bad_step = next((s for (s, _), ok in zip(self.watched, finite) if not ok), -1)
+            bad_step = next((s for (s, _), ok in zip(self.watched, finite) if not ok), none)
         self.watched.clear()
-        bad_step = int(all_reduce_max(torch.tensor([bad_step]), group=host_group() if is_distributed() else None))
-        if bad_step >= 0:
+        # the earliest of the processes' (a NaN in one process reaches the others a step later, through DDP)
+        group = host_group() if is_distributed() else None
+        bad_step = -int(all_reduce_max(torch.tensor([-bad_step]), group=group))
+        if bad_step < none:
             self.stop = Stop(StopReason.NONFINITE, f'non-finite loss at step {bad_step}')
             return False
         if model is not None:
