@@ -232,16 +232,17 @@ def test_a_non_finite_loss_is_said_at_the_job_s_first_bad_step(tmp_path):
     script = tmp_path / 'nonfinite.py'
     script.write_text(
         f'import sys\nsys.path.insert(0, {REPO!r})\n'
-        'import torch, torch.distributed as dist\n'
+        'import torch\n'
+        'from utils.distributed import cleanup_distributed, init_distributed, rank\n'
         'from utils.stopping import Stopper\n'
-        "dist.init_process_group('gloo')\n"
-        'rank, stopper = dist.get_rank(), Stopper()\n'
+        'init_distributed(True, None)\n'  # (on the CPU: gloo)
+        'rank, stopper = rank(), Stopper()\n'
         'for step in (9, 10, 11):\n'
         '    bad = step >= (10 if rank == 0 else 11)\n'
         "    stopper.watch_loss(torch.tensor(float('nan') if bad else 1.0), step)\n"
         'assert not stopper.check_finite(step=11)\n'
         "print(f'rank {rank}: {stopper.stop.message}')\n"
-        'dist.destroy_process_group()\n'
+        'cleanup_distributed()\n'
     )
     result = _torchrun(str(script), seconds=120)
     said = sorted(re.findall(r'rank \d: non-finite loss at step \d+', result.stdout))
