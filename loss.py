@@ -11,6 +11,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from options import did_you_mean
 from utils.errors import KilnError
 
 
@@ -36,7 +37,9 @@ LOSSES = {
 def select_loss(name, **settings):
     """Build the loss named `name`, with `settings` (ignore_index: --ignore_index) where given."""
     if name not in LOSSES:
-        raise KilnError(f'unknown --loss {name!r}; choose one of: {", ".join(sorted(LOSSES))}')
+        raise KilnError(
+            f'unknown --loss {name!r}{did_you_mean(name, LOSSES)}; choose one of: {", ".join(sorted(LOSSES))}'
+        )
     try:
         return LOSSES[name](**settings)
     except TypeError:

@@ -231,8 +231,9 @@ def _augmentations(text):
     names = [name.strip() for name in text.split(',') if name.strip()]
     unknown = [name for name in names if name not in AUGMENTATIONS]
     if unknown or not names:
+        hint = did_you_mean(unknown[0], AUGMENTATIONS) if unknown else ''
         raise argparse.ArgumentTypeError(
-            f'unknown augmentation {", ".join(unknown) or text!r}; use none, default or '
+            f'unknown augmentation {", ".join(unknown) or text!r}{hint}; use none, default or '
             f'a comma list of {", ".join(AUGMENTATIONS)}'
         )
     return ','.join(names)
@@ -294,6 +295,35 @@ def registry_names(option):
     except Exception as error:  # noqa: BLE001 - a broken registry file is the user's to fix: say which
         line = f' line {error.lineno}' if isinstance(error, SyntaxError) else ''
         raise KilnError(f'{path}{line}: {type(error).__name__}: {error}') from None
+
+
+def loss_names():
+    """The names in loss.py's LOSSES, read from its text (loss.py imports torch: --help and typos do not);
+    None when LOSSES is not one dict of quoted names that nothing else in the file changes (then loss.py
+    checks the name as the run starts)."""
+    import ast
+
+    try:
+        with open(os.path.join(PROJECT, 'loss.py'), encoding='utf-8') as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    made = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, 'id', None) == 'LOSSES' for t in node.targets)
+    ]
+    changed = any(  # LOSSES['x'] = ..., LOSSES.update(...)
+        isinstance(node, ast.Subscript)
+        and isinstance(node.ctx, (ast.Store, ast.Del))
+        or isinstance(node, ast.Attribute)
+        for node in ast.walk(tree)
+        if getattr(getattr(node, 'value', None), 'id', None) == 'LOSSES'
+    )
+    if len(made) != 1 or not isinstance(made[0], ast.Dict) or changed:
+        return None
+    keys = made[0].keys
+    return [key.value for key in keys] if all(isinstance(key, ast.Constant) for key in keys) else None
 
 
 def parse_common_args(parser):
@@ -898,10 +928,17 @@ def _kiln_option_names():
 
 
 def _check_names(args):
-    """A KilnError (one line; a traceback with --debug) when --task, --model_type or --data_type names
-    nothing registered (shared: every torchrun rank finds it, rank 0 says it)."""
+    """A KilnError (one line; a traceback with --debug) when --loss, --task, --model_type or --data_type
+    names nothing registered (shared: every torchrun rank finds it, rank 0 says it)."""
     from utils.errors import KilnError
 
+    loss = getattr(args, 'loss', None)
+    names = loss_names() if loss is not None else None
+    if names is not None and loss not in names:
+        raise KilnError(
+            f'unknown --loss {loss!r}{did_you_mean(loss, names)}; choose one of: {", ".join(sorted(names))} (or '
+            f'add it to LOSSES in loss.py)'
+        )
     for option in REGISTRIES:
         value = getattr(args, option, None)
         if option == 'model_type' and str(value).startswith('timm:'):

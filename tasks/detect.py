@@ -53,6 +53,12 @@ class DetectTask(Task):
     def train_metric_names(cls, options):
         return ['loss']  # (train_metrics: none)
 
+    def check_outputs(self, outputs):
+        if not isinstance(outputs, dict) or not {'heatmap', 'size', 'offset'} <= set(outputs):
+            shown = f'outputs of shape {tuple(outputs.shape)}' if isinstance(outputs, torch.Tensor) else 'other outputs'
+            raise self.wrong_outputs(shown, "CenterNet's heads (a dict of 'heatmap', 'size' and 'offset' maps)")
+        return outputs
+
     def loss(self, outputs, batch):
         return detection_loss(outputs, batch['boxes'], batch['box_labels'])
 

@@ -37,6 +37,12 @@ class SegmentTask(Task):
     def metric_names(cls, options):
         return ['loss', 'pixel_acc', 'miou']
 
+    def check_outputs(self, outputs):
+        if not isinstance(outputs, torch.Tensor) or outputs.dim() != 4:
+            shown = f'outputs of shape {tuple(outputs.shape)}' if isinstance(outputs, torch.Tensor) else 'no tensor'
+            raise self.wrong_outputs(shown, 'scores per class and pixel (N, classes, H, W)')
+        return outputs
+
     def metrics(self):
         return SegmentationMetrics(self.num_classes, ignore=self.ignore)
 

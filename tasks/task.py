@@ -86,7 +86,19 @@ class Task:
     # model ----------------------------------------------------------------------------------------
     def forward(self, model, batch):
         """The model's outputs for a batch."""
-        return model(batch['image'])
+        return self.check_outputs(model(batch['image']))
+
+    def check_outputs(self, outputs):
+        """`outputs`, when the model gives what this task reads (their shape, not their values: no host sync);
+        a KilnError naming the model otherwise (a classifier given to --task segment, say)."""
+        return outputs
+
+    def wrong_outputs(self, shown, wanted):
+        """The KilnError for a model whose outputs (`shown`) are not what this task reads (`wanted`)."""
+        return KilnError(
+            f'--model_type {self.options.model_type} gives {shown}, and --task {self.options.task} reads {wanted}: '
+            f'give a model made for it (its own: --model_type {self.default_model})'
+        )
 
     def loss(self, outputs, batch):
         """The loss of one batch (a scalar tensor); of a mixed batch (mixup, cutmix), against its mixed targets."""

@@ -16,11 +16,12 @@ import io
 import json
 import os
 import random
+import subprocess
 
 import pytest
 import torch
 
-from conftest import run_script, tiny_run_args
+from conftest import REPO, run_script, tiny_run_args
 
 FAST = ['--epochs', '1', '--batch_size', '8', '--no-progress_bar']
 
@@ -145,11 +146,33 @@ def test_unknown_name_lists_the_valid_ones_and_leaves_no_folder(data, tmp_path, 
         (['--save_prefx', 'x'], '(did you mean --save_prefix?)'),
         (['--loggers', 'csv,tensorbord'], "unknown logger 'tensorbord' (did you mean tensorboard?)"),
         (['--epoch', '1'], '--epoch 1 (did you mean --epochs?)'),  # an abbreviation was taken without a word
+        (['--loss', 'label_smothing'], "unknown --loss 'label_smothing' (did you mean label_smoothing?)"),
+        (['--augment', 'hflip,colr'], "unknown augmentation 'colr' (did you mean color?)"),
     ],
 )
 def test_a_mistyped_name_or_flag_comes_with_the_one_meant(data, tmp_path, argv, suggestion):
     assert_one_error_line(train(tmp_path / 'ck', data, *argv), suggestion)
     assert leftovers(tmp_path / 'ck') == []
+
+
+def test_a_mistyped_loss_is_said_before_torch_loads_and_before_the_folder_is_looked_at(data, tmp_path):
+    """--loss was checked only as the run was built: after torch loaded, and after an existing experiment
+    folder was said to exist (the fix asked for, a new --save_prefix, then met the typo)."""
+    import sys
+
+    from options import loss_names
+
+    assert_succeeded(train(tmp_path / 'ck', data, '--save_prefix', 'taken'))
+    command = [sys.executable, '-X', 'importtime', 'train.py', '--loss', 'focal', '--save_prefix', 'taken']
+    command += ['--checkpoints_dir', str(tmp_path / 'ck')]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = result.stderr.splitlines()
+    said = [line for line in lines if not line.startswith('import time:')]
+    assert said == [
+        "error: unknown --loss 'focal'; choose one of: cross_entropy, label_smoothing (or add it to LOSSES in loss.py)"
+    ], result.stderr[-2000:]
+    assert not [line for line in lines if line.endswith('| torch')]  # (-X importtime: a line per module imported)
+    assert loss_names() == ['cross_entropy', 'label_smoothing']
 
 
 IGNORED = [
@@ -738,6 +761,37 @@ def test_a_model_made_for_another_task_is_one_line(model, task, made_for):
     with pytest.raises(KilnError, match=f'^--model_type {model} is made for --task {made_for}; give --task {made_for}'):
         select_model(Namespace(model_type=model, num_classes=3, img_size=64, task=task))
     select_model(Namespace(model_type=model, num_classes=3, img_size=64, task=made_for))  # fine
+
+
+def test_a_classifier_given_to_segmentation_or_detection_is_one_line(tiny_shapes, tmp_path):
+    """A classifier (its outputs one score per class) at --task segment or detect failed at the first step
+    with a traceback from the loss ('0D or 1D target tensor expected', 'too many indices')."""
+    from conftest import tiny_seg_args
+    from options import parse_args, parse_train_args
+    from tasks.detect import DetectTask
+    from utils.errors import KilnError
+
+    args = [*tiny_seg_args(tiny_shapes, tmp_path / 'ck'), '--task', 'segment', '--model_type', 'small_cnn']
+    line = assert_one_error_line(run_script('train.py', *args), '--model_type small_cnn gives outputs of shape (16, ')
+    assert line.endswith(
+        '--task segment reads scores per class and pixel (N, classes, H, W): give a model made for '
+        'it (its own: --model_type seg_net)'
+    ), line
+    assert not (tmp_path / 'ck').exists()
+    task = DetectTask(
+        parse_args(parse_train_args, ['--task', 'detect', '--model_type', 'linear', '--num_classes', '2'])
+    )
+    with pytest.raises(
+        KilnError, match=r'^--model_type linear gives outputs of shape \(2, 2\), and --task detect reads'
+    ):
+        task.check_outputs(torch.zeros(2, 2))
+
+
+def test_a_batch_of_one_that_batchnorm_cannot_train_on_is_one_line(tiny_shapes, tmp_path):
+    """--batch_size 1 with a net whose last feature map is 1x1 ended in torch's ValueError traceback."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--model_type', 'resnet18', '--img_size', '8']
+    args[args.index('--batch_size') + 1] = '1'
+    assert_one_error_line(run_script('train.py', *args, '--max_iteration', '1'), 'BatchNorm cannot train on one value')
 
 
 def test_a_task_built_on_segment_takes_its_models(monkeypatch):

@@ -191,6 +191,36 @@ def test_frozen_batch_norm_statistics_survive_training(tiny_shapes, tmp_path):
     assert not torch.equal(start['head.weight'], trained['head.weight'])
 
 
+def test_a_file_that_fits_only_in_a_batchnorm_counter_is_refused():
+    """A net of another shape whose first BatchNorm sits where the model's does shared nothing but that
+    BatchNorm's num_batches_tracked, a scalar: "loaded 1 tensors", and the run trained from its init."""
+    model = _model()
+    own = model.state_dict()
+    counter = next(name for name in own if name.endswith('num_batches_tracked'))
+    other = {counter: torch.tensor(5), 'features.9.weight': torch.ones(3)}
+    with pytest.raises(KilnError, match='no tensor of other.pth fits this model'):
+        load_match_dict(model, other, source='other.pth')
+    assert torch.equal(model.state_dict()[counter], own[counter])
+
+
+def test_weights_of_the_net_for_another_image_size_are_said_to_be_so():
+    """A ViT's own ImageNet weights at another --img_size (only pos_embed differs) were told to be
+    another net's, with advice to fetch the very file given."""
+    from utils.checkpoint import load_weights
+
+    class Net(torch.nn.Module):
+        def __init__(self, positions):
+            super().__init__()
+            self.pos_embed = torch.nn.Parameter(torch.zeros(1, positions, 4))
+            self.head = torch.nn.Linear(4, 2)
+
+    with pytest.raises(KilnError, match=r'pos_embed is \(1, 197, 4\) in the file.*for another image size'):
+        load_weights(Net(17), Net(197).state_dict(), source='vit.pth', advice='not its weights')
+    other = {**Net(197).state_dict(), 'head.weight': torch.zeros(3, 4)}  # another difference too: another net
+    with pytest.raises(KilnError, match='not its weights$'):
+        load_weights(Net(17), other, source='vit.pth', advice='not its weights')
+
+
 def test_prefix_map_and_file_formats(tmp_path):
     source = _model()
     wrapped = {f'net.{name}': tensor for name, tensor in source.state_dict().items()}

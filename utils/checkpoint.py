@@ -349,7 +349,9 @@ def load_match_dict(model, checkpoint, prefix_map=None, source=None, advice=NO_F
     if isinstance(checkpoint, str):
         checkpoint = load_checkpoint(checkpoint)
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
-    if not matched:  # the model would train from its init as if nothing were wrong
+    # nothing but counters (BatchNorm's num_batches_tracked, a scalar that fits any model with one): the
+    # model would train from its init as if nothing were wrong
+    if not any(value.dim() for value in matched.values()):
         raise KilnError(
             f'no tensor of {source} fits this model ({report.first_problems()}): it holds another '
             f"net's weights; {advice}"
@@ -409,6 +411,21 @@ def trained_options_advice(checkpoint):
     return 'give the --model_type and --num_classes it was trained with'
 
 
+POSITION_TABLES = ('pos_embed', 'position_embedding', 'relative_position')  # sized by the image (ViTs, Swin)
+
+
+def only_position_tables_differ(report):
+    """Whether a LoadReport's only problems are position tables of another size: weights of this very net
+    made for another image size."""
+    names = [name for name, _, _ in report.shape_mismatched]
+    return (
+        bool(names)
+        and not report.missing
+        and not report.unexpected
+        and all(any(table in name for table in POSITION_TABLES) for name in names)
+    )
+
+
 def load_weights(
     model,
     checkpoint,
@@ -441,6 +458,11 @@ def load_weights(
     if not report.fits():
         if inference:
             advice = other_model or trained_options_advice(checkpoint)
+        elif only_position_tables_differ(report):
+            advice = (
+                'these weights are for another image size (only the position tables differ): give the --img_size '
+                'they were made for (224 for a *_224 net)'
+            )
         elif other_model:
             advice = f'{other_model}, or pass --load_not_strict to load only the tensors that match'
         raise KilnError(f'{source} does not fit this model ({report.first_problems()}); {advice}')

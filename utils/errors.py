@@ -393,6 +393,13 @@ def _run_reporting_errors(main, argv):
         if not is_out_of_memory(error):
             raise
         exit_with_error('error: out of memory; lower --batch_size or --img_size (--debug shows where)')
+    except ValueError as error:
+        if 'Expected more than 1 value per channel when training' not in str(error):
+            raise
+        exit_with_error(  # torch's BatchNorm, on a batch of one image whose feature map has shrunk to 1x1
+            'error: BatchNorm cannot train on one value per channel (a batch of 1 image whose feature map is 1x1); '
+            'give --batch_size 2 or more, or a larger --img_size (--debug shows where)'
+        )
 
 
 def too_many_open_files(system_wide=False):
