@@ -313,17 +313,31 @@ def loss_names():
         for node in tree.body
         if isinstance(node, ast.Assign) and any(getattr(t, 'id', None) == 'LOSSES' for t in node.targets)
     ]
-    changed = any(  # LOSSES['x'] = ..., LOSSES.update(...)
-        isinstance(node, ast.Subscript)
-        and isinstance(node.ctx, (ast.Store, ast.Del))
-        or isinstance(node, ast.Attribute)
-        for node in ast.walk(tree)
-        if getattr(getattr(node, 'value', None), 'id', None) == 'LOSSES'
-    )
-    if len(made) != 1 or not isinstance(made[0], ast.Dict) or changed:
+    if len(made) != 1 or not isinstance(made[0], ast.Dict) or _changes_losses(tree):
         return None
     keys = made[0].keys
     return [key.value for key in keys] if all(isinstance(key, ast.Constant) for key in keys) else None
+
+
+def _changes_losses(tree):
+    """Whether the module `tree` may change LOSSES after making it: any use of the name but its one
+    definition, reading an entry (LOSSES[name], `in LOSSES`) or giving it to a function that only reads
+    it (sorted, ...): LOSSES['x'] = ..., LOSSES |= ..., LOSSES.update(...), an alias."""
+    import ast
+
+    reading = {'sorted', 'list', 'set', 'tuple', 'len', 'did_you_mean'}
+    allowed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, 'id', None) == 'LOSSES' for t in node.targets):
+            allowed.update(id(t) for t in node.targets)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            allowed.add(id(node.value))
+        elif isinstance(node, ast.Compare):
+            allowed.update(id(c) for c in node.comparators)
+        elif isinstance(node, ast.Call) and getattr(node.func, 'id', None) in reading:
+            allowed.update(id(a) for a in node.args)
+    names = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == 'LOSSES']
+    return any(id(node) not in allowed for node in names)
 
 
 def parse_common_args(parser):
@@ -1158,7 +1172,10 @@ def with_absolute_paths(options):
 
 def changed_options(saved, options):
     """The names of the options a resume may not change whose values in `options` differ from a run's
-    saved ones (its args.yaml); options left to the task (None) match whatever it chose."""
+    saved ones (its args.yaml); options left to the task (None) match whatever it chose. Paths compare as
+    absolute ones (an earlier Kiln saved them as given)."""
+    saved = vars(with_absolute_paths(Options.of(argparse.Namespace(**saved))))
+    options = with_absolute_paths(Options.of(options))
     fixed = set(vars(options)) - set(RESUME_CHANGEABLE + NOT_SAVED + DERIVED)
     return sorted(name for name in fixed if getattr(options, name) not in (None, saved.get(name)))
 

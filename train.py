@@ -363,8 +363,8 @@ class Trainer:
             checkpointer.keeper = CheckpointKeeper(
                 options.model_dir, options.keep_last, options.keep_best, options.monitor_mode
             )
-            if checkpoint is not None:  # best.pth: the checkpoint of the resumed run's best value
-                checkpointer.keeper.settle_best(monitor.best)
+            if checkpoint is not None and (trainer.work_left() or end_due):  # the folder's newest: its best.pth
+                checkpointer.keeper.settle_best(monitor.best)  # (points at the checkpoint of its best value)
         if setup.load_report is not None and is_main_process():
             report = {'source': options.load_model_path, **setup.load_report.to_dict()}
             atomic_write_json(report, os.path.join(options.model_dir, 'load_report.json'))

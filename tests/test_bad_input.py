@@ -175,6 +175,43 @@ def test_a_mistyped_loss_is_said_before_torch_loads_and_before_the_folder_is_loo
     assert loss_names() == ['cross_entropy', 'label_smoothing']
 
 
+@pytest.mark.parametrize(
+    'added, changes',
+    [
+        ("LOSSES |= {'focal': FocalLoss}", True),
+        ("table = LOSSES\ntable['focal'] = FocalLoss", True),
+        ("LOSSES['focal'] = FocalLoss", True),
+        ('LOSSES.update(focal=FocalLoss)', True),
+        ('register(LOSSES)', True),
+        ("known = 'focal' in LOSSES and LOSSES['focal'] and sorted(LOSSES)", False),
+    ],
+)
+def test_the_loss_names_read_without_torch_are_given_up_where_loss_py_may_add_some(added, changes):
+    """The names were read from LOSSES's dict alone: a loss.py adding one later (`LOSSES |= ...`, an alias)
+    had that loss refused as unknown."""
+    import ast
+
+    from options import _changes_losses
+
+    with open(os.path.join(REPO, 'loss.py')) as f:
+        text = f.read()
+    assert _changes_losses(ast.parse(text)) is False
+    assert _changes_losses(ast.parse(f'{text}\n{added}\n')) is changes
+
+
+def test_a_saved_relative_path_is_the_same_option_as_its_absolute_path(tmp_path, monkeypatch):
+    """Runs saved by an earlier Kiln hold --load_model_path as given: a sweep or submit.py run again
+    compared it with today's absolute path and called it changed (and the other way round)."""
+    from options import changed_options, parse_args, parse_train_args
+
+    monkeypatch.chdir(tmp_path)
+    options = parse_args(parse_train_args, ['--load_model_path', 'weights.pth'])
+    saved = {'load_model_path': 'weights.pth'}
+    assert 'load_model_path' not in changed_options(saved, options)
+    assert 'load_model_path' not in changed_options({'load_model_path': str(tmp_path / 'weights.pth')}, options)
+    assert 'load_model_path' in changed_options({'load_model_path': 'other.pth'}, options)
+
+
 IGNORED = [
     (
         ['--augment', 'crop,hflip', '--mixup_alpha', '0.5'],
@@ -325,7 +362,7 @@ def test_none_turns_off_what_a_config_or_a_resumed_run_turned_on(data, tmp_path)
 def test_the_summary_line_says_when_the_warmup_outlasts_the_run(data, tmp_path):
     """A warm-up longer than the run never reaches --lr: the line printed at the start says so. One as
     long as the run reaches it at the last step (the line said it never did)."""
-    long_warmup = train(tmp_path / 'ck', data, '--warmup_steps', '4', '--save_prefix', 'long')  # 3 steps of 8 of 24
+    long_warmup = train(tmp_path / 'ck', data, '--warmup_steps', '4', '--save_prefix', 'long')  # 3 steps in all
     assert_succeeded(long_warmup)
     assert 'outlasts them' in long_warmup.stdout.splitlines()[0], long_warmup.stdout
     for steps in ('3', '2'):

@@ -649,11 +649,12 @@ def test_resuming_an_older_checkpoint_with_nothing_to_train_changes_no_file(tiny
     """A resume of an older checkpoint at or past the end of a shorter --epochs trains nothing: it moved the
     newer checkpoints (last.pth and best.pth with them) aside all the same, leaving checkpoints.json naming
     files that were gone, and its `train more:` line named last.pth, whose longer run that --epochs ended."""
-    args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--monitor', 'train/loss']  # best: the newest
     _train(args, '--epochs', '3', '--save_interval', '8', '--keep_last', '5')  # 6 steps per epoch
     folder = _folder(args)
     checkpoints = sorted(name for name in os.listdir(folder) if name.endswith('.pth'))
     assert 'epoch001_step0000008.pth' in checkpoints, checkpoints
+    assert _step(_load(os.path.join(folder, 'best.pth'))) > 8  # (a resume that trains nothing leaves it there)
     files = {name: _read(folder, name) for name in [*checkpoints, 'checkpoints.json', 'args.yaml', 'history.json']}
     for name, past in (('epoch001_step0000006.pth', False), ('epoch001_step0000008.pth', True)):  # at, past its end
         older = os.path.join(folder, name)

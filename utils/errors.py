@@ -397,8 +397,9 @@ def _run_reporting_errors(main, argv):
         if 'Expected more than 1 value per channel when training' not in str(error):
             raise
         exit_with_error(  # torch's BatchNorm, on a batch of one image whose feature map has shrunk to 1x1
-            'error: BatchNorm cannot train on one value per channel (a batch of 1 image whose feature map is 1x1); '
-            'give --batch_size 2 or more, or a larger --img_size (--debug shows where)'
+            "error: BatchNorm cannot train on one value per channel (a batch, or a process's share of one, of 1 "
+            'image whose feature map is 1x1); give --batch_size 2 or more (and data of 2 images a process or more), '
+            'or a larger --img_size (--debug shows where)'
         )
 
 

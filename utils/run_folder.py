@@ -541,7 +541,9 @@ def checkpoints_to_evaluate(paths, config=None):
             matches = [
                 m
                 for m in matches
-                if os.path.isfile(os.path.join(m, ARGS_YAML)) or os.path.isfile(m) and m.endswith(CHECKPOINT_SUFFIXES)
+                if os.path.isfile(os.path.join(m, ARGS_YAML))
+                or os.path.isfile(m)
+                and m.lower().endswith(CHECKPOINT_SUFFIXES)
             ]
         if not matches:
             raise KilnError(
