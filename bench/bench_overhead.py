@@ -16,6 +16,7 @@
 
 import argparse
 import contextlib
+import functools
 import os
 import re
 import resource
@@ -37,15 +38,22 @@ from utils.seeding import set_seed
 from utils.trackers import Trackers
 
 
-def hand_written_loop(trainer, epochs):
-    """The loop a user would write on the same batches: same model, optimizer, schedule and validation."""
+def hand_written_parts(trainer, epochs):
+    """The model, optimizer and schedule of the hand-written loop, made before it is timed (as Kiln's are,
+    by train.start): the same as the Trainer's."""
     o, device = trainer.options, trainer.device
     set_seed(o.seed)
     model = select_model(o).to(device, memory_format=torch.channels_last if o.channels_last else torch.preserve_format)
     if o.compile:
         model = torch.compile(model, mode=o.compile_mode)
     optimizer = torch.optim.AdamW(model.parameters(), o.lr, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * len(trainer.train_data))
+    return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * len(trainer.train_data))
+
+
+def hand_written_loop(trainer, epochs, parts):
+    """The loop a user would write on the same batches: same model, optimizer, schedule and validation."""
+    o, device = trainer.options, trainer.device
+    model, optimizer, scheduler = parts
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(o.amp)
     for epoch in range(epochs):
         model.train()
@@ -107,11 +115,13 @@ def bench_training(options, scratch, quiet):
             folder = os.path.join(scratch, f'run{repeat}_{epochs}')
             trainer = train.start(argv + ['--epochs', str(epochs), '--checkpoints_dir', folder])
             if repeat % 2:  # alternate which goes first, so warm-up and drift do not favour one
-                measure((epochs, 'hand'), lambda: hand_written_loop(trainer, epochs))
+                parts = hand_written_parts(trainer, epochs)
+                measure((epochs, 'hand'), lambda: hand_written_loop(trainer, epochs, parts))
             with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
                 measure((epochs, 'kiln'), trainer.run)
             if not repeat % 2:
-                measure((epochs, 'hand'), lambda: hand_written_loop(trainer, epochs))
+                parts = hand_written_parts(trainer, epochs)
+                measure((epochs, 'hand'), lambda: hand_written_loop(trainer, epochs, parts))
         kiln, hand = runs[options.epochs, 'kiln'][-1], runs[options.epochs, 'hand'][-1]
         images = options.epochs * len(trainer.train_data) * trainer.options.batch_size
         print(
@@ -182,10 +192,11 @@ import sys, time
 started = time.perf_counter()
 import argparse, torch
 from model.model_entry import select_model
-device = torch.device(sys.argv[1])
-model = select_model(argparse.Namespace(model_type=sys.argv[2], num_classes=6, img_size=64)).to(device)
+device, model_type, (size, classes, batch) = torch.device(sys.argv[1]), sys.argv[2], map(int, sys.argv[3:])
+model = select_model(argparse.Namespace(model_type=model_type, num_classes=classes, img_size=size)).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), 3e-3)
-images, labels = torch.randn(128, 3, 64, 64, device=device), torch.randint(0, 6, (128,), device=device)
+images = torch.randn(batch, 3, size, size, device=device)
+labels = torch.randint(0, classes, (batch,), device=device)
 torch.nn.functional.cross_entropy(model(images), labels).backward()
 optimizer.step()
 print(time.perf_counter() - started)
@@ -195,38 +206,31 @@ print(time.perf_counter() - started)
 FIRST_STEP = re.compile(r'first step ([0-9.]+)s after train.py started')  # in the line train.py ends with
 
 
-def bench_first_step(options, scratch):
+def bench_first_step(options, trained, scratch):
     """Print how long `python train.py` takes to its first optimizer step, beside `python -c "import torch"`
-    and a hand-written script's first step."""
+    and a hand-written script's first step of the same model on batches of the same shape (`trained`: the
+    resolved options of the training runs)."""
     firsts, imports, hands = [], [], []
     device = ['--cpu'] if options.device == 'cpu' else []
-    for repeat in range(3):
-        imports.append(timed(lambda: subprocess.run([sys.executable, '-c', 'import torch'], check=True)))
-        hand = subprocess.run(
-            [sys.executable, '-c', HAND_WRITTEN_FIRST_STEP, options.device, options.model_type],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        hands.append(float(hand.stdout))
-        result = subprocess.run(
-            [
-                sys.executable,
-                'train.py',
-                '--max_iteration',
-                '1',
-                '--no-progress_bar',
-                *device,
-                '--checkpoints_dir',
-                os.path.join(scratch, f'first{repeat}'),
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+    shape = [str(trained.img_size), str(trained.num_classes), str(trained.batch_size)]
+
+    def hand_written():
+        command = [sys.executable, '-c', HAND_WRITTEN_FIRST_STEP, options.device, options.model_type, *shape]
+        hands.append(float(subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout))
+
+    def kiln(repeat):
+        command = [sys.executable, 'train.py', '--model_type', options.model_type, *options.extra, '--max_iteration']
+        command += ['1', '--no-progress_bar', *device, '--checkpoints_dir', os.path.join(scratch, f'first{repeat}')]
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True)
         firsts.append(float(FIRST_STEP.search(result.stdout).group(1)))
+
+    def importing():  # (with the interpreter's own start, which the other two leave out)
+        imports.append(timed(lambda: subprocess.run([sys.executable, '-c', 'import torch'], check=True)))
+
+    for repeat in range(3):
+        runs = [importing, hand_written, functools.partial(kiln, repeat)]
+        for run in runs[repeat:] + runs[:repeat]:  # each first in one round: no order favoured
+            run()
     first, imported, hand = statistics.median(firsts), statistics.median(imports), statistics.median(hands)
     print(
         f'time to first step: median {first:.2f}s from the start of train.py; python -c "import torch" takes '
@@ -290,7 +294,7 @@ def main():
     with tempfile.TemporaryDirectory() as scratch, open(os.devnull, 'w') as quiet:
         trainer, epoch_seconds = bench_training(options, scratch, quiet)
         bench_checkpoint(trainer, epoch_seconds)
-        bench_first_step(options, scratch)
+        bench_first_step(options, trainer.options, scratch)
         bench_eval(trainer, scratch, options.repeats)
 
 
