@@ -50,7 +50,6 @@ import yaml
 
 from options import (
     KilnArgumentParser,
-    Options,
     UniqueKeyLoader,
     changed_options,
     choice_read_as,
@@ -59,7 +58,6 @@ from options import (
     parse_train_args,
     resolve,
     user_path,
-    with_absolute_paths,
 )
 from utils.errors import KilnError, run_cli
 
@@ -369,8 +367,7 @@ def check_earlier_runs(runs, name):
         if not any(step_of(name) is not None for name in names):
             continue
         saved = read_run_file(run.folder, 'args.yaml')
-        given = with_absolute_paths(Options.of(run.options))  # as train.py saved them: a relative list is the same
-        changed = changed_options(saved, given) if isinstance(saved, dict) else []
+        changed = changed_options(saved, run.options) if isinstance(saved, dict) else []  # (paths as absolute ones)
         if changed:
             shown = ', '.join(
                 f'--{option} {getattr(run.options, option)} (it has {saved.get(option)})' for option in changed

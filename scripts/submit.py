@@ -192,13 +192,11 @@ def refuse_other_options(parsed, train_argv):
     import yaml
 
     from options import (
-        Options,
         changed_options,
         experiment_folder,
         given_options,
         parse_train_args,
         resolve,
-        with_absolute_paths,
     )
     from utils.checkpoint_keeper import step_of
     from utils.errors import KilnError
@@ -214,10 +212,9 @@ def refuse_other_options(parsed, train_argv):
     if not isinstance(saved, dict):
         return
     given = given_options(parse_train_args, train_argv)
-    options = with_absolute_paths(Options.of(parsed))  # as train.py saved them
-    changed = [option for option in changed_options(saved, options) if option in given]
+    changed = [option for option in changed_options(saved, parsed) if option in given]  # (paths as absolute ones)
     if changed:
-        shown = ', '.join(f'--{option} {getattr(options, option)} (it has {saved.get(option)})' for option in changed)
+        shown = ', '.join(f'--{option} {getattr(parsed, option)} (it has {saved.get(option)})' for option in changed)
         raise KilnError(
             f'{shown}: the job resumes {folder}, trained with other options, which a resumed run keeps; give this '
             f'job its own --name (or the options that run was trained with)'
