@@ -8,7 +8,8 @@ the new, empty folder DEST, puts the project name where "Kiln" stood, and with -
 line. The new project runs and passes its tests as it is.
 """
 
-import argparse
+import ast
+import fnmatch
 import io
 import keyword
 import os
@@ -21,20 +22,22 @@ import sys
 import tarfile
 
 TEMPLATE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEFT_OUT = ('.git', 'checkpoints', 'data/generated', '__pycache__', '.pytest_cache', '.ruff_cache', '.idea', '.venv')
+# what a copy outside git leaves out, besides what the template's .gitignore names (patterns as there: one
+# with a / inside is a path from the top, one without a name anywhere)
+LEFT_OUT = ('/.git', '/checkpoints', '/data/generated', '__pycache__', '*.pyc', '.*_cache', '.idea', '.venv')
 TEXT_FILES = ('.py', '.md', '.sh', '.xml', '.txt', '.yaml', '.yml', '.cfg', '.toml', '.json', '.gitignore', 'run')
-# where each stub goes and is registered: a name taken by either would overwrite a part of Kiln
+# where each stub is registered (file, dict) and goes: a name taken by either would overwrite a part of Kiln
 # (a module file and a package folder of one name shadow each other)
 TAKEN = {
-    'task': ('tasks/task_entry.py', ('tasks/{}.py', 'tasks/{}')),
-    'dataset': ('data/data_entry.py', ('data/{}.py', 'data/{}')),
-    'model': ('model/model_entry.py', ('model/{}', 'model/{}.py')),
+    'task': ('tasks/task_entry.py', 'TASKS', ('tasks/{}.py', 'tasks/{}')),
+    'dataset': ('data/data_entry.py', 'DATASETS', ('data/{}.py', 'data/{}')),
+    'model': ('model/model_entry.py', 'MODELS', ('model/{}', 'model/{}.py')),
 }
 INTRO = re.compile(r'<!-- intro -->.*?<!-- /intro -->', re.S)  # the README's template pitch, replaced in a project
 MEASURED = re.compile(r'<!-- measured -->.*?<!-- /measured -->', re.S)  # the template's figures: not the project's
 # a project name is written as it is into Python strings (f-strings, .format templates too) and shell text, and
 # makes the distribution's name: characters that none of them escapes, a letter or digit first
-PROJECT_NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9 ._-]*')
+PROJECT_NAME = re.compile(r'[A-Za-z0-9]([A-Za-z0-9 ._-]*[A-Za-z0-9._-])?')
 
 TASK_STUB = '''"""The {name} task. Everything this kind of problem needs beyond the loop is here (see tasks/task.py).
 
@@ -158,6 +161,10 @@ PROJECT_INTRO = """<!-- intro -->
 <!-- /intro -->"""
 
 
+class TemplateError(Exception):
+    """A template file the generator cannot read as it expects (its README's title, a registry)."""
+
+
 def fail(message):
     """Print one error line and exit with status 2."""
     print(f'error: {message}', file=sys.stderr)
@@ -166,45 +173,80 @@ def fail(message):
 
 def copy_template(dest):
     """Copy the template's committed files into `dest` (see the module docstring); return how."""
-    archive = subprocess.run(  # (safe.directory: a shared install of another user's is read all the same)
-        ['git', '-c', f'safe.directory={os.path.realpath(TEMPLATE)}', 'archive', '--format=tar', 'HEAD'],
-        cwd=TEMPLATE,
-        capture_output=True,
-    )
-    if archive.returncode == 0:
+    try:  # (safe.directory: a shared install of another user's is read all the same)
+        archive = subprocess.run(
+            ['git', '-c', f'safe.directory={os.path.realpath(TEMPLATE)}', 'archive', '--format=tar', 'HEAD'],
+            cwd=TEMPLATE,
+            capture_output=True,
+        )
+    except FileNotFoundError:  # no git here: the files are copied as they are
+        archive = None
+    if archive is not None and archive.returncode == 0:
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(dest, filter='data')
         return 'the committed files (git archive HEAD)'
+    patterns = ignored_patterns()
     for folder, names, files in os.walk(TEMPLATE):
         relative = os.path.relpath(folder, TEMPLATE)
-        names[:] = [
-            n for n in names if os.path.normpath(os.path.join(relative, n)) not in LEFT_OUT and n not in LEFT_OUT
-        ]
+        names[:] = [n for n in names if not left_out(os.path.join(relative, n), patterns)]
         for name in files:
+            if left_out(os.path.join(relative, name), patterns):
+                continue
             target = os.path.join(dest, relative, name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            shutil.copy2(os.path.join(folder, name), target)
-            os.chmod(target, os.stat(target).st_mode | stat.S_IWUSR)  # the new project's own, from a read-only install
+            shutil.copy2(os.path.join(folder, name), target, follow_symlinks=False)  # a link as a link, as git's
+            if not os.path.islink(target):  # the new project's own, from a read-only install
+                os.chmod(target, os.stat(target).st_mode | stat.S_IWUSR)
     return 'every file but outputs and caches (not a git checkout)'
 
 
-def template_names():
-    """The template's own name (its README's title: Kiln, or the name of a project made from Kiln) and
-    its distribution's name in pyproject.toml."""
-    with open(os.path.join(TEMPLATE, 'README.md'), encoding='utf-8') as f:
-        title = f.readline().removeprefix('# ').strip()
-    with open(os.path.join(TEMPLATE, 'pyproject.toml'), encoding='utf-8') as f:
-        package = re.search(r"^name = '([^']*)'", f.read(), re.M).group(1)
-    return title, package
+def ignored_patterns():
+    """LEFT_OUT and the patterns of the template's .gitignore (its ! exceptions aside: what they keep in
+    the template's output folders is not the new project's)."""
+    try:
+        with open(os.path.join(TEMPLATE, '.gitignore'), encoding='utf-8') as f:
+            lines = [line.strip() for line in f]
+    except FileNotFoundError:
+        lines = []
+    return [*LEFT_OUT, *(line for line in lines if line and not line.startswith(('#', '!')))]
+
+
+def left_out(relative, patterns):
+    """Whether the template's file or folder `relative` (a path from its top) is left out of a copy."""
+    relative = os.path.normpath(relative).replace(os.sep, '/')
+    for pattern in patterns:
+        from_top = '/' in pattern.rstrip('/')
+        if fnmatch.fnmatchcase(relative if from_top else relative.rpartition('/')[2], pattern.strip('/')):
+            return True
+    return False
+
+
+def template_names(dest):
+    """The template's own name (the title of the copied README: Kiln, or the name of a project made from
+    Kiln) and its distribution's name in pyproject.toml."""
+    with open(os.path.join(dest, 'README.md'), encoding='utf-8') as f:
+        title = next((line[2:].strip() for line in f if line.startswith('# ')), '')
+    if not title:
+        raise TemplateError("the template's README.md has no title line ('# Name'), which names it: add one")
+    with open(os.path.join(dest, 'pyproject.toml'), encoding='utf-8') as f:
+        package = re.search(r"""^name\s*=\s*(['"])([^'"]+)\1""", f.read(), re.M)
+    if package is None:
+        raise TemplateError("the template's pyproject.toml has no name = '...' line: add its [project] name")
+    return title, package.group(2)
+
+
+def package_name(name):
+    """The distribution's name of the project `name`: lower case, its spaces (and the like) as -."""
+    return re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('._-')
 
 
 def rename(dest, name):
     """Put `name` (a PROJECT_NAME) where the template's name stood in the text files, and replace the
-    README's template pitch and figures and the distribution's name in pyproject.toml (its spaces as -).
-    A project made from a project renames its README alone: its name may be a word its code uses ('model')."""
-    intro, package = PROJECT_INTRO.format(name=name), re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('._-')
-    old_name, old_package = template_names()
-    made_from_kiln = old_package == 'kiln'  # (lower case: the renaming leaves it as it is)
+    README's template pitch and figures and the distribution's name in pyproject.toml. A project made
+    from a project renames its README's title alone: its name may be a word its code and text use ('model')."""
+    intro, package = PROJECT_INTRO.format(name=name), package_name(name)
+    old_name, old_package = template_names(dest)
+    made_from_kiln = old_package == 'kiln'  # (lower case: the renaming leaves it as it is; no project is named so)
     for folder, _, files in os.walk(dest):
         for file in files:
             path = os.path.join(folder, file)
@@ -213,13 +255,17 @@ def rename(dest, name):
                 continue
             with open(path, encoding='utf-8') as f:
                 text = f.read()
-            if readme:
-                text = MEASURED.sub(PROJECT_MEASURED, INTRO.sub(lambda match: intro, text))
             if file == 'pyproject.toml' and folder == dest:
                 text = text.replace(f"name = '{old_package}'", f"name = '{package}'", 1)
                 text = text.replace(f"'{old_package}[", f"'{package}[")  # its extras naming its own
+            if readme:
+                text = MEASURED.sub(PROJECT_MEASURED, INTRO.sub(lambda match: intro, text))
+                if not made_from_kiln:
+                    text = re.sub(r'^# .*$', lambda match: f'# {name}', text, count=1, flags=re.M)
+            if made_from_kiln:
+                text = re.sub(rf'(?<!\w){re.escape(old_name)}(?!\w)', lambda match: name, text)
             with open(path, 'w', encoding='utf-8') as f:
-                f.write(re.sub(rf'(?<!\w){re.escape(old_name)}(?!\w)', lambda match: name, text))
+                f.write(text)
 
 
 def camel(name):
@@ -227,14 +273,43 @@ def camel(name):
     return ''.join(part.capitalize() for part in name.split('_'))
 
 
-def register(path, dict_name, name, target):
-    """Add `'name': 'target',` as the last entry of the dict `dict_name` in the registry file `path`."""
-    with open(path) as f:
+def registry(path, dict_name):
+    """The dict display `dict_name = {...}` of the registry file `path` (an ast.Dict) and the file's text."""
+    with open(path, encoding='utf-8') as f:
         text = f.read()
-    start = text.index(f'{dict_name} = {{')
-    end = text.index('\n}', start)
-    with open(path, 'w') as f:
-        f.write(text[:end] + f"\n    '{name}': '{target}'," + text[end:])
+    for node in ast.parse(text, path).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, 'target', None)]
+        if any(isinstance(t, ast.Name) and t.id == dict_name for t in targets) and isinstance(node.value, ast.Dict):
+            return node.value, text
+    raise TemplateError(f'{os.path.relpath(path)} has no {dict_name} = {{...}} to register the stub in: put it back')
+
+
+def text_index(text, line, column):
+    """The index in `text` of an ast position (line from 1, column in UTF-8 bytes)."""
+    lines = text.split('\n')
+    return sum(len(lines[i]) + 1 for i in range(line - 1)) + len(lines[line - 1].encode()[:column].decode())
+
+
+def register(dest, option, name, target):
+    """Add `'name': 'target',` as the last entry of the registry of `option` (a TAKEN key) in the project `dest`."""
+    entry, dict_name, _ = TAKEN[option]
+    path = os.path.join(dest, entry)
+    table, text = registry(path, dict_name)
+    close = text_index(text, table.end_lineno, table.end_col_offset) - 1  # its }
+    last = table.values[-1] if table.values else None
+    after = (  # the end of its last entry, or of the { of an empty dict
+        text_index(text, last.end_lineno, last.end_col_offset)
+        if last
+        else text_index(text, table.lineno, table.col_offset) + 1
+    )
+    comma = ',' if last and ',' not in text[after:close].split('#')[0] else ''  # after a last entry without one
+    line_start = text.rfind('\n', 0, close) + 1
+    if text[line_start:close].strip():  # the } closes a line of entries (`{'a': 'b'}`): one more on it
+        at, entry = close, f" '{name}': '{target}'"
+    else:
+        at, entry = line_start, f"    '{name}': '{target}',\n"
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write(text[:after] + comma + text[after:at] + entry + text[at:])
 
 
 def write(path, text):
@@ -246,13 +321,26 @@ def write(path, text):
 def make_project(args, dest, name):
     """Copy the template into `dest` as project `name`, with the stubs `args` asks for; return how it was copied."""
     how = copy_template(dest)
+    for option, (entry, dict_name, places) in TAKEN.items():  # (in the copy: what the new project would hold)
+        value = getattr(args, option)
+        if value is None:
+            continue
+        table, _ = registry(os.path.join(dest, entry), dict_name)
+        registered = any(isinstance(key, ast.Constant) and key.value == value for key in table.keys)
+        places = [place.format(value) for place in places]
+        taken = [entry] if registered else [place for place in places if os.path.lexists(os.path.join(dest, place))]
+        if taken:
+            raise TemplateError(
+                f'--{option} {value}: the template has a {option} or file of that name already ({taken[0]}); '
+                f'choose another name'
+            )
     rename(dest, name)
     os.makedirs(os.path.join(dest, 'checkpoints'), exist_ok=True)
     open(os.path.join(dest, 'checkpoints', '.gitkeep'), 'a').close()
     if args.task:
         cls = camel(args.task) + 'Task'
         write(os.path.join(dest, 'tasks', f'{args.task}.py'), TASK_STUB.format(name=args.task, cls=cls))
-        register(os.path.join(dest, 'tasks', 'task_entry.py'), 'TASKS', args.task, f'tasks.{args.task}:{cls}')
+        register(dest, 'task', args.task, f'tasks.{args.task}:{cls}')
         for script in ('train.sh', 'train_ddp.sh'):  # the project's own task is what its scripts train
             path = os.path.join(dest, 'scripts', script)
             with open(path) as f:
@@ -263,7 +351,7 @@ def make_project(args, dest, name):
     if args.dataset:
         cls = camel(args.dataset) + 'Dataset'
         write(os.path.join(dest, 'data', f'{args.dataset}.py'), DATASET_STUB.format(name=args.dataset, cls=cls))
-        register(os.path.join(dest, 'data', 'data_entry.py'), 'DATASETS', args.dataset, f'data.{args.dataset}:{cls}')
+        register(dest, 'dataset', args.dataset, f'data.{args.dataset}:{cls}')
     if args.model:
         cls = camel(args.model)
         write(os.path.join(dest, 'model', args.model, f'{args.model}.py'), MODEL_STUB.format(name=args.model, cls=cls))
@@ -271,13 +359,16 @@ def make_project(args, dest, name):
             os.path.join(dest, 'model', args.model, '__init__.py'),
             f"from model.{args.model}.{args.model} import {cls}\n\n__all__ = ['{cls}']\n",
         )
-        register(os.path.join(dest, 'model', 'model_entry.py'), 'MODELS', args.model, f'model.{args.model}:{cls}')
+        register(dest, 'model', args.model, f'model.{args.model}:{cls}')
     return how
 
 
 def main(argv=None):
     """Create the new project."""
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[1])
+    sys.path.insert(0, TEMPLATE)
+    from options import KilnArgumentParser  # (torch-free) a mistake is one line
+
+    parser = KilnArgumentParser(description=__doc__.split('\n\n')[1])
     parser.add_argument('dest', help='folder for the new project (must not exist or be empty)')
     parser.add_argument('--name', help='project name (default: the folder name)')
     for stub in ('task', 'dataset', 'model'):
@@ -289,22 +380,6 @@ def main(argv=None):
             fail(f'--{option} {value!r}: use a lower-case Python name such as my_{option}')
         if value is not None and keyword.iskeyword(value):  # `import model.class` is a SyntaxError
             fail(f'--{option} {value}: a Python keyword cannot name a module; choose another name such as my_{value}')
-    for option, (entry, places) in TAKEN.items():
-        value = getattr(args, option)
-        if value is None:
-            continue
-        with open(os.path.join(TEMPLATE, entry)) as f:
-            registered = f"'{value}':" in f.read()
-        taken = (
-            [entry]
-            if registered
-            else [p.format(value) for p in places if os.path.exists(os.path.join(TEMPLATE, p.format(value)))]
-        )
-        if taken:
-            fail(
-                f'--{option} {value}: the template has a {option} or file of that name already '
-                f'({taken[0]}); choose another name (nothing was written)'
-            )
     if not args.dest:
         fail('DEST is empty; give the folder for the new project, e.g. ../my_project')
     if os.path.exists(args.dest) and (not os.path.isdir(args.dest) or os.listdir(args.dest)):
@@ -317,14 +392,16 @@ def main(argv=None):
         given = f'--name {name!r}' if args.name is not None else f'the folder name {name!r} (the default --name)'
         fail(
             f'{given}: a project name holds only ASCII letters, digits, spaces and . _ - (a letter or digit '
-            f'first), as it is written into code and is the package name; give --name with those'
+            f'first, no space last), as it is written into code and is the package name; give --name with those'
         )
+    if package_name(name) == 'kiln':  # the mark of the template itself (see rename)
+        fail(f"--name {name}: that is the template's own name; choose another")
 
     existed = os.path.isdir(dest)
     try:
         how = make_project(args, dest, name)
-    except OSError as error:  # a DEST that cannot be written (under a file, a read-only place): what it made goes
-        for entry in os.listdir(dest) if existed else ():  # an empty folder given: empty again
+    except BaseException as error:  # what it made goes (an empty folder given: empty again)
+        for entry in os.listdir(dest) if existed else ():
             path = os.path.join(dest, entry)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
@@ -332,7 +409,17 @@ def main(argv=None):
                 os.remove(path)
         if not existed:
             shutil.rmtree(dest, ignore_errors=True)
+        if isinstance(error, TemplateError):
+            fail(f'{error} (nothing was written)')
+        if isinstance(error, SyntaxError):  # a registry file that is not Python
+            fail(f'{error.filename} does not parse ({error.msg}, line {error.lineno}): mend it (nothing was written)')
+        if not isinstance(error, OSError):
+            raise
         where = f' ({error.filename})' if error.filename else ''
+        if error.filename and os.path.realpath(error.filename).startswith(template + os.sep):
+            fail(
+                f"cannot read the template's {error.filename}: {error.strerror or error}; mend it (nothing was written)"
+            )
         fail(
             f'cannot write the new project into {args.dest}: {error.strerror or error}{where}; choose a folder '
             f'you can write to'

@@ -120,7 +120,10 @@ def test_a_project_name_is_written_as_given_and_its_code_compiles(tmp_path):
     pyproject = (tmp_path / 'project' / 'pyproject.toml').read_text()
     assert "name = 'lab-v2.1-beta_x'" in pyproject
     assert "'lab-v2.1-beta_x[trackers" in pyproject and "'kiln[" not in pyproject  # its dev extra names itself
-    assert name in (tmp_path / 'project' / 'utils' / 'checkpoint.py').read_text()
+    with open(os.path.join(REPO, 'pyproject.toml')) as f:
+        made_from_kiln = "name = 'kiln'" in f.read()
+    if made_from_kiln:  # (a project made from a project renames less)
+        assert name in (tmp_path / 'project' / 'utils' / 'checkpoint.py').read_text()
     for path in (tmp_path / 'project').rglob('*.py'):
         compile(path.read_text(), str(path), 'exec')
 
@@ -175,15 +178,73 @@ def test_a_project_made_from_a_project_keeps_its_code(tmp_path):
     assert os.stat(second / 'README.md').st_mode & 0o200
     assert "name = 'boxes'" in (second / 'pyproject.toml').read_text()
     assert "'detect': 'tasks.detect:DetectTask'," in (second / 'tasks' / 'task_entry.py').read_text()
+    kiln = run_script('scripts/new_task.py', str(tmp_path / 'third'), '--name', 'Kiln')  # Kiln's code is kept by it
+    assert kiln.returncode == 2 and "--name Kiln: that is the template's own name" in kiln.stderr, kiln.stderr
 
 
 def test_a_new_task_is_what_the_project_s_scripts_train(tmp_path):
-    """train.sh kept TASK=classify: the project's `bash scripts/train.sh` trained the template's task."""
-    created = run_script('scripts/new_task.py', str(tmp_path / 'spots'), '--task', 'shard_spots')
+    """train.sh kept TASK=classify: the project's `bash scripts/train.sh` trained the template's task. And
+    my_task, the name the registry's docstring gives as an example, was refused as taken."""
+    created = run_script('scripts/new_task.py', str(tmp_path / 'spots'), '--task', 'my_task')
     assert created.returncode == 0, created.stderr
     for script in ('train.sh', 'train_ddp.sh'):
         lines = (tmp_path / 'spots' / 'scripts' / script).read_text().splitlines()
-        assert "TASK=${TASK:-shard_spots}  # this project's task (tasks/task_entry.py)" in lines, script
+        assert "TASK=${TASK:-my_task}  # this project's task (tasks/task_entry.py)" in lines, script
+    assert (
+        "    'my_task': 'tasks.my_task:MyTaskTask',\n}" in (tmp_path / 'spots' / 'tasks' / 'task_entry.py').read_text()
+    )
+
+
+def test_a_project_made_from_a_copy_outside_git(tmp_path):
+    """A project made from a project that is no git checkout, on a machine without git: git's absence was
+    blamed on DEST; the README's title was read from its first line (a logo line: nothing renamed; a blank
+    one: every file garbled); a registry with an annotation or no last comma gave a traceback and a half-made
+    project; outputs that .gitignore names were copied, checkpoints/ anywhere dropped, a broken link refused."""
+    first = tmp_path / 'first'
+    assert run_script('scripts/new_task.py', str(first), '--name', 'model').returncode == 0
+    readme = (first / 'README.md').read_text()
+    (first / 'README.md').write_text('<p align="center"><img src="logo.png"></p>\n\n' + readme)
+    entry = first / 'tasks' / 'task_entry.py'
+    registry = entry.read_text()
+    entry.write_text(
+        registry.replace('TASKS = {', 'TASKS: dict[str, str] = {').replace("DetectTask',\n}", "DetectTask'\n}")
+    )
+    for output in ('mlruns/0/meta.yaml', 'cache.pyc', 'sub/checkpoints/keep.py'):
+        (first / output).parent.mkdir(parents=True, exist_ok=True)
+        (first / output).write_text('x = 1\n')
+    os.symlink(tmp_path / 'gone', first / 'latest_run')
+
+    def make(dest, *options):
+        return subprocess.run(  # no git on PATH
+            [sys.executable, 'scripts/new_task.py', str(tmp_path / dest), *options],
+            cwd=first,
+            capture_output=True,
+            text=True,
+            timeout=timeout(),
+            env={**os.environ, 'PATH': str(tmp_path / 'no_git')},
+        )
+
+    made = make('second', '--name', 'Glaze', '--task', 'spots')
+    assert made.returncode == 0 and 'not a git checkout' in made.stdout, made.stderr
+    second = tmp_path / 'second'
+    text = (second / 'README.md').read_text()
+    assert text.startswith('<p align="center">') and '\n# Glaze\n' in text
+    assert text.count('model') == readme.count('model') - 1  # the title alone: 'model' is also a word of the text
+    registry = (second / 'tasks' / 'task_entry.py').read_text()
+    assert "DetectTask',\n    'spots': 'tasks.spots:SpotsTask',\n}" in registry
+    for path in second.rglob('*.py'):
+        compile(path.read_text(), str(path), 'exec')
+    assert not (second / 'mlruns').exists() and not (second / 'cache.pyc').exists()
+    assert (second / 'sub' / 'checkpoints' / 'keep.py').is_file() and os.path.islink(second / 'latest_run')
+
+    entry.write_text('TASKS = {\n')  # a registry that is no longer Python
+    broken = make('third', '--task', 'spots')
+    assert broken.returncode == 2 and len(broken.stderr.splitlines()) == 1, broken.stderr
+    assert 'task_entry.py does not parse' in broken.stderr and not (tmp_path / 'third').exists()
+    (first / 'README.md').write_text('no title\n')
+    untitled = make('fourth')
+    assert untitled.returncode == 2 and "README.md has no title line ('# Name')" in untitled.stderr, untitled.stderr
+    assert not (tmp_path / 'fourth').exists()
 
 
 @pytest.mark.parametrize(
