@@ -76,6 +76,14 @@ def run_in_process(script, *args):
     return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(), stderr.getvalue())
 
 
+@pytest.fixture(autouse=True)
+def seeded_torch():
+    """A test that draws from torch's global generator (torch.randn for a shape check) draws the same
+    numbers whichever tests ran before it in its worker (torch imported by the test's module, or not at all)."""
+    if 'torch' in sys.modules:
+        sys.modules['torch'].manual_seed(0)
+
+
 @pytest.fixture(scope='session', autouse=True)
 def no_cache_left_for_temporary_lists(tmp_path_factory):
     """data/generated/.cache keeps a file per list that runs read (decoded images, passed header checks),

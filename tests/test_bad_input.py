@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, run_script, tiny_run_args
+from conftest import REPO, run_script, timeout, tiny_run_args
 
 FAST = ['--epochs', '1', '--batch_size', '8', '--no-progress_bar']
 
@@ -31,8 +31,9 @@ def run(script, *args):
     return run_script(script, *args)
 
 
-def train(checkpoints_dir, data, *extra):
-    """train.py on the tiny data, writing under `checkpoints_dir`; `extra` flags override the defaults."""
+def train(checkpoints_dir, data, *extra, cpu=True):
+    """train.py on the tiny data, writing under `checkpoints_dir`; `extra` flags override the defaults
+    (on the CPU, unless not `cpu`: these tests are about the messages, not the device)."""
     return run(
         'train.py',
         '--checkpoints_dir',
@@ -46,13 +47,14 @@ def train(checkpoints_dir, data, *extra):
         '--num_workers',
         '0',
         *FAST,
+        *(['--cpu'] if cpu else []),
         *extra,
     )
 
 
 def evaluate(checkpoint, *extra):
     """eval.py on `checkpoint` (its own validation list unless --val_list is in `extra`)."""
-    return run('eval.py', '--load_model_path', checkpoint, '--no-progress_bar', '--num_workers', '0', *extra)
+    return run('eval.py', '--load_model_path', checkpoint, '--no-progress_bar', '--num_workers', '0', '--cpu', *extra)
 
 
 def assert_one_error_line(result, *needles):
@@ -165,7 +167,7 @@ def test_a_mistyped_loss_is_said_before_torch_loads_and_before_the_folder_is_loo
     assert_succeeded(train(tmp_path / 'ck', data, '--save_prefix', 'taken'))
     command = [sys.executable, '-X', 'importtime', 'train.py', '--loss', 'focal', '--save_prefix', 'taken']
     command += ['--checkpoints_dir', str(tmp_path / 'ck')]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout(120))
     lines = result.stderr.splitlines()
     said = [line for line in lines if not line.startswith('import time:')]
     assert said == [
@@ -743,8 +745,9 @@ def test_debug_shows_the_traceback(data, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a machine without CUDA')
+@pytest.mark.skipif(torch.cuda.is_available(), reason='CUDA is here: --gpus 0 names a GPU')
 def test_gpus_without_cuda(data, tmp_path):
-    result = train(tmp_path / 'ck', data, '--gpus', '0')
+    result = train(tmp_path / 'ck', data, '--gpus', '0', cpu=False)
     assert_one_error_line(result, '--gpus')
     assert leftovers(tmp_path / 'ck') == []
 

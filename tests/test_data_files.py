@@ -879,7 +879,7 @@ def test_very_large_images_decode_without_pillows_warning_and_larger_ones_are_on
     import subprocess
     import sys
 
-    from conftest import REPO
+    from conftest import REPO, timeout
 
     for side in (12, 15):  # 144 pixels: over the limit, under twice it; 225: over twice
         Image.new('RGB', (side, side), 'red').save(tmp_path / f'{side}.png')
@@ -896,7 +896,7 @@ try:
 except KilnError as error:
     print(error)
 """
-    result = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True, timeout=timeout(120))
     assert result.returncode == 0 and result.stderr == '', result.stderr
     decoded, refused = result.stdout.splitlines()
     assert decoded == '(3, 8, 8)'

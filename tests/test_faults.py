@@ -587,7 +587,11 @@ def test_stop_signal_during_start_up_is_one_line_and_leaves_no_folder(tiny_shape
     before a time limit, to `srun python train.py`) still did both."""
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     result = subprocess.run(
-        [sys.executable, '-c', SIGNAL_WHILE_BUILDING, name, *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, '-c', SIGNAL_WHILE_BUILDING, name, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(60),
     )
     _stopped_with(result, 128 + getattr(signal, name), f'terminated ({name})')
     assert result.stderr.strip() == f'terminated ({name})'

@@ -689,7 +689,9 @@ def test_runs_started_from_python_record_their_own_command(tiny_shapes, tmp_path
         f'import sys\nsys.path.insert(0, {REPO!r})\nimport train\n'
         f'for prefix in ("a", "b"):\n    train.main({args!r} + ["--save_prefix", prefix])\n'
     )
-    result = subprocess.run([sys.executable, str(script), '--flag-of-the-script'], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(script), '--flag-of-the-script'], capture_output=True, text=True, timeout=timeout()
+    )
     assert result.returncode == 0, result.stderr
     for prefix in ('a', 'b'):
         folder = tmp_path / 'ck' / f'small_cnn_list_{prefix}'
@@ -723,6 +725,8 @@ def test_the_record_keeps_untracked_sources_and_the_thread_count(tmp_path, monke
     for number in range(run_records.UNTRACKED_LISTED + 5):
         (repo / 'checkpoints' / f'{number}.png').write_bytes(b'')  # ignored: not listed, not counted
     monkeypatch.setattr(run_records, 'REPO', str(repo))
+    for name in run_records.THREAD_VARIABLES:  # (a GPU machine's CUDA_VISIBLE_DEVICES, say)
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv('OMP_NUM_THREADS', '3')
     record = run_records.reproducibility_record(argparse.Namespace(seed=0))
     run_records.append_reproducibility_record(str(tmp_path), record)

@@ -386,11 +386,11 @@ def test_predict_classification_reports_unreadable_images(tiny_shapes, classifie
         os.link(images / '00000.png', many / f'{number:03d}.png')
     limited = subprocess.run(
         [sys.executable, 'predict.py', '--load_model_path', classified[0], '--input', many, '--no-progress_bar']
-        + ['--num_workers', '2', '--batch_size', '256'],
+        + ['--num_workers', '2', '--batch_size', '256', '--cpu'],  # (CUDA's own open files are not this test's)
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout(300),
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)),
     )
     assert limited.returncode == 0 and '300 images predicted' in limited.stdout, limited.stderr
@@ -415,7 +415,11 @@ print(len({size for *_, sizes in batches for size in sizes} - {os.getpid()}))
 def test_predict_decodes_in_num_workers_processes(workers):
     """--num_workers was accepted and ignored: every image was decoded in the main process."""
     result = subprocess.run(
-        [sys.executable, '-c', WHO_DECODES, str(workers)], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, '-c', WHO_DECODES, str(workers)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(300),
     )
     assert result.returncode == 0, result.stderr
     in_order, others = result.stdout.split('\n')[:2]
@@ -558,9 +562,14 @@ def test_a_closed_output_keeps_whole_results_and_ends_quietly(classified, tmp_pa
     folder, with 'error: cannot use: Broken pipe; free disk space ...'."""
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before anything is printed
-    command = [sys.executable, 'eval.py', '--load_model_path', classified[0], '--no-progress_bar']
+    command = [sys.executable, 'eval.py', '--load_model_path', classified[0], '--no-progress_bar', '--cpu']
     result = subprocess.run(
-        [*command, '--save_prefix', 'piped'], cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300
+        [*command, '--save_prefix', 'piped'],
+        cwd=REPO,
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=timeout(300),
     )
     os.close(write_end)
     assert result.returncode == 141 and result.stderr == '', result.stderr  # as a tool stopped by SIGPIPE
@@ -570,12 +579,21 @@ def test_a_closed_output_keeps_whole_results_and_ends_quietly(classified, tmp_pa
     read_end, write_end = os.pipe()
     os.close(read_end)
     compared = subprocess.run(
-        [*command[:3], *classified, '--no-progress_bar', '--save_prefix', 'piped2', '--checkpoints_dir', tmp_path],
+        [
+            *command[:3],
+            *classified,
+            '--no-progress_bar',
+            '--cpu',
+            '--save_prefix',
+            'piped2',
+            '--checkpoints_dir',
+            tmp_path,
+        ],
         cwd=REPO,
         stdout=write_end,
         stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
+        timeout=timeout(300),
         env={**os.environ, 'PYTHONUNBUFFERED': '1'},
     )
     os.close(write_end)
@@ -588,7 +606,7 @@ def test_a_closed_output_keeps_whole_results_and_ends_quietly(classified, tmp_pa
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
+        timeout=timeout(300),
         preexec_fn=lambda: os.close(1),
     )
     assert closed.returncode == 0, closed.stderr

@@ -662,7 +662,7 @@ def test_cuda_graphs_train_and_their_checkpoint_loads_without_compile(tiny_shape
     """CUDA graphs replay into the same output memory: outputs the train metrics keep for later must
     be copies (reading them crashed), and the checkpoint is the plain model's."""
     args = [a for a in tiny_run_args(tiny_shapes, tmp_path) if a != '--cpu']
-    _train(args, '--compile', '--compile_mode', mode, '--epochs', '1')
+    _train(args, '--compile', '--compile_mode', mode, '--epochs', '1', isolated=True)  # (its graphs' memory pool)
     result = run_script('eval.py', '--load_model_path', os.path.join(_folder(args), 'last.pth'), '--no-progress_bar')
     assert result.returncode == 0, result.stderr
     assert 'acc' in result.stdout
