@@ -74,11 +74,16 @@ class DetListDataset(ListDataset):
     def count_classes(self):
         if self.class_names:
             return len(self.class_names)
-        return 1 + max((int(labels.max()) for _, (_, labels), _ in self.samples if len(labels)), default=0)
+        return self.classes_of_labels(
+            [(int(label), number) for _, (_, labels), number in self.samples for label in labels]
+        )
 
     def check_targets(self):
-        """Stop at the first class outside the class range, and at boxes that are all within 0..1 (YOLO's
-        normalized coordinates: in pixels they would be under one pixel and train on nothing)."""
+        """Stop at the first class outside the class range, at boxes that are all within 0..1 (YOLO's
+        normalized coordinates: in pixels they would be under one pixel and train on nothing), and at an
+        image on two lines with other boxes (a line per box: an image per box, the others' objects taken
+        for background)."""
+        self.refuse_two_targets('lines of boxes', "put all of an image's boxes on one line")
         boxes = [boxes for _, (boxes, _), _ in self.samples if len(boxes)]
         if boxes and max(float(b.max()) for b in boxes) <= 1:
             raise KilnError(

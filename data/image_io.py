@@ -239,7 +239,9 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
                 divisor = _jpeg_divisor(box, size)
                 pixels = torch.from_numpy(_jpeg_pixels(data, divisor, width, height, transposed))
     except IMAGE_ERRORS as error:
-        raise KilnError(f'cannot read image {path}{where}: {_reason(error, path)}; fix or remove it') from None
+        raise KilnError(
+            f'cannot read image {path}{where}: {unreadable_reason(error, path)}; fix or remove it'
+        ) from None
     pixels = _upright(pixels, orientation)
     # the box on whole decoded pixels: what is cut is what the box (which moves boxes and masks) says
     box, (x0, y0, x1, y1) = _pixel_box(box, divisor, width, height, orientation)
@@ -272,11 +274,11 @@ def check_image(path):
         with Image.open(path) as image:
             image.verify()
     except IMAGE_ERRORS as error:
-        return _reason(error, path)
+        return unreadable_reason(error, path)
     return None
 
 
-def _reason(error, path):
+def unreadable_reason(error, path):
     """What went wrong reading the image file `path`, in one line."""
     if isinstance(error, Image.UnidentifiedImageError) and os.path.getsize(path) == 0:
         return 'the file is empty (0 bytes)'

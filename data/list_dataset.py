@@ -18,6 +18,7 @@ import re
 import unicodedata
 from stat import S_ISREG
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -296,8 +297,15 @@ class ListDataset(Dataset):
                 f'from them; give --num_classes (the number of outputs: 1 for one value), or override '
                 f'count_classes in the dataset'
             )
-        largest, number = max((label, number) for _, label, number in self.samples)
-        used = len({label for _, label, _ in self.samples})
+        return self.classes_of_labels([(label, number) for _, label, number in self.samples])
+
+    def classes_of_labels(self, labelled):
+        """The number of classes that the (label, line number) pairs `labelled` make: the largest label + 1
+        (1 for none), refused where most of them would have no sample (see count_classes)."""
+        if not labelled:
+            return 1
+        largest, number = max(labelled)
+        used = len({label for label, _ in labelled})
         if largest + 1 > max(10, 4 * used):
             raise KilnError(
                 f'{self.list_path}:{number}: label {largest} makes {largest + 1} classes, but only {used} '
@@ -315,19 +323,29 @@ class ListDataset(Dataset):
         that are no class labels (`parse_target` of a regression: floats) are the dataset's to check."""
         if not self.targets_are_labels():
             return
-        labels = {}
-        for path, label, number in self.samples:
+        for _, label, number in self.samples:
             if label >= self.num_classes:
                 fix = 'the list or classes.txt (a name per class)' if self.class_names else 'the list or --num_classes'
                 raise KilnError(
                     f'{self.list_path}:{number}: label {label} is outside 0..{self.num_classes - 1} '
                     f'(num_classes={self.num_classes}); fix {fix}'
                 )
-            if labels.setdefault(path, label) != label:
-                first = next(line for file, _, line in self.samples if file == path)
+        self.refuse_two_targets('labels', 'remove one of the lines')
+
+    def refuse_two_targets(self, what, advice):
+        """Stop at the first image listed twice with different targets (`what`: their name), saying `advice`;
+        listed twice with the same target, an image is only seen more often."""
+        seen = {}  # path -> (target, line number) of its first line
+        for path, target, number in self.samples:
+            first, line = seen.setdefault(path, (target, number))
+            if isinstance(target, tuple):  # arrays (boxes and their labels)
+                same = len(first) == len(target) and all(np.array_equal(a, b) for a, b in zip(first, target))
+            else:
+                same = first == target
+            if not same:
+                values = '' if isinstance(target, tuple) else f', {first} and {target}'
                 raise KilnError(
-                    f'{self.list_path}:{first} and line {number} give image {path} two labels, {labels[path]} '
-                    f'and {label}; remove one of the lines'
+                    f'{self.list_path}:{line} and line {number} give image {path} two {what}{values}; {advice}'
                 )
 
     def default_list(self, args, split):

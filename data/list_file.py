@@ -72,6 +72,9 @@ def _wide_text(head):
 PLAIN_FIELD = {False: re.compile(r'\S+'), True: re.compile(r'[^\t\s](?:[^\t]*[^\t\s])?')}
 
 
+COMMENT = re.compile(r'(?<!\S)#')  # a comment starts a line or follows whitespace
+
+
 def _split(line, tabs):
     """(fields, spans, quoted) of one line, its comment cut off; `spans` are the fields' (start, end)
     in the line. Fields end at tabs when `tabs`, else at any whitespace. ValueError on a bad quote."""
@@ -154,7 +157,7 @@ def _entries(path, columns=None):
     else:
         entries = []
         for number, line in enumerate(lines, start=1):
-            tabs = '\t' in line
+            tabs = '\t' in COMMENT.split(line, maxsplit=1)[0].strip()  # between fields: not one a spreadsheet left last
             try:
                 fields, spans, quoted = _split(line, tabs)
             except ValueError as error:
@@ -275,8 +278,10 @@ def missing_file_hint(list_path, file):
 
 
 def resolve_path(list_path, field):
-    """The absolute path of a list file's `field`: `~` expanded, relative paths taken from the list file's folder."""
-    return os.path.join(_folder_of(list_path, os.getcwd()), os.path.expanduser(field) if field[:1] == '~' else field)
+    """The absolute path of a list file's `field`: `~` expanded, relative paths taken from the list file's folder,
+    normalized (./a.png and a.png are one image)."""
+    field = os.path.expanduser(field) if field[:1] == '~' else field
+    return os.path.normpath(os.path.join(_folder_of(list_path, os.getcwd()), field))
 
 
 @functools.lru_cache(maxsize=16)  # asked once per line: a list of a million images asked a million times

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageChops
 
+from data.image_io import IMAGE_ERRORS, unreadable_reason
 from data.list_dataset import ListDataset
 from data.list_file import not_a_file, resolve_path
 from utils.errors import KilnError
@@ -41,7 +42,9 @@ class SegListDataset(ListDataset):
         return len(self.class_names)
 
     def check_targets(self):
-        """Masks are checked as they are read (see read_mask): reading all of them here would be slow."""
+        """An image listed with two masks is refused; masks are checked as they are read (see read_mask):
+        reading all of them here would be slow."""
+        self.refuse_two_targets('masks', 'remove one of the lines')
         if self.ignore_index is not None and self.ignore_index > 255:
             raise KilnError(f'--ignore_index {self.ignore_index}: masks hold one byte per pixel, 0 to 255')
         if self.num_classes > 256:
@@ -67,8 +70,11 @@ class SegListDataset(ListDataset):
                 if mask.size != (self.size, self.size) or box != (0, 0, *mask.size):
                     mask = mask.resize((self.size, self.size), Image.NEAREST, box=box)
                 values = np.asarray(mask).astype(np.int64)
-        except (OSError, ValueError, SyntaxError) as error:
-            raise KilnError(f'cannot read mask {path} ({self.list_path}:{number}): {error}') from None
+        except IMAGE_ERRORS as error:
+            raise KilnError(
+                f'cannot read mask {path} ({self.list_path}:{number}): {unreadable_reason(error, path)}; fix or '
+                f'remove it'
+            ) from None
         return torch.from_numpy(values.astype(np.uint8))
 
     def check_classes(self, mask, where):

@@ -563,6 +563,9 @@ def test_comments(tmp_path):
 def test_tabs(tmp_path):
     path = list_file(tmp_path, 'my image.png\t3\na b.png\t\t4  # note\n  c.png \t 5 \n')
     assert read_list_file(path, columns=2) == [(1, ['my image.png', '3']), (2, ['a b.png', '4']), (3, ['c.png', '5'])]
+    # a tab a spreadsheet or an editor left at an end, or before a comment, is no field separator: it read one field
+    path = list_file(tmp_path, 'a.png 0\t\n\tb.png 1\nc.png 2\t# note\n')
+    assert read_list_file(path, columns=2) == [(1, ['a.png', '0']), (2, ['b.png', '1']), (3, ['c.png', '2'])]
 
 
 def test_quotes(tmp_path):
@@ -664,6 +667,31 @@ def test_a_mask_of_another_size_than_its_image_is_one_line(tmp_path, scale):
     size = f'{int(64 * scale)}x{int(48 * scale)}'
     assert f'train.txt:1: mask {tmp_path / "a_mask.png"} is {size} pixels but its image' in str(caught.value)
     assert '64x48' in str(caught.value) and '\n' not in str(caught.value)
+
+
+def test_an_image_with_two_masks_or_a_mask_pillow_refuses_is_one_line(tmp_path, monkeypatch):
+    """An image listed with two masks trained on both without a word; a mask Pillow refused as too large
+    (a damaged header) ended in a traceback."""
+    import argparse
+
+    from data.seg_list_dataset import SegListDataset
+
+    save(Image.new('RGB', (64, 48), 'white'), tmp_path / 'a.png')
+    for name in ('a_mask.png', 'b_mask.png'):
+        save(Image.new('L', (64, 48), 1), tmp_path / name)
+    (tmp_path / 'seg_classes.txt').write_text('background\nthing\n')
+    (tmp_path / 'train.txt').write_text('a.png a_mask.png\na.png b_mask.png\n')
+    options = argparse.Namespace(train_list=str(tmp_path / 'train.txt'), img_size=32, num_classes=None)
+    with pytest.raises(KilnError, match=r'train.txt:1 and line 2 give image .*a.png two masks, .*a_mask.png and'):
+        SegListDataset(options, 'train')
+    (tmp_path / 'train.txt').write_text('a.png a_mask.png\n')
+    dataset = SegListDataset(options, 'train')
+    monkeypatch.setattr(Image, 'MAX_IMAGE_PIXELS', 1000)  # the mask's 3072 pixels: over twice the limit
+    with pytest.raises(KilnError) as caught:
+        dataset.read_mask(0, (0, 0, 64, 48), (64, 48))
+    assert str(caught.value).startswith(f'cannot read mask {tmp_path / "a_mask.png"} (') and 'too many' in str(
+        caught.value
+    )
 
 
 @pytest.mark.parametrize('mode', ['RGB', 'RGBA', 'LA', 'P', '1', 'I;16'])
@@ -1000,7 +1028,8 @@ def test_an_image_listed_with_two_labels_is_refused_naming_both_lines(tmp_path):
         save(Image.new('RGB', (8, 8)), tmp_path / 'img' / f'{index}.png')
     options = argparse.Namespace(train_list=list_file(tmp_path, 'img/0.png 0\nimg/1.png 1\nimg/0.png 0\n'), img_size=8)
     assert len(ListDataset(argparse.Namespace(**vars(options), num_classes=None), 'train')) == 3
-    contradicting = list_file(tmp_path, 'img/0.png 0\nimg/1.png 1\nimg/0.png 0\nimg/0.png 1\n', 'two.txt')
+    # (./img/0.png is img/0.png: spelt otherwise, its second label went unseen)
+    contradicting = list_file(tmp_path, 'img/0.png 0\nimg/1.png 1\nimg/0.png 0\n./img//0.png 1\n', 'two.txt')
     with pytest.raises(KilnError) as caught:
         ListDataset(argparse.Namespace(train_list=contradicting, img_size=8, num_classes=None), 'train')
     assert str(caught.value) == (

@@ -152,8 +152,9 @@ def test_boxes_dataset_generates_its_default_copy_and_checks_lines(tmp_path, mon
     assert dataset.list_path == os.path.join(str(tmp_path), 'shapes_det', 'train.txt') and len(dataset) == 4
 
     image = os.path.join(tmp_path, 'shapes_det', 'images', 'train', '00000.png')
+    other = os.path.join(tmp_path, 'shapes_det', 'images', 'train', '00001.png')
     listing = tmp_path / 'mine.txt'
-    listing.write_text(f'# no boxes on the first image\n{image}\n{image} 1,2,30,40,4  # a comment\n')
+    listing.write_text(f'# no boxes on the first image\n{image}\n{other} 1,2,30,40,4  # a comment\n')
     mine = ShapesDetDataset(_args(train_list=str(listing)), 'train')
     assert mine.num_classes == 5 and mine.class_names is None  # no classes.txt there: the largest class + 1
     assert mine[0]['box_labels'].tolist() == [-1] and mine[1]['box_labels'].tolist() == [4]  # padded rows
@@ -181,6 +182,16 @@ def test_boxes_dataset_generates_its_default_copy_and_checks_lines(tmp_path, mon
     listing.write_text(f'{image} 1,2,30,40,9\n')
     with pytest.raises(KilnError, match='class 9 is outside 0..5'):
         DetListDataset(_args(train_list=str(listing), num_classes=6), 'train')
+    # a line per box (as converters write) made an image per box, each with the others' objects as background
+    listing.write_text(f'{image} 1,2,30,40,0\n{other} 1,2,30,40,0\n./{os.path.relpath(image, tmp_path)} 5,5,20,20,1\n')
+    with pytest.raises(KilnError, match=r'mine.txt:1 and line 3 give image .*00000.png two lines of boxes; put all'):
+        DetListDataset(_args(train_list=str(listing)), 'train')
+    listing.write_text(f'{image} 1,2,30,40,0\n{image} 1,2,30,40,0\n')  # listed twice alike: seen twice, as allowed
+    assert len(DetListDataset(_args(train_list=str(listing)), 'train')) == 2
+    # a class number mistyped made as many classes (100001 outputs: out of memory at real sizes)
+    listing.write_text(f'{image} 1,2,30,40,0\n{other} 1,2,30,40,100000\n')
+    with pytest.raises(KilnError, match=r'mine.txt:2: label 100000 makes 100001 classes, but only 2 different'):
+        DetListDataset(_args(train_list=str(listing)), 'train')
 
 
 def test_parts_do_not_import_torchvision():
