@@ -10,7 +10,6 @@ it is deterministic from the seed. It needs the dev extra (`python3 -m pip insta
 scikit-image).
 """
 
-import argparse
 import contextlib
 import errno
 import json
@@ -168,14 +167,20 @@ def _move_into_place(staging, root):
 
 def main(argv=None):
     """Command line: write the photo set into DEST."""
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    from options import KilnArgumentParser, count_at_least  # (a mistake: one line)
+
+    parser = KilnArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('dest', metavar='DEST', help='folder to create')
-    parser.add_argument('--per_class', type=int, default=60, help='training images per class')
-    parser.add_argument('--val_per_class', type=int, default=20, help='validation images per class')
+    parser.add_argument('--per_class', type=count_at_least(1), default=60, help='training images per class')
+    parser.add_argument('--val_per_class', type=count_at_least(1), default=20, help='validation images per class')
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--sizes', type=int, nargs=2, default=(64, 320), metavar=('MIN', 'MAX'), help='sides in pixels')
+    parser.add_argument(
+        '--sizes', type=count_at_least(8), nargs=2, default=(64, 320), metavar=('MIN', 'MAX'), help='longer sides'
+    )
     parser.add_argument('--debug', action='store_true', help='show full tracebacks on errors')
     args = parser.parse_args(argv)
+    if args.sizes[0] > args.sizes[1]:
+        parser.error(f'--sizes {args.sizes[0]} {args.sizes[1]}: give the smaller side first (MIN MAX)')
     root = make_photo_set(args.dest, args.per_class, args.val_per_class, tuple(args.sizes), args.seed)
     print(f'{root}: train/ and val/ with {len(SOURCES)} class folders ({", ".join(SOURCES)})')
 

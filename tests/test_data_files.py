@@ -1133,6 +1133,15 @@ def test_the_photo_set_command_refuses_a_folder_it_did_not_make_and_leaves_it_wh
     (tmp_path / 'file.txt').write_text('x')
     with pytest.raises(KilnError, match=f'^{re.escape(str(tmp_path / "file.txt"))} is a file, not a folder; give'):
         make_photo_set(str(tmp_path / 'file.txt' / 'set'), 1, 1)
+    # sizes the wrong way round were a traceback; a negative count made empty class folders, said made
+    for options, said in (
+        (['--sizes', '300', '64'], 'error: --sizes 300 64: give the smaller side first (MIN MAX)'),
+        (['--per_class', '-2'], 'error: argument --per_class: must be a positive integer, got -2'),
+        (['--sizes', '-5', '-1'], 'error: argument --sizes: must be an integer of 8 or more, got -5'),
+    ):
+        refused = run_script(sys.executable, '-m', 'data.photo_set', tmp_path / 'set', *options)
+        assert refused.returncode == 2 and refused.stderr.startswith(said), refused.stderr
+        assert len(refused.stderr.splitlines()) == 1 and not (tmp_path / 'set').exists()
 
 
 def test_the_photo_set_fills_an_empty_folder_and_replaces_only_its_own_older_set(tmp_path):
