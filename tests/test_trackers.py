@@ -475,6 +475,29 @@ def test_mlflow_resume_from_an_older_checkpoint_writes_no_point_twice(tmp_path, 
     assert sorted(int(re.search(r'\Wstep\W(\d+)\W', path).group(1)) for path in images) == IMAGE_STEPS
 
 
+def test_mlflow_resume_writes_a_nan_point_once(tmp_path, mlflow_checkpoints):
+    """NaN equals nothing, so a held NaN (a mIoU with no class present) never matched: each resume wrote the
+    checkpoint's pending NaN point again."""
+    from mlflow.tracking import MlflowClient
+
+    from utils.trackers.mlflow_tracker import local_store
+
+    folder = tmp_path / 'run'
+    first = build_trackers(['mlflow'], folder, folder.name, METRIC_NAMES, options=options(mlflow_checkpoints))
+    first.log_metrics({'val/acc': 0.5, 'val/miou': float('nan')}, 1, 0)
+    saved = first.state_dict()  # its pending points, as a checkpoint keeps them
+    first.commit(1)
+    first.close()
+    for _ in range(2):
+        resumed = build_trackers(
+            ['mlflow'], folder, folder.name, METRIC_NAMES, 1, saved, options=options(mlflow_checkpoints)
+        )
+        resumed.close()
+    client = MlflowClient(tracking_uri=local_store(mlflow_checkpoints)[0])
+    history = client.get_metric_history(saved['mlflow']['run_id'], 'val/miou')
+    assert len(history) == 1 and history[0].step == 1, [(m.step, m.value) for m in history]
+
+
 def test_mlflow_resume_that_changes_values_writes_the_new_ones(tmp_path, mlflow_checkpoints):
     """A resume may change what it logs (--epochs under a cosine schedule changes the learning rate):
     MLflow kept the first run's values at those steps, beside the other trackers' new ones."""
@@ -789,6 +812,68 @@ def test_trackers_left_out_of_a_start_keep_their_saved_states(tmp_path):
     trackers = build_trackers(['csv', 'tensorboard'], tmp_path / 'run', 'run', resume_step=5, states=saved)
     assert trackers.state_dict() == {**saved, 'tensorboard': {}}
     trackers.close()
+
+
+def test_a_checkpoint_s_tensorboard_points_are_on_disk_before_it(tmp_path, monkeypatch):
+    """The event file was flushed, never fsynced: after a power cut a checkpoint could stand for points
+    that its event file lost (the CSV file's are fsynced)."""
+    import os
+
+    from utils.trackers import tb_tracker
+
+    synced = []
+    monkeypatch.setattr(tb_tracker.os, 'fsync', lambda fd: synced.append(os.readlink(f'/proc/self/fd/{fd}')))
+    trackers = build_trackers(['tensorboard'], str(tmp_path), 'run', ['val/acc'])
+    assert trackers.state_dict() == {'tensorboard': {}} and synced == []  # nothing written yet
+    trackers.log_metrics({'val/acc': 0.5}, 3, 0)
+    trackers.state_dict()  # what the checkpointer asks right before it writes the checkpoint's file
+    assert len(synced) == 1 and os.path.basename(synced[0]).startswith('events.out.tfevents.'), synced
+    trackers.close()
+
+
+def test_a_close_cut_short_runs_no_more_jobs_and_closes_no_tracker_under_the_running_one():
+    """A second Ctrl-C while the last files were written closed the trackers under the job writing to them,
+    and the writer thread went on with the jobs queued after it."""
+    import signal
+    import threading
+
+    from utils.logger import Logger
+    from utils.trackers import Tracker
+
+    events, release = [], threading.Event()
+
+    class Slow(Tracker):
+        name = 'slow'
+
+        def log_metrics(self, metrics, step, epoch):
+            events.append(f'write {step}')
+            release.wait(10)
+            events.append(f'wrote {step}')
+
+        def close(self):
+            events.append('closed')
+
+    logger = Logger(Trackers([Slow()]))
+    logger.log_metrics({'val/acc': 0.5}, 1, 0)
+    logger.log_metrics({'val/acc': 0.6}, 2, 0)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            logger.close({'final/val/acc': 0.6})
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert logger.writer.busy() and events == ['write 1']
+    release.set()
+    deadline = time.monotonic() + 10  # (an interrupted join marks the thread stopped: join() waits no more)
+    while logger.writer._jobs.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events == ['write 1', 'wrote 1'] and not logger.writer.busy()  # job 2 and finish: not run
 
 
 def test_close_closes_every_tracker_even_when_one_fails():

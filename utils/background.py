@@ -25,6 +25,7 @@ class BackgroundWriter:
         self._thread = None
         self._error = None
         self._cancelled = False
+        self._running = False  # a job is running (or about to): see busy
 
     def submit(self, function, *args):
         """Run `function(*args)` after the jobs already submitted (raises an earlier job's error first);
@@ -44,12 +45,22 @@ class BackgroundWriter:
         self._raise_error()
 
     def close(self):
-        """Run what is pending, then end the thread (a later `submit` starts a new one)."""
+        """Run what is pending, then end the thread (a later `submit` starts a new one). Interrupted (a
+        second Ctrl-C), it runs no further job: the one running ends on its own (see `busy`)."""
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join()
+            try:
+                self._thread.join()
+            except BaseException:
+                self._cancelled = True
+                raise
             self._thread = None
         self._raise_error()
+
+    def busy(self):
+        """Whether a job is running (after a `close` cut short: the thread's is_alive() is no guide then,
+        as an interrupted join marks it stopped)."""
+        return self._running
 
     def _work(self):
         while True:
@@ -58,12 +69,14 @@ class BackgroundWriter:
                 self._jobs.task_done()
                 return
             function, args, over = job
+            self._running = True  # before reading _cancelled, which close sets before reading this
             try:
                 if not self._cancelled:
                     function(*args)
             except BaseException as error:  # noqa: BLE001 - handed to the submitting thread
                 self._error, self._cancelled = error, True
             finally:
+                self._running = False
                 over.set()  # also for a cancelled job: whoever waits for it learns the error at its next submit
                 self._jobs.task_done()
 

@@ -125,10 +125,14 @@ class Logger:
 
     def close(self, final_metrics=None):
         """Write what is pending, `finish` the trackers with `final_metrics` (a run that ended as planned
-        or was stopped cleanly; None: it failed), and close them (always, even after an error)."""
+        or was stopped cleanly; None: it failed), end the writer thread and close the trackers (even after
+        an error; not while a close cut short leaves a job writing to them: the process is ending)."""
         try:
             if final_metrics is not None:
                 self._to_trackers('finish', final_metrics)
-            self.writer.close()
         finally:
-            self.trackers.close()
+            try:
+                self.writer.close()
+            finally:
+                if not self.writer.busy():
+                    self.trackers.close()

@@ -8,6 +8,7 @@ is deprecated) with artifacts in `<checkpoints_dir>/mlruns/artifacts`. Browse it
 
 import contextlib
 import fcntl
+import math
 import os
 import pathlib
 import re
@@ -203,7 +204,7 @@ class MlflowTracker(Tracker):
         metrics = [
             self.Metric(name, value, timestamp, step)
             for step, name, value in points
-            if value not in self.held_points.get((step, name), ())
+            if not _held(value, self.held_points.get((step, name), ()))
         ]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
@@ -257,3 +258,9 @@ class MlflowTracker(Tracker):
         if not self.finished:
             self.client.set_terminated(self.run_id, 'KILLED')
             self.finished = True
+
+
+def _held(value, held):
+    """Whether the point `value` is among the values `held` (NaN too, which equals nothing: a NaN mIoU was
+    written again at each resume)."""
+    return value in held or (math.isnan(value) and any(map(math.isnan, held)))
