@@ -498,6 +498,23 @@ def test_mlflow_resume_writes_a_nan_point_once(tmp_path, mlflow_checkpoints):
     assert len(history) == 1 and history[0].step == 1, [(m.step, m.value) for m in history]
 
 
+def test_mlflow_takes_a_folder_name_that_is_no_utf8(tmp_path, mlflow_checkpoints):
+    """--save_prefix $'r\\xe9' (a Latin-1 byte) ended in MLflow's traceback: 'utf-8' codec can't encode."""
+    from mlflow.tracking import MlflowClient
+
+    from utils.trackers.mlflow_tracker import local_store
+
+    folder = tmp_path / 'r\udce9'  # as Python keeps the byte 0xe9 of a name
+    folder.mkdir()
+    trackers = build_trackers(['mlflow'], folder, folder.name, METRIC_NAMES, options=options(mlflow_checkpoints))
+    trackers.log_hparams({'save_prefix': 'r\udce9'})
+    trackers.log_text('args', 'save_prefix: r\udce9', 0)
+    state = trackers.state_dict()
+    trackers.close()
+    run = MlflowClient(tracking_uri=local_store(mlflow_checkpoints)[0]).get_run(state['mlflow']['run_id'])
+    assert run.info.run_name == 'r\\xe9' and run.data.params['save_prefix'] == 'r\\xe9'
+
+
 def test_mlflow_resume_that_changes_values_writes_the_new_ones(tmp_path, mlflow_checkpoints):
     """A resume may change what it logs (--epochs under a cosine schedule changes the learning rate):
     MLflow kept the first run's values at those steps, beside the other trackers' new ones."""

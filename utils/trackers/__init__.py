@@ -41,6 +41,12 @@ def require(module, logger, package=None, install=TRACKERS_INSTALL):
         raise KilnError(f'--loggers {logger} needs the {package or module} package: {install}') from None
 
 
+def valid_text(text):
+    """`text` with the bytes of names that are no UTF-8 (kept as surrogates) written as `\\xe9` escapes: event
+    files and tracker stores hold UTF-8 only."""
+    return text.encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace')
+
+
 class Tracker:
     """One experiment tracker; the loop calls these methods, each a no-op here."""
 

@@ -16,7 +16,7 @@ import time
 from urllib.parse import urlsplit
 
 from utils.errors import KilnError
-from utils.trackers import Tracker, require
+from utils.trackers import Tracker, require, valid_text
 
 EXPERIMENT = 'kiln'
 MAX_PARAM_LENGTH = 6000  # MLflow rejects longer parameter values
@@ -170,8 +170,8 @@ class MlflowTracker(Tracker):
             )
         except MlflowException:  # created meanwhile by another run
             experiment_id = self.client.get_experiment_by_name(EXPERIMENT).experiment_id
-        tags = {'kiln.folder': os.path.abspath(folder)}
-        return self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+        tags = {'kiln.folder': valid_text(os.path.abspath(folder))}  # (a folder name that is no UTF-8: escaped)
+        return self.client.create_run(experiment_id, run_name=valid_text(run_name), tags=tags).info.run_id
 
     def _continue_run(self, uri):
         from mlflow.exceptions import MlflowException
@@ -213,7 +213,9 @@ class MlflowTracker(Tracker):
         # parameters cannot change in MLflow: a resumed run keeps the values it started with
         logged = self.client.get_run(self.run_id).data.params
         params = [
-            self.Param(name, str(value)[:MAX_PARAM_LENGTH]) for name, value in hparams.items() if name not in logged
+            self.Param(name, valid_text(str(value))[:MAX_PARAM_LENGTH])
+            for name, value in hparams.items()
+            if name not in logged
         ]
         if params:
             self.client.log_batch(self.run_id, params=params, synchronous=True)
@@ -225,7 +227,7 @@ class MlflowTracker(Tracker):
         self.images.setdefault(step, {}).update(images)
 
     def log_text(self, tag, text, step):
-        self.client.log_text(self.run_id, text, f'{tag}.md')  # one file per tag; the latest start wins
+        self.client.log_text(self.run_id, valid_text(text), f'{tag}.md')  # one file per tag; the latest start wins
 
     def _write(self, up_to=None):
         steps = [step for step in sorted(set(self.pending) | set(self.images)) if up_to is None or step <= up_to]

@@ -7,7 +7,7 @@ import socket
 import struct
 import time
 
-from utils.trackers import Tracker, require
+from utils.trackers import Tracker, require, valid_text
 from utils.viz import png_bytes
 
 EVENT_FILE = re.compile(r'^events\.out\.tfevents\.(\d+)\.')
@@ -127,12 +127,6 @@ def _plugin_metadata(plugin, content):
     from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
 
     return SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin, content=content))
-
-
-def valid_text(text):
-    """`text` with the bytes of names that are no UTF-8 (kept as surrogates) written as `\\xe9` escapes:
-    event files hold UTF-8 only."""
-    return text.encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace')
 
 
 def text_summary(tag, text):
