@@ -779,6 +779,38 @@ def test_wandb_resume_from_an_older_checkpoint_logs_to_a_new_run(tmp_path, wandb
     again.close()
 
 
+@pytest.mark.parametrize('tracker', ['mlflow', 'wandb'])
+def test_a_copied_experiment_folder_logs_to_a_run_of_its_own_and_a_moved_one_to_its_run(
+    tmp_path, tracker, capsys, request
+):
+    """`cp -a run copy` and a resume of the copy wrote into the original's MLflow run (and W&B's): both
+    then held two values at the same steps. A folder moved away continues its run, as before."""
+    import os
+    import shutil
+
+    checkpoints = request.getfixturevalue('mlflow_checkpoints') if tracker == 'mlflow' else tmp_path
+    if tracker == 'wandb':
+        request.getfixturevalue('wandb_module')
+    folder = tmp_path / 'run'
+    folder.mkdir()
+    first = build_trackers([tracker], folder, folder.name, METRIC_NAMES, options=options(checkpoints))
+    for step in range(1, RESUME_STEP + 1):
+        log_step(first, step)
+    saved = first.state_dict()
+    first.commit(RESUME_STEP)
+    first.close()
+    run_id = saved[tracker]['run_id']
+    shutil.copytree(folder, tmp_path / 'copy')
+    copy = build_trackers([tracker], tmp_path / 'copy', 'copy', METRIC_NAMES, RESUME_STEP, saved, options(checkpoints))
+    assert copy.state_dict()[tracker]['run_id'] != run_id
+    assert f'is the run of {folder}, which this folder is a copy of' in capsys.readouterr().out
+    copy.close()
+    os.rename(folder, tmp_path / 'moved')
+    moved = build_trackers([tracker], tmp_path / 'moved', 'run', METRIC_NAMES, RESUME_STEP, saved, options(checkpoints))
+    assert moved.state_dict()[tracker]['run_id'] == run_id
+    moved.close()
+
+
 def test_wandb_setting_it_refuses_is_one_line(tmp_path, wandb_module):
     with pytest.raises(KilnError) as error:
         build_trackers(['wandb'], tmp_path / 'run', 'run', options=SimpleNamespace(wandb_project='a/b'))

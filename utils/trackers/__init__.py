@@ -47,6 +47,17 @@ def valid_text(text):
     return text.encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace')
 
 
+def copied_from(state, folder):
+    """The experiment folder whose tracker run the saved tracker `state` names, when that is another folder
+    that still exists: `folder` is a copy of it, whose points belong in a run of its own (a folder moved
+    away, or a state that names no folder, continues its run)."""
+    owner = (state or {}).get('folder')
+    if owner is None or not os.path.isdir(owner):
+        return None
+    same = os.path.samefile(owner, folder) if os.path.exists(folder) else os.path.abspath(folder) == owner
+    return None if same else owner
+
+
 class Tracker:
     """One experiment tracker; the loop calls these methods, each a no-op here."""
 

@@ -16,7 +16,7 @@ import time
 from urllib.parse import urlsplit
 
 from utils.errors import KilnError
-from utils.trackers import Tracker, require, valid_text
+from utils.trackers import Tracker, copied_from, require, valid_text
 
 EXPERIMENT = 'kiln'
 MAX_PARAM_LENGTH = 6000  # MLflow rejects longer parameter values
@@ -137,7 +137,13 @@ class MlflowTracker(Tracker):
         except MlflowException as error:
             raise uri_error(uri, source, error) from None
         state = state or {}
-        self.run_id = state.get('run_id')
+        self.run_id, self.folder, copied = state.get('run_id'), os.path.abspath(folder), copied_from(state, folder)
+        if self.run_id and copied:
+            print(
+                f'note: MLflow run {self.run_id} is the run of {copied}, which this folder is a copy of: this '
+                f'resume logs to a new MLflow run, which starts at step {(resume_step or 0) + 1}'
+            )
+            self.run_id = None
         if self.run_id:
             self._continue_run(uri)
         else:
@@ -241,7 +247,7 @@ class MlflowTracker(Tracker):
 
     def state_dict(self):
         pending = [[step, dict(metrics)] for step, metrics in sorted(self.pending.items())]
-        return {'run_id': self.run_id, 'pending': pending}
+        return {'run_id': self.run_id, 'pending': pending, 'folder': self.folder}
 
     def commit(self, step):
         self._write(up_to=step)

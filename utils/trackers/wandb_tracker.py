@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from utils.checkpoint import atomic_write_json
 from utils.errors import KilnError
-from utils.trackers import Tracker, require
+from utils.trackers import Tracker, copied_from, require
 
 # W&B's service writes the run's transaction log (the .wandb file: all an offline run has, and what
 # `wandb sync` uploads) every x_transaction_log_flush_interval seconds, 15 by default: a SIGKILL lost
@@ -78,6 +78,13 @@ class WandbTracker(Tracker):
                 f'this resume logs to a new W&B run, {run_name}-from-step{resume_step}'
             )
             run_id, run_name = None, f'{run_name}-from-step{resume_step}'
+        copied = copied_from(state, folder)
+        if run_id is not None and copied:
+            print(
+                f'note: W&B run {run_id} is the run of {copied}, which this folder is a copy of: this resume '
+                f'logs to a new W&B run, which starts at step {(resume_step or 0) + 1}'
+            )
+            run_id = None
         try:
             # create_new: this tracker owns its run, and never finishes or reuses another in the process
             self.run = self.wandb.init(
@@ -125,7 +132,7 @@ class WandbTracker(Tracker):
             atomic_write_json(steps, os.path.join(self.folder, 'wandb', WRITTEN_STEPS))
 
     def state_dict(self):
-        return {'run_id': self.run.id}
+        return {'run_id': self.run.id, 'folder': os.path.abspath(self.folder)}
 
     def commit(self, step):
         self._write(up_to=step)
