@@ -56,12 +56,13 @@ class WandbTracker(Tracker):
     """Logs to a W&B run; points wait in memory until the checkpoint that covers them is saved.
 
     W&B keeps only increasing steps, so nothing a resumed run will log again may reach it:
-    `commit(step)` and `finish` write the waiting points, one history row per step. A kill in the
-    moment between a checkpoint's write and its commit, or in the FLUSH_INTERVAL_S after the commit
-    (while W&B's service still holds the points in memory), loses that checkpoint's points (W&B
-    cannot be asked offline what it already has). A resume from an older checkpoint than the last
-    one whose points were written (WRITTEN_STEPS says) continues in a new W&B run: W&B would keep
-    the first values of the steps it has, and show the resumed run's only after them.
+    `commit(step)` and `finish` write the waiting points, one history row per step. The checkpoint
+    keeps its waiting numbers (not its pictures): a kill between its write and its commit loses no
+    point, as its resume writes those above the last step written (WRITTEN_STEPS). A kill in the
+    FLUSH_INTERVAL_S after a commit (while W&B's service still holds the points in memory) loses that
+    checkpoint's points (W&B cannot be asked offline what it already has). A resume from an older
+    checkpoint than the last one whose points were written (WRITTEN_STEPS says) continues in a new W&B
+    run: W&B would keep the first values of the steps it has, and show the resumed run's only after them.
     """
 
     name = 'wandb'
@@ -104,6 +105,10 @@ class WandbTracker(Tracker):
             ) from None
         self.pending = {}  # step -> {key: value} not yet written
         self.finished = False
+        if run_id is not None:  # the checkpoint's points that its commit did not get to write
+            written = written_steps(folder).get(run_id, 0)
+            self.pending = {step: dict(row) for step, row in (state or {}).get('pending', []) if step > written}
+            self._write()
 
     def log_hparams(self, hparams):
         # a resumed run may have changed options (more epochs, say): keep the latest
@@ -132,7 +137,11 @@ class WandbTracker(Tracker):
             atomic_write_json(steps, os.path.join(self.folder, 'wandb', WRITTEN_STEPS))
 
     def state_dict(self):
-        return {'run_id': self.run.id, 'folder': os.path.abspath(self.folder)}
+        numbers = [  # (pictures aside: W&B Images)
+            [step, {key: value for key, value in row.items() if isinstance(value, (int, float))}]
+            for step, row in sorted(self.pending.items())
+        ]
+        return {'run_id': self.run.id, 'folder': os.path.abspath(self.folder), 'pending': numbers}
 
     def commit(self, step):
         self._write(up_to=step)
