@@ -232,10 +232,12 @@ def test_recorder_weighs_by_batch_size_and_keeps_no_graph():
     weight = torch.ones(1, requires_grad=True)
     recorder.record('train/loss', (weight * 2).sum(), n=3)
     recorder.record('train/loss', torch.tensor(4.0), n=1)
+    recorder.record('train/loss', torch.tensor([4.0]), n=1)  # shape (1,) beside a 0-d one: a stack error came later
+    recorder.record('train/loss', torch.tensor(1.0), n=2)
     recorder.record('train/lr', 0.5)
     assert not any(value.requires_grad for values in recorder.kept['train/loss'].values() for value in values)
-    assert recorder.means() == {'train/loss': pytest.approx(2.5), 'train/lr': 0.5}
-    assert recorder.summary() == {'train/loss': pytest.approx(2.5), 'train/lr': 0.5}
+    assert recorder.means() == {'train/loss': pytest.approx(16 / 7), 'train/lr': 0.5}
+    assert recorder.summary() == {'train/loss': pytest.approx(16 / 7), 'train/lr': 0.5}
     assert recorder.summary() == {}  # reset after summary
 
 

@@ -34,7 +34,7 @@ class Recorder:
             raise ValueError(f'record({name!r}, ...) takes one number (a mean), not a tensor of {tuple(value.shape)}')
         self.counts[name] = self.counts.get(name, 0) + n
         kept = self.kept.setdefault(name, {})
-        kept.setdefault(n, []).append(value.detach())
+        kept.setdefault(n, []).append(value.detach().reshape(()))  # (one of shape (1,) stacks with 0-d ones)
         if sum(map(len, kept.values())) >= FOLD_EVERY:
             self._fold(name)
 
