@@ -32,6 +32,9 @@ from utils.errors import KilnError, listed
 CACHE_FOLDER = '.cache'
 
 
+SPLIT_NAMES = {'train', 'val', 'valid', 'validation', 'test'}  # folders of a data set's splits
+
+
 def read_class_folders(folder):
     """(samples [(path, label, path relative to `folder`)], class names) of a folder holding a subfolder
     per class: classes in sorted order, each subfolder's images (any depth) in sorted order. A class
@@ -43,6 +46,13 @@ def read_class_folders(folder):
     )
     if not folders:
         raise KilnError(f'{folder} holds no class folders; put the images of each class in a folder of its own')
+    names = {name.lower() for name, _ in folders}
+    if 'train' in names and names <= SPLIT_NAMES:  # the folder above the splits: it trained "train" against "val"
+        raise KilnError(
+            f'{folder} holds the folders {", ".join(name for name, _ in folders)}, the splits of a data set, not '
+            f'classes; give --train_list {os.path.join(folder, "train")} --val_list {os.path.join(folder, "val")} '
+            f'(classes named so: rename them)'
+        )
     twice = first_repeated([name for name, _ in folders])  # composed and decomposed: macOS and Linux copies merged
     if twice is not None:
         raise KilnError(
@@ -221,8 +231,14 @@ class ListDataset(Dataset):
         --num_classes (its number of outputs), or the dataset overrides count_classes."""
         (field,) = fields
         if not field.isdecimal():
+            named = (  # a class name where its number goes
+                '; a label is a class number, and classes.txt beside the list names them (a name per line, '
+                'the first for label 0)'
+                if field.isidentifier()
+                else ''
+            )
             raise KilnError(
-                f'{self.list_path}:{number}: expected "image_path label" with a label >= 0, got label {field!r}'
+                f'{self.list_path}:{number}: expected "image_path label" with a label >= 0, got label {field!r}{named}'
             )
         return int(field)
 

@@ -26,7 +26,7 @@ BOMS = (
     (codecs.BOM_UTF16_LE, 'utf-16-le'),
     (codecs.BOM_UTF16_BE, 'utf-16-be'),
 )
-HEADER_WORDS = {'image', 'image_path', 'path', 'file', 'filename'}
+HEADER_WORDS = {'image', 'image_path', 'path', 'file', 'filename', 'file_name', 'filepath', 'file_path', 'img'}
 
 
 def _decode(path, data):
@@ -274,7 +274,10 @@ def missing_file_hint(list_path, file):
         return '; its name is not UTF-8: if the list was saved as Latin-1 or cp1252, save it as UTF-8'
     if os.path.isdir(list_path):
         return ''
-    return f" (a relative path is read from the list file's folder, {_folder_of(list_path, os.getcwd())})"
+    folder = _folder_of(list_path, os.getcwd())
+    if '\\' in file and os.path.exists(file.replace('\\', '/')):  # a list written on Windows
+        return '; a \\ separates folders on Windows only: write the paths with /'
+    return f" (a relative path is read from the list file's folder, {folder})"
 
 
 def resolve_path(list_path, field):

@@ -431,6 +431,35 @@ def test_class_folders_spelled_in_two_unicode_forms_are_refused(tmp_path):
         read_class_folders(str(tmp_path))
 
 
+def test_the_folder_above_the_splits_a_class_name_as_a_label_and_a_windows_path_are_told_so(tmp_path):
+    """--train_list my_photos (the folder holding train/ and val/) trained a model of two classes, "train"
+    and "val"; `a.png cat` was refused without a word of classes.txt; `images\\a.png` (a list written on
+    Windows) was said not to exist."""
+    import argparse
+
+    from data.list_dataset import ListDataset, read_class_folders
+
+    for split in ('train', 'val'):
+        os.makedirs(tmp_path / 'photos' / split / 'cat')
+        Image.new('RGB', (8, 8)).save(tmp_path / 'photos' / split / 'cat' / 'a.png')
+    with pytest.raises(KilnError) as caught:
+        read_class_folders(str(tmp_path / 'photos'))
+    folder = tmp_path / 'photos'
+    assert str(caught.value) == (
+        f'{folder} holds the folders train, val, the splits of a data set, not classes; give --train_list '
+        f'{folder / "train"} --val_list {folder / "val"} (classes named so: rename them)'
+    )
+    assert read_class_folders(str(folder / 'train'))[1] == ['cat']
+    options = argparse.Namespace(img_size=8, num_classes=None)
+    for line, said in (
+        ('photos/train/cat/a.png cat', "got label 'cat'; a label is a class number, and classes.txt beside"),
+        ('photos\\train\\cat\\a.png 0', 'does not exist; a \\ separates folders on Windows only: write the paths'),
+    ):
+        options.train_list = list_file(tmp_path, line + '\n')
+        with pytest.raises(KilnError, match=re.escape(said)):
+            ListDataset(options, 'train')
+
+
 def test_classes_named_by_numbers_keep_their_names_and_a_list_of_numbers_for_them_is_refused(tmp_path):
     """Class folders 0 to 11 sort as text (0, 1, 10, 11, 2, ...). eval.py on a validation folder holding
     only the first of them named the other classes by their positions ('3' for the class '11'); a list
