@@ -354,6 +354,8 @@ class ListDataset(Dataset):
         seen = {}  # path -> (target, line number) of its first line
         for path, target, number in self.samples:
             first, line = seen.setdefault(path, (target, number))
+            if line == number:
+                continue
             if isinstance(target, tuple):  # arrays (boxes and their labels)
                 same = len(first) == len(target) and all(np.array_equal(a, b) for a, b in zip(first, target))
             else:

@@ -2,7 +2,7 @@
 [--task NAME] [--dataset NAME] [--model NAME]`.
 
 Copies the template as committed (`git archive HEAD`: your uncommitted or untracked files are not
-copied; outside a git checkout, every file but experiment outputs, generated data and caches) into
+copied; outside a git checkout, every file but those its .gitignore names: outputs, caches) into
 the new, empty folder DEST, puts the project name where "Kiln" stood, and with --task / --dataset /
 --model writes a commented stub task, dataset file or model package and registers each with one
 line. The new project runs and passes its tests as it is.
@@ -273,15 +273,24 @@ def camel(name):
     return ''.join(part.capitalize() for part in name.split('_'))
 
 
-def registry(path, dict_name):
-    """The dict display `dict_name = {...}` of the registry file `path` (an ast.Dict) and the file's text."""
+def registry(dest, option):
+    """(the dict display of the registry of `option` (a TAKEN key) in the project `dest`, an ast.Dict; its
+    file's text; its file's path)."""
+    entry, dict_name, _ = TAKEN[option]
+    path = os.path.join(dest, entry)
     with open(path, encoding='utf-8') as f:
         text = f.read()
-    for node in ast.parse(text, path).body:
+    try:
+        nodes = ast.parse(text, entry).body
+    except SyntaxError as error:
+        raise TemplateError(
+            f"the template's {entry} does not parse ({error.msg}, line {error.lineno}): mend it"
+        ) from None
+    for node in nodes:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, 'target', None)]
         if any(isinstance(t, ast.Name) and t.id == dict_name for t in targets) and isinstance(node.value, ast.Dict):
-            return node.value, text
-    raise TemplateError(f'{os.path.relpath(path)} has no {dict_name} = {{...}} to register the stub in: put it back')
+            return node.value, text, path
+    raise TemplateError(f"the template's {entry} has no {dict_name} = {{...}} to register the stub in: put it back")
 
 
 def text_index(text, line, column):
@@ -292,9 +301,7 @@ def text_index(text, line, column):
 
 def register(dest, option, name, target):
     """Add `'name': 'target',` as the last entry of the registry of `option` (a TAKEN key) in the project `dest`."""
-    entry, dict_name, _ = TAKEN[option]
-    path = os.path.join(dest, entry)
-    table, text = registry(path, dict_name)
+    table, text, path = registry(dest, option)
     close = text_index(text, table.end_lineno, table.end_col_offset) - 1  # its }
     last = table.values[-1] if table.values else None
     after = (  # the end of its last entry, or of the { of an empty dict
@@ -305,11 +312,11 @@ def register(dest, option, name, target):
     comma = ',' if last and ',' not in text[after:close].split('#')[0] else ''  # after a last entry without one
     line_start = text.rfind('\n', 0, close) + 1
     if text[line_start:close].strip():  # the } closes a line of entries (`{'a': 'b'}`): one more on it
-        at, entry = close, f" '{name}': '{target}'"
+        at, added = close, f" '{name}': '{target}'"
     else:
-        at, entry = line_start, f"    '{name}': '{target}',\n"
+        at, added = line_start, f"    '{name}': '{target}',\n"
     with open(path, 'w', encoding='utf-8') as f:
-        f.write(text[:after] + comma + text[after:at] + entry + text[at:])
+        f.write(text[:after] + comma + text[after:at] + added + text[at:])
 
 
 def write(path, text):
@@ -321,11 +328,11 @@ def write(path, text):
 def make_project(args, dest, name):
     """Copy the template into `dest` as project `name`, with the stubs `args` asks for; return how it was copied."""
     how = copy_template(dest)
-    for option, (entry, dict_name, places) in TAKEN.items():  # (in the copy: what the new project would hold)
+    for option, (entry, _, places) in TAKEN.items():  # (in the copy: what the new project would hold)
         value = getattr(args, option)
         if value is None:
             continue
-        table, _ = registry(os.path.join(dest, entry), dict_name)
+        table, _, _ = registry(dest, option)
         registered = any(isinstance(key, ast.Constant) and key.value == value for key in table.keys)
         places = [place.format(value) for place in places]
         taken = [entry] if registered else [place for place in places if os.path.lexists(os.path.join(dest, place))]
@@ -411,8 +418,6 @@ def main(argv=None):
             shutil.rmtree(dest, ignore_errors=True)
         if isinstance(error, TemplateError):
             fail(f'{error} (nothing was written)')
-        if isinstance(error, SyntaxError):  # a registry file that is not Python
-            fail(f'{error.filename} does not parse ({error.msg}, line {error.lineno}): mend it (nothing was written)')
         if not isinstance(error, OSError):
             raise
         where = f' ({error.filename})' if error.filename else ''

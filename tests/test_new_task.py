@@ -241,7 +241,8 @@ def test_a_project_made_from_a_copy_outside_git(tmp_path):
     entry.write_text('TASKS = {\n')  # a registry that is no longer Python
     broken = make('third', '--task', 'spots')
     assert broken.returncode == 2 and len(broken.stderr.splitlines()) == 1, broken.stderr
-    assert 'task_entry.py does not parse' in broken.stderr and not (tmp_path / 'third').exists()
+    assert "error: the template's tasks/task_entry.py does not parse (" in broken.stderr
+    assert not (tmp_path / 'third').exists()
     (first / 'README.md').write_text('no title\n')
     untitled = make('fourth')
     assert untitled.returncode == 2 and "README.md has no title line ('# Name')" in untitled.stderr, untitled.stderr
