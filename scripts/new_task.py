@@ -319,6 +319,15 @@ def register(dest, option, name, target):
         f.write(text[:after] + comma + text[after:at] + added + text[at:])
 
 
+def edit(dest, file, old, new):
+    """Replace `old` (a text, or a compiled regular expression) by the text `new` in the project's `file`."""
+    path = os.path.join(dest, file)
+    with open(path, encoding='utf-8') as f:
+        text = f.read()
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write(old.sub(lambda match: new, text) if isinstance(old, re.Pattern) else text.replace(old, new))
+
+
 def write(path, text):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'w') as f:
@@ -348,13 +357,22 @@ def make_project(args, dest, name):
         cls = camel(args.task) + 'Task'
         write(os.path.join(dest, 'tasks', f'{args.task}.py'), TASK_STUB.format(name=args.task, cls=cls))
         register(dest, 'task', args.task, f'tasks.{args.task}:{cls}')
-        for script in ('train.sh', 'train_ddp.sh'):  # the project's own task is what its scripts train
-            path = os.path.join(dest, 'scripts', script)
-            with open(path) as f:
-                text = f.read()
-            with open(path, 'w') as f:
-                own = f"TASK=${{TASK:-{args.task}}}  # this project's task (tasks/task_entry.py)"
-                f.write(re.sub(r'TASK=\$\{TASK:-\w*\}.*', own.replace('\\', '\\\\'), text))
+        own = f"TASK=${{TASK:-{args.task}}}  # this project's task (tasks/task_entry.py)"
+        # the project's own task is what its scripts and its IDEs' training configurations train
+        edit(dest, 'scripts/train.sh', re.compile(r'TASK=\$\{TASK:-\w*\}.*'), own)
+        edit(dest, 'scripts/train_ddp.sh', re.compile(r'TASK=\$\{TASK:-\w*\}.*'), own)
+        task = args.task
+        edit(
+            dest, '.run/train.run.xml', 'value="--save_prefix pycharm"', f'value="--task {task} --save_prefix pycharm"'
+        )
+        edit(dest, '.run/train_ddp.run.xml', 'train.py --save_prefix', f'train.py --task {task} --save_prefix')
+        edit(dest, '.vscode/launch.json', '"args": ["--save_prefix"', f'"args": ["--task", "{task}", "--save_prefix"')
+        edit(
+            dest,
+            '.vscode/launch.json',
+            '"train.py", "--save_prefix"',
+            f'"train.py", "--task", "{task}", "--save_prefix"',
+        )
     if args.dataset:
         cls = camel(args.dataset) + 'Dataset'
         write(os.path.join(dest, 'data', f'{args.dataset}.py'), DATASET_STUB.format(name=args.dataset, cls=cls))
