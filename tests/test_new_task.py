@@ -190,9 +190,14 @@ def test_a_new_task_is_what_the_project_s_scripts_train(tmp_path):
     for script in ('train.sh', 'train_ddp.sh'):
         lines = (tmp_path / 'spots' / 'scripts' / script).read_text().splitlines()
         assert "TASK=${TASK:-my_task}  # this project's task (tasks/task_entry.py)" in lines, script
-    assert (
-        "    'my_task': 'tasks.my_task:MyTaskTask',\n}" in (tmp_path / 'spots' / 'tasks' / 'task_entry.py').read_text()
-    )
+    project = tmp_path / 'spots'
+    assert "    'my_task': 'tasks.my_task:MyTaskTask',\n}" in (project / 'tasks' / 'task_entry.py').read_text()
+    # and what its IDEs' training configurations train (they trained classify), checked by the project's own tests
+    assert 'value="--task my_task --save_prefix pycharm"' in (project / '.run' / 'train.run.xml').read_text()
+    assert 'train.py --task my_task --save_prefix pycharm_ddp' in (project / '.run' / 'train_ddp.run.xml').read_text()
+    assert (project / '.vscode' / 'launch.json').read_text().count('"--task", "my_task", "--save_prefix"') == 2
+    ide_tests = [sys.executable, '-m', 'pytest', '-q', '-n', '0', '-p', 'no:cacheprovider', 'tests/test_ide_configs.py']
+    _ok(subprocess.run(ide_tests, cwd=project, capture_output=True, text=True, timeout=timeout()))
 
 
 def test_a_project_made_from_a_copy_outside_git(tmp_path):
