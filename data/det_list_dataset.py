@@ -75,7 +75,7 @@ class DetListDataset(ListDataset):
         if self.class_names:
             return len(self.class_names)
         return self.classes_of_labels(
-            [(int(label), number) for _, (_, labels), number in self.samples for label in labels]
+            [(int(label), number) for _, (_, labels), number in self.samples for label in np.unique(labels)]
         )
 
     def check_targets(self):

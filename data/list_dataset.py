@@ -32,7 +32,7 @@ from utils.errors import KilnError, listed
 CACHE_FOLDER = '.cache'
 
 
-SPLIT_NAMES = {'train', 'val', 'valid', 'validation', 'test'}  # folders of a data set's splits
+SPLIT_NAMES = ('train', 'val', 'valid', 'validation', 'test')  # folders of a data set's splits
 
 
 def read_class_folders(folder):
@@ -46,12 +46,12 @@ def read_class_folders(folder):
     )
     if not folders:
         raise KilnError(f'{folder} holds no class folders; put the images of each class in a folder of its own')
-    names = {name.lower() for name, _ in folders}
-    if 'train' in names and names <= SPLIT_NAMES:  # the folder above the splits: it trained "train" against "val"
+    splits = {name.lower(): os.path.join(folder, name) for _, name in folders}
+    if 'train' in splits and set(splits) <= set(SPLIT_NAMES):  # the folder above the splits: it trained train vs val
+        validation = next((f' --val_list {splits[name]}' for name in SPLIT_NAMES[1:] if name in splits), '')
         raise KilnError(
             f'{folder} holds the folders {", ".join(name for name, _ in folders)}, the splits of a data set, not '
-            f'classes; give --train_list {os.path.join(folder, "train")} --val_list {os.path.join(folder, "val")} '
-            f'(classes named so: rename them)'
+            f'classes; give --train_list {splits["train"]}{validation} (classes named so: rename them)'
         )
     twice = first_repeated([name for name, _ in folders])  # composed and decomposed: macOS and Linux copies merged
     if twice is not None:
@@ -353,7 +353,7 @@ class ListDataset(Dataset):
         listed twice with the same target, an image is only seen more often."""
         seen = {}  # path -> (target, line number) of its first line
         for path, target, number in self.samples:
-            first, line = seen.setdefault(path, (target, number))
+            first, line = seen.setdefault(os.path.normpath(path), (target, number))  # (./a.png is a.png)
             if line == number:
                 continue
             if isinstance(target, tuple):  # arrays (boxes and their labels)

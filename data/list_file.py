@@ -274,17 +274,15 @@ def missing_file_hint(list_path, file):
         return '; its name is not UTF-8: if the list was saved as Latin-1 or cp1252, save it as UTF-8'
     if os.path.isdir(list_path):
         return ''
-    folder = _folder_of(list_path, os.getcwd())
     if '\\' in file and os.path.exists(file.replace('\\', '/')):  # a list written on Windows
         return '; a \\ separates folders on Windows only: write the paths with /'
-    return f" (a relative path is read from the list file's folder, {folder})"
+    return f" (a relative path is read from the list file's folder, {_folder_of(list_path, os.getcwd())})"
 
 
 def resolve_path(list_path, field):
-    """The absolute path of a list file's `field`: `~` expanded, relative paths taken from the list file's folder,
-    normalized (./a.png and a.png are one image)."""
-    field = os.path.expanduser(field) if field[:1] == '~' else field
-    return os.path.normpath(os.path.join(_folder_of(list_path, os.getcwd()), field))
+    """The absolute path of a list file's `field`: `~` expanded, relative paths taken from the list file's folder
+    (not normalized: `link/..` is the folder above the link's target)."""
+    return os.path.join(_folder_of(list_path, os.getcwd()), os.path.expanduser(field) if field[:1] == '~' else field)
 
 
 @functools.lru_cache(maxsize=16)  # asked once per line: a list of a million images asked a million times

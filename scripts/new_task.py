@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+import tokenize
 
 TEMPLATE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a copy outside git leaves out, besides what the template's .gitignore names (patterns as there: one
@@ -183,12 +184,17 @@ def copy_template(dest):
         archive = None
     if archive is not None and archive.returncode == 0:
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-            tar.extractall(dest, filter='data')
+            try:
+                tar.extractall(dest, filter='data')
+            except tarfile.FilterError as error:  # a link out of the project, say
+                raise TemplateError(f'the template commits {error}, which a copy does not take: remove it') from None
         return 'the committed files (git archive HEAD)'
     patterns = ignored_patterns()
     for folder, names, files in os.walk(TEMPLATE):
         relative = os.path.relpath(folder, TEMPLATE)
         names[:] = [n for n in names if not left_out(os.path.join(relative, n), patterns)]
+        files += [n for n in names if os.path.islink(os.path.join(folder, n))]  # a link to a folder: as a link
+        names[:] = [n for n in names if n not in files]
         for name in files:
             if left_out(os.path.join(relative, name), patterns):
                 continue
@@ -253,6 +259,8 @@ def rename(dest, name):
             readme = file == 'README.md' and folder == dest
             if not file.endswith(TEXT_FILES) or (not made_from_kiln and not readme and file != 'pyproject.toml'):
                 continue
+            if os.path.islink(path):  # a link, kept as one: what it points to is no file of the project
+                continue
             with open(path, encoding='utf-8') as f:
                 text = f.read()
             if file == 'pyproject.toml' and folder == dest:
@@ -293,30 +301,37 @@ def registry(dest, option):
     raise TemplateError(f"the template's {entry} has no {dict_name} = {{...}} to register the stub in: put it back")
 
 
-def text_index(text, line, column):
-    """The index in `text` of an ast position (line from 1, column in UTF-8 bytes)."""
+def text_index(text, line, column, in_bytes=True):
+    """The index in `text` of a position (line from 1; column in UTF-8 bytes, as ast gives it, or characters)."""
     lines = text.split('\n')
-    return sum(len(lines[i]) + 1 for i in range(line - 1)) + len(lines[line - 1].encode()[:column].decode())
+    within = len(lines[line - 1].encode()[:column].decode()) if in_bytes else column
+    return sum(len(lines[i]) + 1 for i in range(line - 1)) + within
 
 
 def register(dest, option, name, target):
     """Add `'name': 'target',` as the last entry of the registry of `option` (a TAKEN key) in the project `dest`."""
     table, text, path = registry(dest, option)
+    start = text_index(text, table.lineno, table.col_offset)  # its {
     close = text_index(text, table.end_lineno, table.end_col_offset) - 1  # its }
-    last = table.values[-1] if table.values else None
-    after = (  # the end of its last entry, or of the { of an empty dict
-        text_index(text, last.end_lineno, last.end_col_offset)
-        if last
-        else text_index(text, table.lineno, table.col_offset) + 1
-    )
-    comma = ',' if last and ',' not in text[after:close].split('#')[0] else ''  # after a last entry without one
+    piece = text[start : close + 1]
+    tokens = [  # what the dict is written with, comments and line breaks aside
+        token
+        for token in tokenize.generate_tokens(io.StringIO(piece).readline)
+        if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.ENDMARKER)
+    ]
+    last = tokens[-2]  # before the }: the { of an empty dict, a comma, or the end of the last entry (a bracket too)
+    after = start + text_index(piece, *last.end, in_bytes=False)
+    comma = '' if last.string in ('{', ',') else ','
     line_start = text.rfind('\n', 0, close) + 1
     if text[line_start:close].strip():  # the } closes a line of entries (`{'a': 'b'}`): one more on it
-        at, added = close, f" '{name}': '{target}'"
+        at, added = close, f"{'' if last.string == '{' else ' '}'{name}': '{target}'"
     else:
         at, added = line_start, f"    '{name}': '{target}',\n"
     with open(path, 'w', encoding='utf-8') as f:
         f.write(text[:after] + comma + text[after:at] + added + text[at:])
+    table, _, _ = registry(dest, option)
+    if name not in [key.value for key in table.keys if isinstance(key, ast.Constant)]:  # (not expected)
+        raise TemplateError(f"could not register {name} in the template's {TAKEN[option][0]}: add it by hand")
 
 
 def edit(dest, file, old, new):
@@ -420,7 +435,8 @@ def main(argv=None):
             f'first, no space last), as it is written into code and is the package name; give --name with those'
         )
     if package_name(name) == 'kiln':  # the mark of the template itself (see rename)
-        fail(f"--name {name}: that is the template's own name; choose another")
+        given = f'--name {name}' if args.name is not None else f'the folder name {name} (the default --name)'
+        fail(f"{given}: that is the template's own name; give another --name")
 
     existed = os.path.isdir(dest)
     try:

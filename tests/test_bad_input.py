@@ -744,7 +744,6 @@ def test_debug_shows_the_traceback(data, tmp_path):
 # 15. --gpus without CUDA ----------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a machine without CUDA')
 @pytest.mark.skipif(torch.cuda.is_available(), reason='CUDA is here: --gpus 0 names a GPU')
 def test_gpus_without_cuda(data, tmp_path):
     result = train(tmp_path / 'ck', data, '--gpus', '0', cpu=False)

@@ -450,6 +450,11 @@ def test_the_folder_above_the_splits_a_class_name_as_a_label_and_a_windows_path_
         f'{folder / "train"} --val_list {folder / "val"} (classes named so: rename them)'
     )
     assert read_class_folders(str(folder / 'train'))[1] == ['cat']
+    os.rename(folder / 'val', folder / 'Valid')  # the suggestion names the folders as they are
+    with pytest.raises(
+        KilnError, match=re.escape(f'give --train_list {folder / "train"} --val_list {folder / "Valid"} (')
+    ):
+        read_class_folders(str(folder))
     options = argparse.Namespace(img_size=8, num_classes=None)
     for line, said in (
         ('photos/train/cat/a.png cat', "got label 'cat'; a label is a class number, and classes.txt beside"),
@@ -1057,6 +1062,11 @@ def test_an_image_listed_with_two_labels_is_refused_naming_both_lines(tmp_path):
         save(Image.new('RGB', (8, 8)), tmp_path / 'img' / f'{index}.png')
     options = argparse.Namespace(train_list=list_file(tmp_path, 'img/0.png 0\nimg/1.png 1\nimg/0.png 0\n'), img_size=8)
     assert len(ListDataset(argparse.Namespace(**vars(options), num_classes=None), 'train')) == 3
+    os.makedirs(tmp_path / 'real' / 'sub')
+    os.symlink(tmp_path / 'real' / 'sub', tmp_path / 'link')  # link/.. is real/, not tmp_path: paths stay as written
+    save(Image.new('RGB', (8, 8)), tmp_path / 'real' / '2.png')
+    linked = list_file(tmp_path, 'link/../2.png 0\nimg/1.png 1\n', 'linked.txt')
+    assert len(ListDataset(argparse.Namespace(train_list=linked, img_size=8, num_classes=None), 'train')) == 2
     # (./img/0.png is img/0.png: spelt otherwise, its second label went unseen)
     contradicting = list_file(tmp_path, 'img/0.png 0\nimg/1.png 1\nimg/0.png 0\n./img//0.png 1\n', 'two.txt')
     with pytest.raises(KilnError) as caught:

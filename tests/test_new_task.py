@@ -211,8 +211,11 @@ def test_a_project_made_from_a_copy_outside_git(tmp_path):
     (first / 'README.md').write_text('<p align="center"><img src="logo.png"></p>\n\n' + readme)
     entry = first / 'tasks' / 'task_entry.py'
     registry = entry.read_text()
+    last_entry = "'detect': 'tasks.detect:DetectTask',\n}"  # to one in brackets, with no comma after it
     entry.write_text(
-        registry.replace('TASKS = {', 'TASKS: dict[str, str] = {').replace("DetectTask',\n}", "DetectTask'\n}")
+        registry.replace('TASKS = {', 'TASKS: dict[str, str] = {').replace(
+            last_entry, last_entry.replace("'tasks.detect:DetectTask',", "('tasks.detect:DetectTask')")
+        )
     )
     for output in ('mlruns/0/meta.yaml', 'cache.pyc', 'sub/checkpoints/keep.py'):
         (first / output).parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +240,7 @@ def test_a_project_made_from_a_copy_outside_git(tmp_path):
     after_intro = '<!-- /intro -->'  # the title and intro alone change: 'model' is also a word of the text
     assert text.partition(after_intro)[2] == readme.partition(after_intro)[2]
     registry = (second / 'tasks' / 'task_entry.py').read_text()
-    assert "DetectTask',\n    'spots': 'tasks.spots:SpotsTask',\n}" in registry
+    assert "('tasks.detect:DetectTask'),\n    'spots': 'tasks.spots:SpotsTask',\n}" in registry
     for path in second.rglob('*.py'):
         compile(path.read_text(), str(path), 'exec')
     assert not (second / 'mlruns').exists() and not (second / 'cache.pyc').exists()
@@ -252,6 +255,41 @@ def test_a_project_made_from_a_copy_outside_git(tmp_path):
     untitled = make('fourth')
     assert untitled.returncode == 2 and "README.md has no title line ('# Name')" in untitled.stderr, untitled.stderr
     assert not (tmp_path / 'fourth').exists()
+
+
+def test_a_copy_of_kiln_outside_git_keeps_links_as_links(tmp_path):
+    """A copy of Kiln outside git (an unpacked archive) wrote the project's name through a link into the
+    file it points to, outside the project, and left out links to folders."""
+    import io
+    import tarfile
+
+    template = tmp_path / 'kiln'
+    template.mkdir()
+    archive = subprocess.run(
+        ['git', 'archive', '--format=tar', 'HEAD'], cwd=REPO, capture_output=True, check=True, timeout=timeout()
+    )
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(template, filter='data')
+    outside = tmp_path / 'notes.md'
+    outside.write_text('Kiln notes\n')
+    os.symlink(outside, template / 'notes.md')
+    (tmp_path / 'photos').mkdir()
+    os.symlink(tmp_path / 'photos', template / 'my_photos')
+    made = subprocess.run(  # no git on PATH
+        [sys.executable, 'scripts/new_task.py', str(tmp_path / 'glaze'), '--name', 'Glaze'],
+        cwd=template,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+        env={**os.environ, 'PATH': str(tmp_path / 'no_git')},
+    )
+    assert made.returncode == 0 and 'not a git checkout' in made.stdout, made.stderr
+    assert outside.read_text() == 'Kiln notes\n'
+    glaze = tmp_path / 'glaze'
+    assert os.readlink(glaze / 'notes.md') == str(outside) and os.readlink(glaze / 'my_photos') == str(
+        tmp_path / 'photos'
+    )
+    assert (glaze / 'README.md').read_text().startswith('# Glaze\n')
 
 
 @pytest.mark.parametrize(

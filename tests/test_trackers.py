@@ -805,9 +805,17 @@ def test_a_copied_experiment_folder_logs_to_a_run_of_its_own_and_a_moved_one_to_
     run_id = saved[tracker]['run_id']
     shutil.copytree(folder, tmp_path / 'copy')
     copy = build_trackers([tracker], tmp_path / 'copy', 'copy', METRIC_NAMES, RESUME_STEP, saved, options(checkpoints))
-    assert copy.state_dict()[tracker]['run_id'] != run_id
+    own = copy.state_dict()[tracker]['run_id']
+    assert own != run_id
     assert f'is the run of {folder}, which this folder is a copy of' in capsys.readouterr().out
     copy.close()
+    if tracker == 'mlflow':  # the points the checkpoint kept are the original's: the copy's run starts after them
+        from mlflow.tracking import MlflowClient
+
+        from utils.trackers.mlflow_tracker import local_store
+
+        client = MlflowClient(tracking_uri=local_store(checkpoints)[0])
+        assert client.get_metric_history(own, 'train/loss') == []
     os.rename(folder, tmp_path / 'moved')
     moved = build_trackers([tracker], tmp_path / 'moved', 'run', METRIC_NAMES, RESUME_STEP, saved, options(checkpoints))
     assert moved.state_dict()[tracker]['run_id'] == run_id
@@ -892,13 +900,14 @@ def test_a_close_cut_short_runs_no_more_jobs_and_closes_no_tracker_under_the_run
     from utils.logger import Logger
     from utils.trackers import Tracker
 
-    events, release = [], threading.Event()
+    events, started, release = [], threading.Event(), threading.Event()
 
     class Slow(Tracker):
         name = 'slow'
 
         def log_metrics(self, metrics, step, epoch):
             events.append(f'write {step}')
+            started.set()
             release.wait(10)
             events.append(f'wrote {step}')
 
@@ -912,6 +921,7 @@ def test_a_close_cut_short_runs_no_more_jobs_and_closes_no_tracker_under_the_run
     def interrupt(*_):
         raise KeyboardInterrupt
 
+    assert started.wait(10)  # the first job is running: close waits for it
     previous = signal.signal(signal.SIGALRM, interrupt)
     signal.setitimer(signal.ITIMER_REAL, 0.3)
     try:

@@ -143,7 +143,7 @@ class MlflowTracker(Tracker):
                 f'note: MLflow run {self.run_id} is the run of {copied}, which this folder is a copy of: this '
                 f'resume logs to a new MLflow run, which starts at step {(resume_step or 0) + 1}'
             )
-            self.run_id = None
+            self.run_id, state = None, {}  # (the points its checkpoint kept are the original's)
         if self.run_id:
             self._continue_run(uri)
         else:
