@@ -353,7 +353,8 @@ class ListDataset(Dataset):
         listed twice with the same target, an image is only seen more often."""
         seen = {}  # path -> (target, line number) of its first line
         for path, target, number in self.samples:
-            first, line = seen.setdefault(os.path.normpath(path), (target, number))  # (./a.png is a.png)
+            path = os.path.normpath(path)  # (./a.png is a.png)
+            first, line = seen.setdefault(path, (target, number))
             if line == number:
                 continue
             if isinstance(target, tuple):  # arrays (boxes and their labels)
