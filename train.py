@@ -1013,7 +1013,7 @@ def check_dev_run(trainer, stop, args, throwaway):
 
     finish(trainer, stop)
     checkpoint = trainer.folder(LAST)
-    device = ['--cpu'] if args.cpu else []
+    device = ['--cpu'] if args.cpu else ['--gpus', str(args.gpus[0])] if args.gpus else []  # where it trained
     # in the same processes and group as the training; eval.py leaves the group at its end
     evaluation_script.main(['--load_model_path', checkpoint, '--no-progress_bar', *device])
     if os.environ.get('RANK', '0') != '0':  # predict.py runs in one process: torchrun's others are done

@@ -2,8 +2,8 @@
 
 Two paths, chosen by the dataset:
 - in memory (the dataset has `tensors()`, e.g. `shapes`, `mem_list`): the decoded uint8 images
-  and targets sit on the training device (in pinned host memory when they would take more than a
-  quarter of the free GPU memory) and a batch is one `index_select`: no workers, no per-sample Python;
+  and targets sit on the training device (in host memory when they would take more than a quarter
+  of the free GPU memory) and a batch is one `index_select`: no workers, no per-sample Python;
 - from disk (any other dataset): DataLoader workers read and decode samples, the task's collate
   stacks them as uint8, and the batch is copied from pinned memory without waiting.
 Either way `BatchTransform` (data/augment.py) then normalizes and, for training, augments the
@@ -108,13 +108,13 @@ def default_workers(requested):
 
 def place_in_memory(tensors, device):
     """The in-memory dataset's tensors on `device` when they take at most a quarter of its free memory,
-    else in (pinned, when a GPU will read them) host memory."""
+    else where they are, in host memory (each batch is pinned on its way: a pinned copy of the whole
+    dataset would double its host memory, rounded up to a power of two, and speed nothing)."""
     if device.type == 'cuda':
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         free, _ = torch.cuda.mem_get_info(device)
-        if size <= free // 4:
-            return {key: t.to(device) for key, t in tensors.items()}
-        return {key: t.pin_memory() for key, t in tensors.items()}
+        if size > free // 4:
+            return dict(tensors)
     return {key: t.to(device) for key, t in tensors.items()}
 
 
@@ -215,7 +215,7 @@ class Batches:
         for chunk in pairs.split([len(batch) for batch in batches]):
             positions, indices = chunk[:, 0], chunk[:, 1]
             batch = {key: tensor.index_select(0, indices) for key, tensor in self.memory.items()}
-            if where.type == 'cpu' and self.device.type != 'cpu':  # pinned host memory: copy without waiting
+            if where.type == 'cpu' and self.device.type != 'cpu':  # pinned, the batch is copied without waiting
                 batch = {key: t.pin_memory().to(self.device, non_blocking=True) for key, t in batch.items()}
                 positions = positions.pin_memory().to(self.device, non_blocking=True)  # pageable: a sync
             yield batch, positions

@@ -1417,3 +1417,26 @@ def test_a_stop_signal_in_the_middle_of_a_write_to_stderr_still_says_so(capfd, m
         STOPPING.clear()  # (the handler notes the stop for the run it would end)
     assert signals.received == signal.SIGINT
     assert 'SIGINT received: finishing the current step and saving' in capfd.readouterr().err
+
+
+def test_data_parallel_refuses_bf16_and_compile():
+    """DataParallel's replicas run in threads of their own, which enter autocast in float16 whatever --amp
+    says (bf16 trained in fp16, with no scaler); a compiled model's replicas all call the first GPU's module."""
+    from utils.distributed import check_data_parallel
+
+    for changes, said in (({'amp': 'bf16'}, '--amp bf16'), ({'compile': True}, '--compile')):
+        options = argparse.Namespace(**{'gpus': [0, 1], 'amp': 'off', 'compile': False, **changes})
+        with pytest.raises(KilnError, match=f'^--gpus 0 1 \\(DataParallel\\) does not work with {said} .*torchrun'):
+            check_data_parallel(options)
+    check_data_parallel(argparse.Namespace(gpus=[0, 1], amp='fp16', compile=False))  # what it can do
+
+
+def test_an_in_memory_dataset_too_large_for_the_gpu_stays_in_host_memory_as_it_is(monkeypatch):
+    """It was copied whole into pinned memory: twice the host memory (pinned blocks round up to a power of
+    two), for batches that index_select copies into ordinary memory and pins again anyway."""
+    from data.loader import place_in_memory
+
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda device=None: (1000, 8000))
+    tensors = {'image': torch.zeros(10, 3, 8, 8, dtype=torch.uint8), 'label': torch.zeros(10, dtype=torch.int64)}
+    placed = place_in_memory(tensors, torch.device('cuda', 0))  # 2000 bytes: over a quarter of 1000 free
+    assert all(placed[key] is tensors[key] for key in tensors)

@@ -15,15 +15,13 @@ def select_device(cpu=False, gpus=None):
         if gpus and not cpu:
             raise KilnError('--gpus was given but CUDA is not available here; drop --gpus or pass --cpu')
         return torch.device('cpu')
-    if is_distributed():
-        return torch.device('cuda', local_rank())
-    if gpus:
-        if max(gpus) >= torch.cuda.device_count() or min(gpus) < 0:
-            raise KilnError(f'--gpus {gpus}: only GPUs 0..{torch.cuda.device_count() - 1} exist')
-        # the current GPU too: the events a checkpoint waits on are recorded on the current GPU's stream
-        torch.cuda.set_device(gpus[0])
-        return torch.device('cuda', gpus[0])
-    return torch.device('cuda', 0)
+    if gpus and not is_distributed() and (max(gpus) >= torch.cuda.device_count() or min(gpus) < 0):
+        raise KilnError(f'--gpus {gpus}: only GPUs 0..{torch.cuda.device_count() - 1} exist')
+    device = torch.device('cuda', local_rank() if is_distributed() else gpus[0] if gpus else 0)
+    # the current GPU too (an earlier run in this process may have set another): the events a checkpoint
+    # waits on are recorded on the current GPU's stream
+    torch.cuda.set_device(device)
+    return device
 
 
 def autocast_for(device, amp):

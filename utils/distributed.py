@@ -110,15 +110,31 @@ def host_group():
 _HOST_GROUP = None
 
 
-def wrap_model(model, gpus=None, cpu=False):
+def wrap_model(model, options):
     """Wrap the (placed) model for several devices: DistributedDataParallel under torchrun, else
     DataParallel when several --gpus are given (the single-process legacy path), else as it is."""
     if is_distributed():
         on_gpu = next(model.parameters()).is_cuda
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank()] if on_gpu else None)
-    if gpus and len(gpus) > 1 and not cpu:
-        return torch.nn.DataParallel(model, device_ids=gpus)
+    if options.gpus and len(options.gpus) > 1 and not options.cpu:
+        check_data_parallel(options)
+        return torch.nn.DataParallel(model, device_ids=options.gpus)
     return model
+
+
+def check_data_parallel(options):
+    """Refuse what DataParallel (several --gpus in one process) gets wrong: its replicas run in threads of
+    their own, which enter autocast in float16 whatever --amp says, and a compiled model's replicas all
+    call the first GPU's module."""
+    for wrong, why in (
+        (getattr(options, 'amp', 'off') == 'bf16', '--amp bf16 (its replicas would compute in float16)'),
+        (getattr(options, 'compile', False), "--compile (its replicas would all call the first GPU's model)"),
+    ):
+        if wrong:
+            raise KilnError(
+                f'--gpus {" ".join(map(str, options.gpus))} (DataParallel) does not work with {why}; train on '
+                f'several GPUs with torchrun (bash scripts/train_ddp.sh), or on one'
+            )
 
 
 def without_ddp(model):

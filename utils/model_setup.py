@@ -26,7 +26,7 @@ class ModelSetup:
     def wrap(self, options):
         """Wrap the compiled model for several devices (again after unfreezing: DDP syncs only the
         parameters that were trainable when it wrapped)."""
-        self.wrapped = wrap_model(self.compiled, options.gpus, options.cpu)
+        self.wrapped = wrap_model(self.compiled, options)
 
 
 class CopiedOutputs(torch.nn.Module):
