@@ -507,7 +507,7 @@ def parse_train_args(parser):
         '--ema_decay',
         type=_fraction,
         metavar='DECAY',
-        help='keep an exponential moving average of the weights (e.g. 0.9998; warmed up as timm does): '
+        help='keep an exponential moving average of the weights (e.g. 0.9998; warmed up as TensorFlow does): '
         'validation, best.pth, eval.py and predict.py use it',
     )
     parser.add_argument(

@@ -195,7 +195,7 @@ def test_a_task_that_cannot_mix_says_so(tiny_shapes, tmp_path):
 # --- the average of the weights -------------------------------------------------------------------------
 
 
-def test_the_weight_average_follows_the_weights_with_timm_s_warm_up():
+def test_the_weight_average_follows_the_weights_with_tensorflow_s_warm_up():
     from utils.ema import ModelEma
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
