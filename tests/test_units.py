@@ -1440,3 +1440,19 @@ def test_an_in_memory_dataset_too_large_for_the_gpu_stays_in_host_memory_as_it_i
     tensors = {'image': torch.zeros(10, 3, 8, 8, dtype=torch.uint8), 'label': torch.zeros(10, dtype=torch.int64)}
     placed = place_in_memory(tensors, torch.device('cuda', 0))  # 2000 bytes: over a quarter of 1000 free
     assert all(placed[key] is tensors[key] for key in tensors)
+
+
+def test_a_resume_that_sees_another_number_of_gpus_restores_its_own_gpu_s_generator(monkeypatch):
+    """The GPU generators were restored only where as many GPUs were visible: resumed under another
+    CUDA_VISIBLE_DEVICES, the process's GPU drew other dropout masks, without a word."""
+    from utils.seeding import rng_states, set_rng_states
+
+    states = dict(rng_states(), cuda=[torch.tensor([0], dtype=torch.uint8), torch.tensor([1], dtype=torch.uint8)])
+    restored = []
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, device='cuda': restored.append(state.item()))
+    set_rng_states(dict(states, cuda_device=1))  # it computed on its second GPU, the one now visible
+    assert restored == [1]
+    set_rng_states(dict(states, cuda_device=None))  # a checkpoint of an earlier Kiln: as before, none
+    assert restored == [1]

@@ -61,18 +61,24 @@ def rng_states():
         'torch': torch.get_rng_state(),
         # only where this run uses CUDA: asking would start CUDA (seconds, GPU memory) in a --cpu run
         'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        'cuda_device': torch.cuda.current_device() if torch.cuda.is_initialized() else None,  # this process's GPU
     }
 
 
 def set_rng_states(states):
-    """Restore generator states saved by `rng_states` (CUDA states only where the GPUs are the same)."""
+    """Restore generator states saved by `rng_states`: every GPU's where as many are visible, else this
+    process's GPU's (the current one) from the one it computed on (another CUDA_VISIBLE_DEVICES, say)."""
     version, internal, gauss = states['python']
     random.setstate((version, tuple(internal.tolist()) if torch.is_tensor(internal) else internal, gauss))
     kind, keys, position, has_gauss, cached = states['numpy']
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     torch.set_rng_state(states['torch'])
-    if states['cuda'] and torch.cuda.is_available() and len(states['cuda']) == torch.cuda.device_count():
+    if not (states['cuda'] and torch.cuda.is_available()):
+        return
+    if len(states['cuda']) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(states['cuda'])
+    elif states.get('cuda_device') is not None:  # (absent from checkpoints of earlier Kilns)
+        torch.cuda.set_rng_state(states['cuda'][states['cuda_device']])
 
 
 def seed_worker(worker_id):
