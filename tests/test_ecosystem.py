@@ -485,6 +485,9 @@ def test_fast_dev_run_trains_saves_evaluates_and_predicts_in_a_throwaway_folder(
     losses, validations = watched
     losses.clear(), validations.clear()
     (throwaway / 'notes').mkdir()
+    (throwaway / 'mine').mkdir()  # a run of yours given this --checkpoints_dir: locked, but no fast_dev_run's
+    (throwaway / 'mine' / '.lock').write_text('')
+    (throwaway / 'mine' / 'args.yaml').write_text('fast_dev_run: false\n')
     running = subprocess.Popen(
         [sys.executable, '-c', HOLD_LOCK, str(throwaway / 'running')], cwd=REPO, stdout=subprocess.PIPE, text=True
     )
@@ -495,7 +498,9 @@ def test_fast_dev_run_trains_saves_evaluates_and_predicts_in_a_throwaway_folder(
         running.kill()
         running.wait()
     assert [kind for kind, _, _ in losses].count('train') == 2 and validations == [32]
-    assert sorted(os.listdir(throwaway)) == sorted(['notes', 'running', os.path.basename(run.options.model_dir)])
+    assert sorted(os.listdir(throwaway)) == sorted(
+        ['mine', 'notes', 'running', os.path.basename(run.options.model_dir)]
+    )
     assert os.listdir(tmp_path / 'ck') == ['fast_dev_run']
 
 

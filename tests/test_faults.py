@@ -146,9 +146,13 @@ def test_a_kill_inside_a_write_leaves_a_temporary_file_that_the_next_start_remov
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     killed = run_script('train.py', *args, env={'KILN_KILL_AT': 'temporary_written'})
     assert killed.returncode == -signal.SIGKILL
-    assert [n for n in os.listdir(_folder(args)) if '.tmp' in n]
+    left = [n for n in os.listdir(_folder(args)) if '.tmp' in n]
+    assert left
+    for yours in ('.notes.tmp', '.config.tmpl'):  # hidden files of yours with .tmp in the name: they went too
+        with open(os.path.join(_folder(args), yours), 'w') as f:
+            f.write('mine\n')
     _ok(run_script('train.py', *args, '--resume'))
-    assert not [n for n in os.listdir(_folder(args)) if '.tmp' in n]
+    assert sorted(n for n in os.listdir(_folder(args)) if '.tmp' in n) == ['.config.tmpl', '.notes.tmp']
     assert os.path.isfile(os.path.join(_folder(args), 'last.pth'))
 
 
@@ -170,6 +174,16 @@ def test_a_corrupt_checkpoint_record_is_rebuilt_and_pruning_goes_on(saved_often)
     kept = sorted(n for n in os.listdir(folder) if n.startswith('epoch'))
     assert record['last'] == 'epoch003_step0000018.pth' and kept == sorted(record['files'])
     assert len(kept) <= 3  # the newest 2 and the best: the old ones were pruned
+
+
+def test_a_checkpoint_the_record_does_not_list_is_set_aside_not_pruned(saved_often):
+    """A file named as a checkpoint that checkpoints.json does not list (one a kill left before its record,
+    or one of yours copied in) was deleted by the next save's pruning."""
+    folder = _folder(saved_often)
+    shutil.copyfile(os.path.join(folder, 'last.pth'), os.path.join(folder, 'epoch000_step0000001.pth'))
+    _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
+    assert not os.path.exists(os.path.join(folder, 'epoch000_step0000001.pth'))  # not kept among the newest
+    assert os.listdir(os.path.join(folder, 'superseded', 'unrecorded')) == ['epoch000_step0000001.pth']
 
 
 def test_flipped_bytes_in_a_checkpoint_are_detected(saved_often):

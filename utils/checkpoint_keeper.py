@@ -52,12 +52,26 @@ def _link_or_copy(source, target):
         raise
 
 
+STALE_TEMPORARY = re.compile(r'\..+\.tmp\d+(@.+)?')  # `.<name>.tmp<pid>[@<host>]`: a save's or a link's
+
+
 def remove_stale_temporaries(folder):
-    """Delete the temporary files of saves that a kill interrupted (call it while holding the folder's lock)."""
+    """Delete the temporary files of saves that a kill interrupted (call it while holding the folder's lock):
+    Kiln's own names alone (a `.notes.tmp` of yours stays)."""
     for name in os.listdir(folder):
-        if name.startswith('.') and '.tmp' in name:
+        if STALE_TEMPORARY.fullmatch(name):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))
+
+
+def set_aside(folder, name):
+    """Move the file `name` of `folder` into `<folder>/superseded/unrecorded/` (a name there already: numbered)."""
+    aside = os.path.join(folder, 'superseded', 'unrecorded')
+    os.makedirs(aside, exist_ok=True)
+    target, number = os.path.join(aside, name), 1
+    while os.path.lexists(target):
+        target, number = os.path.join(aside, f'{name}.{number}'), number + 1
+    os.rename(os.path.join(folder, name), target)
 
 
 def read_record(folder):
@@ -268,7 +282,10 @@ class CheckpointKeeper:
             raise KilnError(f'could not write {writing} ({error.strerror or error}); {advice}') from None
         for old in dropped:  # only now that the record no longer lists them
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.folder, old))
+                if old in self.unrecorded:  # not in the record: maybe Kiln's (a kill came first), maybe yours
+                    set_aside(self.folder, old)
+                else:
+                    os.remove(os.path.join(self.folder, old))
         return path
 
     def _forget_extra(self):

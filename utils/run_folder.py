@@ -247,16 +247,26 @@ def remove_stale_results(parent):
 
 def remove_unused_runs(parent, keep):
     """Remove the run folders in `parent` but `keep` that no process uses (--fast_dev_run's throwaway
-    folders: the newest stays, to look at). A folder without Kiln's lock file is not a run's: left alone."""
+    folders: the newest stays, to look at). A folder whose args.yaml says no fast_dev_run (a run of yours
+    given this --checkpoints_dir) is left alone."""
     for name in os.listdir(parent):
         path = os.path.join(parent, name)
         try:  # (a link, or one another run removes at the same moment: left alone)
-            if os.path.islink(path) or os.path.samefile(path, keep) or not os.path.isfile(os.path.join(path, LOCK)):
+            if os.path.islink(path) or os.path.samefile(path, keep) or not made_by_fast_dev_run(path):
                 continue
             FolderLock.refuse_if_held(path)
         except (OSError, KilnError):  # KilnError: in use, by its training or its eval.py and predict.py
             continue
         shutil.rmtree(path, ignore_errors=True)
+
+
+def made_by_fast_dev_run(folder):
+    """Whether the run folder `folder` is a --fast_dev_run's (its args.yaml says so)."""
+    try:
+        with open(os.path.join(folder, ARGS_YAML)) as f:
+            return (yaml.safe_load(f) or {}).get('fast_dev_run') is True
+    except (OSError, ValueError, yaml.YAMLError, AttributeError):
+        return False
 
 
 class FolderLock:
