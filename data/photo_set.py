@@ -109,7 +109,7 @@ def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0
     if found is None and os.path.lexists(root) and not (os.path.isdir(root) and not os.listdir(root)):
         raise KilnError(_not_a_photo_set(root))
     if found is not None:  # files of yours in it: not replaced
-        refuse_added_by_hand(root, 'move them out of it, or choose another DEST')
+        refuse_added_by_hand(root, 'move it away, or choose another DEST')
     blocker = file_in_the_way(root)
     if blocker is not None:
         raise KilnError(f'{blocker} {is_a_file(blocker)}; give a folder as DEST')
@@ -148,7 +148,7 @@ def _move_into_place(staging, root):
     rename replaces only an empty folder)."""
     aside = None
     if _read_settings(root) is not None:
-        refuse_added_by_hand(root, 'move them out of it, or choose another DEST')  # (added since the start)
+        refuse_added_by_hand(root, 'move it away, or choose another DEST')  # (added since the start)
         aside = tempfile.mkdtemp(prefix='.photo_set-old-', dir=os.path.dirname(os.path.abspath(root)))
         os.rename(root, os.path.join(aside, 'set'))
     try:

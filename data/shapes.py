@@ -13,6 +13,7 @@ background, 1 + class on the shape's pixels), `seg_train.txt`/`seg_val.txt` of
 import argparse
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
@@ -221,48 +222,56 @@ def _read_manifest(path):
     return manifest if ours else None
 
 
-MADE = '.made.json'  # in a generated copy: its files and folders as the generator left them
+MADE = '.made.json'  # in a generated copy: the digest of each file as the generator left it
 
 
-def _tree(root):
-    """{'files': the files at the top, 'folders': {folder: number of files in it}} of `root` (MADE aside)."""
-    files, folders = [], {}
-    for folder, _, names in os.walk(root):
-        relative = os.path.relpath(folder, root)
-        if relative == '.':
-            files = sorted(name for name in names if name != MADE)
-        else:
-            folders[relative] = len(names)
-    return {'files': files, 'folders': folders}
+def _files(root):
+    """{path under `root`: sha256 of its bytes, 'folder' (named with a / at its end), or where it links to}
+    of everything in `root` (MADE aside; links are not followed)."""
+    found = {}
+    for folder, folders, names in os.walk(root):
+        for name in names + folders:
+            path = os.path.join(folder, name)
+            relative = os.path.relpath(path, root)
+            if os.path.islink(path):
+                found[relative] = f'link to {os.readlink(path)}'
+            elif name in folders:
+                found[relative + '/'] = 'folder'
+            elif relative != MADE:
+                with open(path, 'rb') as f:
+                    found[relative] = hashlib.file_digest(f, 'sha256').hexdigest()
+    return found
 
 
 def record_made(staging):
     """Write what the generator made into `staging` (its MADE file), for `refuse_added_by_hand`."""
     with open(os.path.join(staging, MADE), 'w') as f:
-        json.dump(_tree(staging), f)
+        json.dump({'files': _files(staging)}, f)
 
 
 def refuse_added_by_hand(generated, what_to_do):
-    """A KilnError when the generated copy `generated` holds what its generator did not make (its MADE
-    record): a file or folder of one's own, or more files in one of its folders. Such a copy is not
-    replaced when made again with other settings. A copy of an earlier Kiln, without the record, is."""
+    """A KilnError when the generated copy `generated` is no longer what its generator made (its MADE
+    record): a file of one's own added, one edited (a label mended) or one removed (a bad image). Such a
+    copy is not replaced when made again with other settings; nor is one without the record (made by an
+    earlier Kiln, or copied without its hidden files), which may hold anything."""
     try:
         with open(os.path.join(generated, MADE)) as f:
-            made = json.load(f)
-    except (OSError, ValueError):
-        return
-    now = _tree(generated)
-    added = [name for name in now['files'] if name not in made.get('files', ())]
-    for folder, count in sorted(now['folders'].items()):
-        if folder not in made.get('folders', {}):
-            added.append(f'{folder}/')
-        elif count > made['folders'][folder]:
-            added.append(f'files in {folder}/')
-    if added:
+            made = json.load(f).get('files')
+    except (OSError, ValueError, AttributeError):
+        made = None
+    if not isinstance(made, dict):
         raise KilnError(
-            f'{generated} was generated with other settings, but holds {listed(added, 3)} that the generator did '
-            f'not make; '
-            f'{what_to_do}'
+            f'{generated} was generated with other settings, but keeps no record of what the generator made '
+            f'there ({MADE}: a copy of an earlier Kiln, or one copied without its hidden files), so files of '
+            f'yours may be in it; move it away (or delete it, if nothing in it is yours)'
+        )
+    now = _files(generated)
+    changed = sorted(name for name in set(now) | set(made) if now.get(name) != made.get(name))
+    if changed:
+        raise KilnError(
+            f'{generated} was generated with other settings, but {listed(changed, 3)} '
+            f'{"differs" if len(changed) == 1 else "differ"} from what the generator made (added, edited or '
+            f'removed since); {what_to_do}'
         )
 
 
@@ -318,7 +327,7 @@ def _generate(root, manifest, write, total, where_option):
     if found is None and os.path.lexists(root) and not (os.path.isdir(root) and not os.listdir(root)):
         raise _not_ours(root, where_option)
     if found is not None:  # made by another generator version or with other settings: replaced (below)
-        refuse_added_by_hand(root, f'move them out of it, or choose another {where_option}')  # files of yours
+        refuse_added_by_hand(root, f'move it away, or choose another {where_option}')  # files of yours
         print(f'{root} was generated with other settings; generating it again', flush=True)
     parent = os.path.dirname(os.path.abspath(root))
     blocker = file_in_the_way(root)
@@ -342,7 +351,7 @@ def _generate(root, manifest, write, total, where_option):
             return root
         stale = f'{root}.stale-{os.getpid()}'
         if found is not None:
-            refuse_added_by_hand(root, f'move them out of it, or choose another {where_option}')  # (added since)
+            refuse_added_by_hand(root, f'move it away, or choose another {where_option}')  # (added since)
             with contextlib.suppress(FileNotFoundError):  # another process (DDP rank) may have moved it already
                 os.rename(root, stale)
         try:

@@ -409,7 +409,7 @@ def test_a_photo_set_made_again_with_other_settings_keeps_a_class_folder_of_your
     mine = root / 'train' / 'my_cat'
     mine.mkdir()
     (mine / '0000.jpg').write_bytes(b'precious')
-    with pytest.raises(KilnError, match='holds train/my_cat/ that the generator did not make'):
+    with pytest.raises(KilnError, match='but train/my_cat/, train/my_cat/0000.jpg differ from what the generator made'):
         make_photo_set(str(root), 2, 1, sizes=(40, 60))
     assert (mine / '0000.jpg').read_bytes() == b'precious'
     assert os.listdir(tmp_path) == ['set']

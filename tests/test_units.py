@@ -144,12 +144,22 @@ def test_shapes_generation_never_removes_data_or_files_it_did_not_make(tmp_path)
     (generated / 'NOTES.md').write_text('notes')
     (generated / 'images' / 'mine').mkdir()
     (generated / 'images' / 'train' / 'my_notes.txt').write_text('notes')
-    with pytest.raises(KilnError, match=r'holds NOTES.md, images/mine/, files in images/train/ that the generator'):
+    with pytest.raises(KilnError, match=r'but NOTES.md, images/mine/, images/train/my_notes.txt differ from what'):
         generate_shapes(str(generated), train_size=13, val_size=6)
     assert (generated / 'NOTES.md').read_text() == 'notes' and len((generated / 'train.txt').read_text().split()) == 24
     assert sorted(os.listdir(tmp_path)) == ['generated', 'own']  # no staging or stale folder left
     for added in ('NOTES.md', 'images/mine', 'images/train/my_notes.txt'):
         (os.remove if '.' in added else os.rmdir)(generated / added)
+    # a label mended by hand, or a bad image removed: lost when made again (the record compared names only)
+    labels = (generated / 'train.txt').read_text()
+    (generated / 'train.txt').write_text(labels.replace(' 0\n', ' 1\n', 1))
+    with pytest.raises(KilnError, match=r'but train.txt differs from what the generator made \(added, edited or'):
+        generate_shapes(str(generated), train_size=13, val_size=6)
+    (generated / 'train.txt').write_text(labels)
+    os.rename(generated / '.made.json', tmp_path / 'made.json')  # copied without its hidden files: no record
+    with pytest.raises(KilnError, match=r'keeps no record of what the generator made there \(\.made\.json'):
+        generate_shapes(str(generated), train_size=13, val_size=6)
+    os.rename(tmp_path / 'made.json', generated / '.made.json')
     generate_shapes(str(generated), train_size=13, val_size=6)  # as it was made: made again
     generate_shape_boxes(str(generated), train_size=8, val_size=4)  # another of its variants, with its own folders
     assert len((generated / 'train.txt').read_text().splitlines()) == 8
