@@ -443,6 +443,20 @@ def test_a_resume_from_an_older_checkpoint_points_best_pth_at_its_best_kept(tmp_
     assert _load(tmp_path / 'best.pth')['step'] == 2
 
 
+def test_two_resumes_within_a_second_set_their_newer_checkpoints_aside_apart(tmp_path, monkeypatch):
+    """Both set them aside into superseded/step<S>_<time>/: the second's replaced the first's of the same names."""
+    from utils import run_folder
+
+    monkeypatch.setattr(run_folder.time, 'strftime', lambda form: '20261125_081500')  # one second
+    for content in (b'first', b'second'):
+        (tmp_path / 'epoch001_step0000010.pth').write_bytes(content)
+        run_folder.set_aside_newer(str(tmp_path), 3)
+    aside = tmp_path / 'superseded'
+    assert sorted(os.listdir(aside)) == ['step3_20261125_081500', 'step3_20261125_081500_1']
+    assert (aside / 'step3_20261125_081500' / 'epoch001_step0000010.pth').read_bytes() == b'first'
+    assert (aside / 'step3_20261125_081500_1' / 'epoch001_step0000010.pth').read_bytes() == b'second'
+
+
 def test_nonfinite_loss_stops_with_the_step_and_saves_nothing_after_it(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     result = _train(args, '--optimizer', 'sgd', '--lr', '1e30', '--epochs', '5', '--print_freq', '3', code=2)

@@ -12,6 +12,7 @@ import fcntl
 import filecmp
 import glob
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -452,8 +453,13 @@ def set_aside_newer(folder, step):
     newer = sorted(name for name in os.listdir(folder) if (step_of(name) or 0) > step)
     if not newer:
         return
-    aside = os.path.join(folder, 'superseded', f'step{step}_{time.strftime("%Y%m%d_%H%M%S")}')
-    os.makedirs(aside, exist_ok=True)  # two resumes within a second share it
+    aside = base = os.path.join(folder, 'superseded', f'step{step}_{time.strftime("%Y%m%d_%H%M%S")}')
+    for number in itertools.count(1):  # a folder of its own: an earlier resume's of that second stays whole
+        try:
+            os.makedirs(aside)
+            break
+        except FileExistsError:
+            aside = f'{base}_{number}'
     theirs = [os.path.join(folder, name) for name in newer]
     for link in (LAST, BEST):
         path = os.path.join(folder, link)
