@@ -37,6 +37,18 @@ class SegmentTask(Task):
     def metric_names(cls, options):
         return ['loss', 'pixel_acc', 'miou']
 
+    def loss(self, outputs, batch):
+        loss = super().loss(outputs, batch)
+        if self.ignore is None:
+            return loss
+        # a batch of void pixels alone: its mean over no pixel is 0/0; it teaches nothing (0, no gradient)
+        return torch.where(self.loss_weight(batch) > 0, loss, loss.new_zeros(()))
+
+    def loss_weight(self, batch):
+        """The pixels the loss is the mean over: those not --ignore_index (a batch's images hold more or
+        fewer, so weighing batches by images would give a mean that depends on the batch size)."""
+        return self.count(batch) if self.ignore is None else (batch['mask'] != self.ignore).sum()
+
     def check_outputs(self, outputs):
         if isinstance(outputs, torch.Tensor) and outputs.dim() < 4:  # a classifier's (a task of yours may read others)
             raise self.wrong_outputs(

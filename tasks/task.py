@@ -83,6 +83,12 @@ class Task:
         """The number of samples in a batch (weights the means)."""
         return len(batch['image'])
 
+    def loss_weight(self, batch):
+        """What a batch's loss is the mean over, which weighs it in a split's mean loss: its samples (a
+        number); a task whose loss leaves out some of each sample's parts (pixels) says how many it kept
+        (a tensor on the device: no sync)."""
+        return self.count(batch)
+
     # model ----------------------------------------------------------------------------------------
     def forward(self, model, batch):
         """The model's outputs for a batch."""

@@ -1147,6 +1147,46 @@ def test_evaluation_hands_each_pictured_batch_over_as_soon_as_it_is_copied():
     assert result.metric_object.confusion.sum() == 100
 
 
+@pytest.mark.parametrize('seed', [0, 1])
+def test_a_segmentation_loss_with_void_pixels_is_the_same_for_any_batch_size(seed):
+    """With --ignore_index, each batch's loss (a mean over its kept pixels) was weighed by its images: the
+    split's loss depended on the batch size (eval.py's differed from training's validation), and a batch
+    of void pixels alone made it NaN (and stopped a training run as non-finite)."""
+    from tasks.segment import SegmentTask
+    from utils.evaluation import evaluate
+
+    task = SegmentTask(argparse.Namespace(num_classes=3, loss=None, ignore_index=255))
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(8, 3, 6, 6, generator=generator)
+    masks = torch.randint(0, 3, (8, 6, 6), generator=generator)
+    for index in range(8):  # void bands of every height; the last image void alone
+        masks[index, : index if index < 7 else 6] = 255
+    images = torch.arange(8.0).view(8, 1, 1, 1).expand(8, 3, 6, 6)  # the model looks its scores up by this
+
+    class Model(nn.Module):
+        def forward(self, batch_images):
+            return scores[batch_images[:, 0, 0, 0].long()]
+
+    def split_loss(sizes):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        batches = [{'image': images[a : a + n], 'mask': masks[a : a + n]} for a, n in zip(starts, sizes)]
+
+        class Split:
+            def numbers(self):
+                return range(len(batches))
+
+            def epoch(self, epoch):
+                yield from batches
+
+        return evaluate(Model(), Split(), task, contextlib.nullcontext).metrics['loss']
+
+    expected = nn.functional.cross_entropy(scores, masks, ignore_index=255).item()  # over every kept pixel
+    for sizes in ([8], [4, 4], [1] * 8, [5, 3], [7, 1]):
+        assert split_loss(sizes) == pytest.approx(expected, rel=1e-6), (seed, sizes)
+    void = task.loss(scores[7:], {'mask': masks[7:]})
+    assert void.item() == 0  # not NaN
+
+
 def test_normalization_follows_the_backbone_and_old_checkpoints_keep_kiln_s():
     """Pretrained ImageNet backbones were fed Kiln's normalization (mean 0.5, std 0.25): ImageNet's mean
     colour came in as (-0.06, -0.18, -0.37) instead of 0; a checkpoint of an earlier Kiln keeps its own."""

@@ -7,6 +7,7 @@ the batches' order, so the results are one process's to the bit.
 """
 
 import dataclasses
+import math
 
 import torch
 
@@ -57,7 +58,7 @@ def evaluate(
     model = without_ddp(model)
     model.eval()
     metrics = BatchedUpdates(task.metrics())  # a few kernels per 32 batches, not per batch
-    losses, counts = [], []  # per batch: its mean loss and samples, added up at the end in one go
+    losses, weights = [], []  # per batch: its loss times what it is the mean over, and that; added up at the end
     rows, held = [], {}  # per batch: its rows; pictures of this process's batches for rank 0
     numbers = batches.numbers()
     evaluated = progress(batches.epoch(0), progress_bar, description, total=len(numbers))
@@ -66,8 +67,9 @@ def evaluate(
             outputs = task.forward(model, batch)
             loss = task.loss(outputs, batch)
         outputs = task.outputs_to_float(outputs)
-        losses.append(loss.detach())
-        counts.append(task.count(batch))
+        weight = torch.as_tensor(task.loss_weight(batch), dtype=torch.float64, device=loss.device)
+        losses.append(loss.detach().double() * weight)
+        weights.append(weight)
         metrics.update(outputs, batch)
         if keep_rows:
             rows.append(task.eval_rows(batch, outputs))
@@ -77,15 +79,13 @@ def evaluate(
                 pictures(number, source)
             else:
                 held[number] = source
-    own = torch.stack(losses).double().tolist() if losses else []
-    per_rank = all_gather_objects((own, counts, rows, {number: source.get() for number, source in held.items()}))
-    losses, counts, rows = (in_global_order([process[part] for process in per_rank]) for part in range(3))
+    own = torch.stack([torch.stack(losses), torch.stack(weights)]).tolist() if losses else [[], []]  # one sync
+    per_rank = all_gather_objects((*own, rows, {number: source.get() for number, source in held.items()}))
+    losses, weights, rows = (in_global_order([process[part] for process in per_rank]) for part in range(3))
     if is_main_process():
         for number, source in sorted(item for *_, elsewhere in per_rank for item in elsewhere.items()):
             pictures(number, Snapshot(source))
-    # the batches' mean losses weighted by their samples, added up in the batches' order on the host:
-    # one process's sum, on any device
-    loss_sum = torch.tensor(losses, dtype=torch.float64) @ torch.tensor(counts, dtype=torch.float64)
-    results = {'loss': loss_sum.item() / max(sum(counts), 1), **metrics.compute(class_names)}
+    # the batches' weighted losses added up in the batches' order on the host: one process's sum, on any device
+    results = {'loss': math.fsum(losses) / max(math.fsum(weights), 1), **metrics.compute(class_names)}
     rows = [sample_rows for batch_rows in rows for sample_rows in batch_rows]
     return Evaluation(results, metrics.metrics, rows)
