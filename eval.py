@@ -37,7 +37,13 @@ from utils.evaluation import evaluate
 from utils.fault_points import fault_point
 from utils.logger import Logger
 from utils.model_setup import setup_model
-from utils.run_folder import StagedResults, checkpoints_to_evaluate, evaluated_list_name, result_folder
+from utils.run_folder import (
+    PublishedTogether,
+    StagedResults,
+    checkpoints_to_evaluate,
+    evaluated_list_name,
+    result_folder,
+)
 from utils.viz import save_png
 
 
@@ -170,7 +176,7 @@ class Evaluator:
 def evaluate_checkpoint(args, given, path, say=print, publish_with=None):
     """Evaluate one checkpoint into its own new result folder and `say` (print) what it found; return (its
     metrics, the list evaluated). The folder appears whole when the evaluation ends (and is said then), or
-    with `publish_with` (a comparison's ExitStack) when that stack closes well (a comparison's `say` keeps
+    with `publish_with` (a comparison's PublishedTogether) when that block ends well (a comparison's `say` keeps
     the report until then)."""
     options, checkpoint, task_type = load_for_inference(args, given, path)
     name = evaluated_list_name(args.val_list)  # 'val' unless given
@@ -259,7 +265,7 @@ def main(argv=None, args=None):
         rows, reports = [], []
         # all or nothing: every folder is published once the comparison is written (the comparison's last), and
         # all are removed when one fails or the run is stopped; a SIGKILL leaves none, so the command runs again
-        with contextlib.ExitStack() as made:
+        with PublishedTogether() as made:
             if is_main_process():
                 made.enter_context(comparison)
             for checkpoint in checkpoints:

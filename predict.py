@@ -52,25 +52,39 @@ def is_run(folder):
     return all(os.path.isfile(os.path.join(folder, name)) for name in (ARGS_YAML, ARGS_TXT))
 
 
+def folders_holding(paths, top):
+    """The folders from `top` down that hold the files `paths` (found under `top`), at any depth."""
+    top, folders = os.path.normpath(top), set()
+    for path in paths:
+        folder = os.path.dirname(os.path.normpath(path))
+        while folder not in folders and (folder + os.sep).startswith(top + os.sep):
+            folders.add(folder)
+            folder = os.path.dirname(folder)
+    return folders
+
+
 def images_to_predict(source):
     """Image paths from a folder (its image files, sorted, subfolders and links included), one image file (with
     any extension or none, if Pillow reads it), a quoted glob of image files (as eval.py takes checkpoints), or
     a list file (the first field of each entry; labels, masks or boxes after it are ignored)."""
     if os.path.isdir(source):
-        runs = [folder for folder in (source, *glob.glob(os.path.join(glob.escape(source), '*', ''))) if is_run(folder)]
-        if runs:  # (their pictures would be predicted: confusion matrices, validation grids)
-            raise KilnError(
-                f'--input {source} is a folder of Kiln runs or results, not of images ({os.path.normpath(runs[0])} '
-                f'holds {ARGS_YAML}): give the folder of the images to predict'
-            )
         paths = find_images(source)
+        near = {os.path.normpath(path) for path in (source, *glob.glob(os.path.join(glob.escape(source), '*', '')))}
+        runs = sorted(folder for folder in near | folders_holding(paths, source) if is_run(folder))
+        if runs:  # (their pictures would be predicted: confusion matrices, validation grids, masks)
+            raise KilnError(
+                f'--input {source} holds Kiln runs or results, not only images ({runs[0]} holds {ARGS_YAML}): give '
+                f'the folder of the images to predict'
+            )
     elif os.path.isfile(source) and (source.lower().endswith(IMAGE_EXTENSIONS) or image_format(source)):
         paths = [source]
     elif os.path.isfile(source):
         paths = read_image_paths(source)
     elif glob.has_magic(source):
         paths = sorted(
-            path for path in glob.glob(os.path.expanduser(source)) if path.lower().endswith(IMAGE_EXTENSIONS)
+            path
+            for path in glob.glob(os.path.expanduser(source), recursive=True)  # (** for any depth)
+            if path.lower().endswith(IMAGE_EXTENSIONS)
         )
     else:
         kind = special_file(source)

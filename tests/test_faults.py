@@ -879,7 +879,7 @@ def test_a_refused_prediction_leaves_no_folder(tiny_shapes, tmp_path):
     # the run's folder, or the folder of runs, given as the images: its own pictures were predicted
     for runs in (_folder(args), tmp_path / 'ck'):
         result = run_script('predict.py', '--load_model_path', _folder(args), '--input', runs, '--cpu')
-        _one_error_line(result, f'--input {runs} is a folder of Kiln runs or results, not of images')
+        _one_error_line(result, f'--input {runs} holds Kiln runs or results, not only images')
     assert not os.path.exists(os.path.join(_folder(args), 'predict'))
 
 

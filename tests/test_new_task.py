@@ -2,6 +2,7 @@
 Trainer/Evaluator design), predict.py, comparing checkpoints and TensorBoard hparams."""
 
 import csv
+import glob
 import json
 import os
 import re
@@ -483,6 +484,21 @@ def test_predict_takes_a_quoted_glob_and_names_its_folder_plainly(tiny_shapes, c
     folder = os.path.join(classified[0], 'predict', 'best_my_photos_it_s_default')
     with open(os.path.join(folder, 'predictions.csv')) as f:
         assert [os.path.basename(row['image']) for row in csv.DictReader(f)] == ['00000.png', '00001.png']
+    # ** reaches any depth (it took one folder level, and said nothing of the rest)
+    (images / 'sub' / 'deeper').mkdir(parents=True)
+    os.link(images / '00002.png', images / 'sub' / 'deeper' / '00003.png')
+    deep = run_script(
+        'predict.py', '--load_model_path', checkpoint, '--input', images / '**' / '*.png', '--save_prefix', 'deep'
+    )
+    assert deep.returncode == 0 and '4 images predicted' in deep.stdout, deep.stdout + deep.stderr
+    # a folder holding Kiln's results deeper down (--output_dir inside it): their pictures were predicted
+    first = run_script('predict.py', '--load_model_path', checkpoint, '--input', images, '--output_dir', images / 'out')
+    assert first.returncode == 0, first.stderr
+    (results,) = glob.glob(str(images / 'out' / '*' / 'predict' / '*'))
+    os.link(images / '00000.png', os.path.join(results, '00000_mask.png'))  # as a segmentation's masks lie there
+    again = run_script('predict.py', '--load_model_path', checkpoint, '--input', images, '--save_prefix', 'again')
+    assert again.returncode == 2 and 'holds Kiln runs or results, not only images' in again.stderr, again.stderr
+    assert f'({results} holds args.yaml)' in again.stderr
 
 
 def test_predict_segmentation_writes_masks(tiny_shapes, segmented):

@@ -896,6 +896,35 @@ def test_a_staged_folder_of_this_pid_left_by_another_process_is_removed(tmp_path
     assert sorted(os.listdir(tmp_path)) == ['best_val_x', 'last_val_x']
 
 
+@pytest.mark.parametrize('appears', ['before', 'between'])
+def test_results_published_together_appear_all_or_none(tmp_path, monkeypatch, appears):
+    """A comparison's result folders were renamed into place one by one: when a later one's name was taken
+    meanwhile (another eval.py), those renamed before it stayed, and the comparison could not run again."""
+    from options import parse_args, parse_test_args
+    from utils.run_folder import PublishedTogether, StagedResults
+
+    args, first, second = parse_args(parse_test_args, []), tmp_path / 'first', tmp_path / 'second'
+    rename = StagedResults.rename_into_place
+
+    def taken_between(staged):  # `first` appears once `second` (renamed first: the last added) is in place
+        rename(staged)
+        if staged.folder == str(second) and appears == 'between':
+            first.mkdir()
+            (first / 'mine.txt').write_text('mine')
+
+    monkeypatch.setattr(StagedResults, 'rename_into_place', taken_between)
+    with pytest.raises(KilnError, match='first appeared while this ran; choose'):
+        with PublishedTogether() as together:
+            for folder in (first, second):
+                staged = together.enter_context(StagedResults(str(folder), args, 'choose'))
+                with open(os.path.join(staged.path, 'result.txt'), 'w') as f:
+                    f.write('x')
+            if appears == 'before':
+                first.mkdir()
+                (first / 'mine.txt').write_text('mine')
+    assert sorted(os.listdir(tmp_path)) == ['first'] and os.listdir(first) == ['mine.txt']
+
+
 def test_a_result_folder_with_a_name_near_the_limit_is_staged_and_named_so(tmp_path):
     """The hidden name adds '.', '.tmp<pid>@<host>': a --save_prefix near the file system's 255 bytes, which
     an eval folder could take before, failed with 'File name too long'."""

@@ -147,6 +147,43 @@ def discard_folder_if_setup_fails(folder, made_parents=()):
 BEING_STAGED = set()  # this process's: a folder of its pid is another's (a container reuses pids) unless here
 
 
+class PublishedTogether:
+    """StagedResults that appear all or none (eval.py's comparison of several checkpoints): `enter_context`
+    adds one. When the block ends well, each is made durable and its name checked free before the first is
+    renamed into place (the last added first), and those renamed are taken back when a later one fails;
+    when the block fails, all are discarded."""
+
+    def __init__(self):
+        self.staged = []
+
+    def __enter__(self):
+        return self
+
+    def enter_context(self, staged):
+        self.staged.append(staged)
+        return staged
+
+    def __exit__(self, kind, error, trace):
+        staged, published = self.staged[::-1], []
+        try:
+            if kind is None:
+                for one in staged:
+                    one.make_durable()
+                for one in staged:
+                    one.rename_into_place()
+                    published.append(one)
+                return
+        except BaseException:
+            for one in published:
+                with contextlib.suppress(OSError):
+                    one.take_back()
+            raise
+        finally:
+            if len(published) < len(staged):
+                for one in staged:
+                    one.discard()
+
+
 class StagedResults:
     """A new result folder (eval.py's, predict.py's, a comparison's) that appears whole or not at all.
 
@@ -203,13 +240,25 @@ class StagedResults:
 
     def publish(self):
         """fsync every file and folder written, then rename the folder to its name."""
+        self.make_durable()
+        self.rename_into_place()
+
+    def make_durable(self):
+        """fsync every file and folder written; a KilnError when its name was taken meanwhile."""
         for root, _, names in os.walk(self.path):
             for name in [*names, '']:  # its files, then the folder itself
                 sync_directory(os.path.join(root, name))
         fault_point('results_staged')
+        self.refuse_if_taken()
+
+    def refuse_if_taken(self):
         # os.rename replaces an empty folder: one that appeared since the start is refused, not replaced
         if os.path.lexists(self.folder):
             raise KilnError(f'{self.folder} appeared while this ran; {self.what_to_change}')
+
+    def rename_into_place(self):
+        """Rename the (durable) folder to its name, which must still be free."""
+        self.refuse_if_taken()
         try:
             os.rename(self.path, self.folder)
         except OSError as error:  # a folder that appeared and was filled in the instant between
@@ -218,6 +267,11 @@ class StagedResults:
             raise KilnError(f'{self.folder} appeared while this ran; {self.what_to_change}') from None
         BEING_STAGED.discard(os.path.abspath(self.path))
         sync_directory(os.path.dirname(os.path.abspath(self.folder)))
+
+    def take_back(self):
+        """Undo `rename_into_place` (of results published with others, one of which failed), and discard."""
+        os.rename(self.folder, self.path)
+        self.discard()
 
     def discard(self):
         """Remove the unfinished folder and the folders made for it (eval/, --output_dir's) while empty."""
@@ -552,7 +606,7 @@ def checkpoints_to_evaluate(paths, config=None):
     found = []
     for item in paths:
         pattern = glob.has_magic(item) and not os.path.exists(item)
-        matches = sorted(glob.glob(item)) if pattern else [item]
+        matches = sorted(glob.glob(item, recursive=True)) if pattern else [item]  # (** for any depth)
         if pattern:
             matches = [
                 m
