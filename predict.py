@@ -54,13 +54,24 @@ def is_run(folder):
 
 def folders_holding(paths, top):
     """The folders from `top` down that hold the files `paths` (found under `top`), at any depth."""
-    top, folders = os.path.normpath(top), set()
+    top, folders = os.path.abspath(top), set()
     for path in paths:
-        folder = os.path.dirname(os.path.normpath(path))
-        while folder not in folders and (folder + os.sep).startswith(top + os.sep):
+        folder = os.path.dirname(os.path.abspath(path))
+        while folder not in folders and os.path.commonpath([folder, top]) == top:
             folders.add(folder)
             folder = os.path.dirname(folder)
     return folders
+
+
+def refuse_runs(source, folders):
+    """A KilnError where one of `folders` is a Kiln run or result folder (its pictures, masks or grids would
+    be predicted)."""
+    runs = sorted(folder for folder in folders if is_run(folder))
+    if runs:
+        raise KilnError(
+            f'--input {source} holds Kiln runs or results, not only images ({runs[0]} holds {ARGS_YAML}): give '
+            f'the images to predict alone'
+        )
 
 
 def images_to_predict(source):
@@ -69,23 +80,20 @@ def images_to_predict(source):
     a list file (the first field of each entry; labels, masks or boxes after it are ignored)."""
     if os.path.isdir(source):
         paths = find_images(source)
-        near = {os.path.normpath(path) for path in (source, *glob.glob(os.path.join(glob.escape(source), '*', '')))}
-        runs = sorted(folder for folder in near | folders_holding(paths, source) if is_run(folder))
-        if runs:  # (their pictures would be predicted: confusion matrices, validation grids, masks)
-            raise KilnError(
-                f'--input {source} holds Kiln runs or results, not only images ({runs[0]} holds {ARGS_YAML}): give '
-                f'the folder of the images to predict'
-            )
+        near = {os.path.abspath(path) for path in (source, *glob.glob(os.path.join(glob.escape(source), '*', '')))}
+        refuse_runs(source, near | folders_holding(paths, source))
     elif os.path.isfile(source) and (source.lower().endswith(IMAGE_EXTENSIONS) or image_format(source)):
         paths = [source]
     elif os.path.isfile(source):
         paths = read_image_paths(source)
     elif glob.has_magic(source):
+        pattern = os.path.expanduser(source)
         paths = sorted(
-            path
-            for path in glob.glob(os.path.expanduser(source), recursive=True)  # (** for any depth)
-            if path.lower().endswith(IMAGE_EXTENSIONS)
-        )
+            path for path in glob.glob(pattern, recursive=True) if path.lower().endswith(IMAGE_EXTENSIONS)
+        )  # (** for any depth)
+        fixed = pattern.split(os.sep)  # the folder above the first part with a wildcard: where matches lie
+        top = os.sep.join(fixed[: next(i for i, part in enumerate(fixed) if glob.has_magic(part))]) or os.curdir
+        refuse_runs(source, folders_holding(paths, top))
     else:
         kind = special_file(source)
         raise KilnError(

@@ -238,8 +238,11 @@ def _files(root):
             elif name in folders:
                 found[relative + '/'] = 'folder'
             elif relative != MADE:
-                with open(path, 'rb') as f:
-                    found[relative] = hashlib.file_digest(f, 'sha256').hexdigest()
+                try:
+                    with open(path, 'rb') as f:
+                        found[relative] = hashlib.file_digest(f, 'sha256').hexdigest()
+                except OSError:  # (not readable to this user: not as the generator left it)
+                    found[relative] = 'unreadable'
     return found
 
 
@@ -261,9 +264,9 @@ def refuse_added_by_hand(generated, what_to_do):
         made = None
     if not isinstance(made, dict):
         raise KilnError(
-            f'{generated} was generated with other settings, but keeps no record of what the generator made '
-            f'there ({MADE}: a copy of an earlier Kiln, or one copied without its hidden files), so files of '
-            f'yours may be in it; move it away (or delete it, if nothing in it is yours)'
+            f'{generated} was generated with other settings, but keeps no digests of what the generator made '
+            f"there ({MADE}: none, copied without its hidden files, or an earlier Kiln's, of names only), so "
+            f'files of yours may be in it; move it away (or delete it, if nothing in it is yours)'
         )
     now = _files(generated)
     changed = sorted(name for name in set(now) | set(made) if now.get(name) != made.get(name))
@@ -351,7 +354,12 @@ def _generate(root, manifest, write, total, where_option):
             return root
         stale = f'{root}.stale-{os.getpid()}'
         if found is not None:
-            refuse_added_by_hand(root, f'move it away, or choose another {where_option}')  # (added since)
+            try:
+                refuse_added_by_hand(root, f'move it away, or choose another {where_option}')  # (added since)
+            except KilnError:  # or another process (a DDP rank) replaced it while it was read: keep that one
+                if _read_manifest(manifest_path) == manifest:
+                    return root
+                raise
             with contextlib.suppress(FileNotFoundError):  # another process (DDP rank) may have moved it already
                 os.rename(root, stale)
         try:

@@ -488,6 +488,8 @@ def test_fast_dev_run_trains_saves_evaluates_and_predicts_in_a_throwaway_folder(
     (throwaway / 'mine').mkdir()  # a run of yours given this --checkpoints_dir: locked, but no fast_dev_run's
     (throwaway / 'mine' / '.lock').write_text('')
     (throwaway / 'mine' / 'args.yaml').write_text('fast_dev_run: false\n')
+    (throwaway / 'killed').mkdir()  # a fast_dev_run killed before it wrote its args.yaml: nothing in it yet
+    (throwaway / 'killed' / '.lock').write_text('')
     running = subprocess.Popen(
         [sys.executable, '-c', HOLD_LOCK, str(throwaway / 'running')], cwd=REPO, stdout=subprocess.PIPE, text=True
     )

@@ -181,7 +181,8 @@ def test_a_checkpoint_the_record_does_not_list_is_set_aside_not_pruned(saved_oft
     or one of yours copied in) was deleted by the next save's pruning."""
     folder = _folder(saved_often)
     shutil.copyfile(os.path.join(folder, 'last.pth'), os.path.join(folder, 'epoch000_step0000001.pth'))
-    _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
+    resumed = _ok(run_script('train.py', *saved_often, '--resume', '--epochs', '3'))
+    assert 'epoch000_step0000001.pth is in no record of this run: moved to superseded/unrecorded/' in resumed.stdout
     assert not os.path.exists(os.path.join(folder, 'epoch000_step0000001.pth'))  # not kept among the newest
     assert os.listdir(os.path.join(folder, 'superseded', 'unrecorded')) == ['epoch000_step0000001.pth']
 

@@ -499,6 +499,15 @@ def test_predict_takes_a_quoted_glob_and_names_its_folder_plainly(tiny_shapes, c
     again = run_script('predict.py', '--load_model_path', checkpoint, '--input', images, '--save_prefix', 'again')
     assert again.returncode == 2 and 'holds Kiln runs or results, not only images' in again.stderr, again.stderr
     assert f'({results} holds args.yaml)' in again.stderr
+    for source, cwd in ((images / '**' / '*.png', REPO), ('.', images)):  # a glob and the folder as '.' too
+        refused = subprocess.run(
+            [sys.executable, os.path.join(REPO, 'predict.py'), '--load_model_path', checkpoint, '--input', source],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout(),
+        )
+        assert refused.returncode == 2 and f'({results} holds args.yaml)' in refused.stderr, (source, refused.stderr)
 
 
 def test_predict_segmentation_writes_masks(tiny_shapes, segmented):
@@ -564,6 +573,10 @@ def test_eval_compares_several_checkpoints(classified, tmp_path):
         'eval.py', '--load_model_path', pattern, '--save_prefix', 'cmp', '--checkpoints_dir', str(tmp_path)
     )
     assert again.returncode == 2 and 'already exists' in again.stderr
+    # ** takes the experiment folders at any depth, not their result folders (which hold args.yaml too)
+    deep = os.path.join(os.path.dirname(classified[0]), '**', '')  # every folder below: runs, eval/, results
+    compared = run_script('eval.py', '--load_model_path', deep, '--save_prefix', 'deep', '--checkpoints_dir', tmp_path)
+    assert compared.returncode == 0 and 'comparison of 2 checkpoints' in compared.stdout, compared.stderr
 
 
 def test_a_comparison_that_fails_half_way_leaves_nothing_and_runs_again(classified, tmp_path):

@@ -564,6 +564,7 @@ def test_a_run_leaves_no_open_pipe_and_help_works_with_the_output_closed(capfd):
 
     import sweep
 
+    gc.collect()  # (what earlier tests in this process left is not this test's)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         code, last = sweep.launch([sys.executable, '-c', 'import sys; sys.stderr.write("one\\ntwo\\n")'])

@@ -157,7 +157,7 @@ def test_shapes_generation_never_removes_data_or_files_it_did_not_make(tmp_path)
         generate_shapes(str(generated), train_size=13, val_size=6)
     (generated / 'train.txt').write_text(labels)
     os.rename(generated / '.made.json', tmp_path / 'made.json')  # copied without its hidden files: no record
-    with pytest.raises(KilnError, match=r'keeps no record of what the generator made there \(\.made\.json'):
+    with pytest.raises(KilnError, match=r'keeps no digests of what the generator made there \(\.made\.json'):
         generate_shapes(str(generated), train_size=13, val_size=6)
     os.rename(tmp_path / 'made.json', generated / '.made.json')
     generate_shapes(str(generated), train_size=13, val_size=6)  # as it was made: made again

@@ -198,8 +198,10 @@ class CheckpointKeeper:
         }
         self.best = record.get('best') if record.get('best') in self.files else None  # not one set aside
         self.ended_at = record.get('ended_at')  # the step at which the run's end records were written
-        # files a kill left unrecorded (saved, then killed before the record): kept and pruned like the others
+        # files a kill left unrecorded (saved, then killed before the record): kept and pruned like the others;
+        # one no newer than the record's newest is no kill's (each save is recorded before the next): set aside
         self.unrecorded = {name for name in os.listdir(folder) if step_of(name) is not None} - set(self.files)
+        self.recorded_step = max([entry['step'] for entry in self.files.values()], default=-1)
         for name in self.unrecorded:
             path = os.path.join(folder, name)
             self.files[name] = {'step': step_of(name), 'sha256': checksum(path), 'metric': None}
@@ -282,8 +284,9 @@ class CheckpointKeeper:
             raise KilnError(f'could not write {writing} ({error.strerror or error}); {advice}') from None
         for old in dropped:  # only now that the record no longer lists them
             with contextlib.suppress(FileNotFoundError):
-                if old in self.unrecorded:  # not in the record: maybe Kiln's (a kill came first), maybe yours
+                if old in self.unrecorded and step_of(old) <= self.recorded_step:  # put there by hand
                     set_aside(self.folder, old)
+                    print(f'{old} is in no record of this run: moved to superseded/unrecorded/', flush=True)
                 else:
                     os.remove(os.path.join(self.folder, old))
         return path

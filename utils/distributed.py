@@ -132,8 +132,8 @@ def check_data_parallel(options):
     ):
         if wrong:
             raise KilnError(
-                f'--gpus {" ".join(map(str, options.gpus))} (DataParallel) does not work with {why}; train on '
-                f'several GPUs with torchrun (bash scripts/train_ddp.sh), or on one'
+                f'--gpus {" ".join(map(str, options.gpus))} (DataParallel) does not work with {why}, given or '
+                f"a checkpoint's; use one GPU, or several with torchrun (as bash scripts/train_ddp.sh does)"
             )
 
 

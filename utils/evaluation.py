@@ -67,7 +67,7 @@ def evaluate(
             outputs = task.forward(model, batch)
             loss = task.loss(outputs, batch)
         outputs = task.outputs_to_float(outputs)
-        weight = torch.as_tensor(task.loss_weight(batch), dtype=torch.float64, device=loss.device)
+        weight = task.loss_weight(batch)  # a number on the host (a copy to the GPU would wait for it), or a tensor
         losses.append(loss.detach().double() * weight)
         weights.append(weight)
         metrics.update(outputs, batch)
@@ -79,7 +79,10 @@ def evaluate(
                 pictures(number, source)
             else:
                 held[number] = source
-    own = torch.stack([torch.stack(losses), torch.stack(weights)]).tolist() if losses else [[], []]  # one sync
+    counted = [weight.double() for weight in weights if torch.is_tensor(weight)]
+    own = torch.stack(losses + counted).tolist() if losses else []  # one sync
+    counted = iter(own[len(losses) :])
+    own = own[: len(losses)], [next(counted) if torch.is_tensor(weight) else float(weight) for weight in weights]
     per_rank = all_gather_objects((*own, rows, {number: source.get() for number, source in held.items()}))
     losses, weights, rows = (in_global_order([process[part] for process in per_rank]) for part in range(3))
     if is_main_process():

@@ -316,7 +316,10 @@ def remove_unused_runs(parent, keep):
 
 
 def made_by_fast_dev_run(folder):
-    """Whether the run folder `folder` is a --fast_dev_run's (its args.yaml says so)."""
+    """Whether the run folder `folder` is a --fast_dev_run's: its args.yaml says so (one without it, killed
+    before writing it, is a run's that holds nothing yet)."""
+    if not os.path.exists(os.path.join(folder, ARGS_YAML)):
+        return os.path.isfile(os.path.join(folder, LOCK))
     try:
         with open(os.path.join(folder, ARGS_YAML)) as f:
             return (yaml.safe_load(f) or {}).get('fast_dev_run') is True
@@ -612,6 +615,7 @@ def checkpoints_to_evaluate(paths, config=None):
                 m
                 for m in matches
                 if os.path.isfile(os.path.join(m, ARGS_YAML))
+                and not any(os.path.isfile(os.path.join(m, name)) for name in RESULT_FILES)  # (** reaches eval/)
                 or os.path.isfile(m)
                 and m.lower().endswith(CHECKPOINT_SUFFIXES)
             ]
