@@ -79,16 +79,17 @@ def evaluate(
                 pictures(number, source)
             else:
                 held[number] = source
-    counted = [weight.double() for weight in weights if torch.is_tensor(weight)]
-    own = torch.stack(losses + counted).tolist() if losses else []  # one sync
-    counted = iter(own[len(losses) :])
-    own = own[: len(losses)], [next(counted) if torch.is_tensor(weight) else float(weight) for weight in weights]
-    per_rank = all_gather_objects((*own, rows, {number: source.get() for number, source in held.items()}))
+    on_device = [weight.double() for weight in weights if torch.is_tensor(weight)]
+    values = torch.stack(losses + on_device).tolist() if losses else []  # one sync
+    own_losses, counted = values[: len(losses)], iter(values[len(losses) :])
+    own_weights = [next(counted) if torch.is_tensor(weight) else float(weight) for weight in weights]
+    pictured = {number: source.get() for number, source in held.items()}
+    per_rank = all_gather_objects((own_losses, own_weights, rows, pictured))
     losses, weights, rows = (in_global_order([process[part] for process in per_rank]) for part in range(3))
     if is_main_process():
         for number, source in sorted(item for *_, elsewhere in per_rank for item in elsewhere.items()):
             pictures(number, Snapshot(source))
-    # the batches' weighted losses added up in the batches' order on the host: one process's sum, on any device
+    # the batches' weighted losses added up exactly (fsum) on the host: one process's sum, on any device
     results = {'loss': math.fsum(losses) / max(math.fsum(weights), 1), **metrics.compute(class_names)}
     rows = [sample_rows for batch_rows in rows for sample_rows in batch_rows]
     return Evaluation(results, metrics.metrics, rows)
