@@ -1208,6 +1208,8 @@ def inherit(args, given, trained_with):
     """eval.py's and predict.py's options: those of INHERITED not `given` (or given as none) come from the
     checkpoint's training run (`trained_with`, its saved options), then from the task (see resolve)."""
     trained_with = as_trained(trained_with)
+    if trained_with and not os.path.isdir(trained_with.get('data_root') or ''):  # trained on another machine:
+        trained_with = {k: v for k, v in trained_with.items() if k != 'data_root'}  # not made there, but here
     inherited = {  # `--X none` is back to the default, which for these is the checkpoint's value
         name: trained_with[name]
         if name in trained_with and (name not in given or getattr(args, name, None) is None)

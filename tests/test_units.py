@@ -1506,3 +1506,15 @@ def test_a_resume_that_sees_another_number_of_gpus_restores_its_own_gpu_s_genera
     assert restored == [1]
     set_rng_states(dict(states, cuda_device=None))  # a checkpoint of an earlier Kiln: as before, none
     assert restored == [1]
+
+
+def test_a_checkpoint_trained_on_another_machine_reads_its_generated_data_here(tmp_path):
+    """The checkpoint's --data_root, saved as an absolute path, named a folder of the machine it trained on:
+    eval.py made it there (the shapes generated at /home/someone_else/...), or failed to."""
+    from options import inherit, parse_args, parse_test_args
+
+    args = parse_args(parse_test_args, ['--load_model_path', 'x.pth'])
+    trained = {'model_type': 'small_cnn', 'task': 'classify', 'num_classes': 6}
+    elsewhere = inherit(args, set(), {**trained, 'data_root': str(tmp_path / 'not_here')}).data_root
+    assert elsewhere == os.path.abspath(args.data_root)  # this project's own
+    assert inherit(args, set(), {**trained, 'data_root': str(tmp_path)}).data_root == str(tmp_path)  # it is here
