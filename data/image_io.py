@@ -164,6 +164,18 @@ def image_box(width, height, resize='squash', crop_pct=CROP_PCT):
     return ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
 
 
+def training_box(crop, width, height, resize='squash'):
+    """A training crop's box (x0, y0, x1, y1) in a width x height image, drawn by `crop` (a
+    data.augment.RandomResizedCrop) in the frame evaluation shows: the image itself where its aspect ratio
+    is kept ('crop'), else the squashed square, mapped back, so that training sees shapes as squashed as
+    evaluation does (and as the in-memory datasets, which crop their squares, do)."""
+    if resize == 'crop':
+        return tuple(crop.draw_boxes(torch.tensor([width]), torch.tensor([height]))[0].tolist())
+    side = max(width, height)
+    x0, y0, x1, y1 = (crop.draw_boxes(torch.tensor([side]), torch.tensor([side]))[0] / side).tolist()
+    return (x0 * width, y0 * height, x1 * width, y1 * height)
+
+
 def _jpeg_divisor(box, size):
     """The smallest of libjpeg-turbo's DCT scales 1/8, 1/4 and 1/2 (as its divisor) that keeps `box` at least
     `size` pixels wide and high, else 1 (its other scales, 3/8 to 7/8, decode slower than the full size)."""
@@ -230,10 +242,11 @@ def decode_image(path, size, where='', *, resize='squash', crop=None, crop_pct=C
             transposed = orientation in (5, 6, 7, 8)
             stored = image.size if pixels is None else (pixels.shape[1], pixels.shape[0])
             width, height = stored[::-1] if transposed else stored  # as shown upright
-            if crop is not None:
-                box = tuple(crop.draw_boxes(torch.tensor([width]), torch.tensor([height]))[0].tolist())
-            else:
-                box = image_box(width, height, resize, crop_pct)
+            box = (
+                image_box(width, height, resize, crop_pct)
+                if crop is None
+                else training_box(crop, width, height, resize)
+            )
             divisor = 1
             if pixels is None:
                 divisor = _jpeg_divisor(box, size)

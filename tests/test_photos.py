@@ -219,6 +219,28 @@ def test_the_fast_decoder_gives_what_pillow_gives(photos, resize):
     assert 10 < reduced_count < len(paths) - 10  # both cases are tested
 
 
+@pytest.mark.parametrize('resize', ['squash', 'crop'])
+def test_training_crops_are_drawn_in_the_frame_evaluation_shows(tmp_path, resize):
+    """A resized crop's aspect ratio (torchvision's 3/4 to 4/3) is drawn on the image as evaluation shows it:
+    the photo itself where its aspect ratio is kept, the squashed square with --resize squash (as the
+    in-memory datasets crop theirs). Drawn on the photo under squash, a 2:1 photo's crops were squeezed
+    0.75 to 1.34 wide where evaluation squeezes it 2, in list datasets but not in mem_list."""
+    from data.augment import RandomResizedCrop
+    from data.image_io import decode_image
+
+    Image.fromarray(np.zeros((200, 400, 3), np.uint8)).save(tmp_path / 'wide.png')
+    crop, ratios = RandomResizedCrop(32), []
+    for seed in range(200):
+        torch.manual_seed(seed)
+        _, (x0, y0, x1, y1), (width, height) = decode_image(
+            str(tmp_path / 'wide.png'), 32, resize=resize, crop=crop, with_box=True
+        )
+        squeeze = width / height if resize == 'squash' else 1  # evaluation's picture squeezes x by this
+        ratios.append((x1 - x0) / (y1 - y0) / squeeze)
+    lowest, highest = min(ratios), max(ratios)
+    assert 0.73 < lowest < 0.85 and 1.2 < highest < 1.37, (resize, lowest, highest)
+
+
 @pytest.mark.parametrize('suffix', ['jpg', 'png', 'webp', 'tif'])
 @pytest.mark.parametrize('orientation', range(1, 9))
 def test_every_exif_orientation_comes_out_upright(tmp_path, orientation, suffix):

@@ -214,6 +214,24 @@ def test_the_weight_average_follows_the_weights_with_tensorflow_s_warm_up():
     assert copy.updates == 29 and torch.equal(copy.module[0].weight, ema.module[0].weight)
 
 
+def test_a_tied_weight_is_averaged_once_a_step():
+    """A weight two layers share (tied embeddings, a reused block) moves by (1 - decay) of the way a step,
+    not by 1 - decay squared, as when it was averaged once per name in the state dict."""
+    from utils.ema import ModelEma
+
+    shared = torch.nn.Linear(2, 2, bias=False)
+    model = torch.nn.Sequential(shared, shared)
+    ema = ModelEma(model, decay=0.5)
+    ema.updates = 100  # past the warm-up: the decay is 0.5
+    with torch.no_grad():
+        shared.weight.fill_(0)
+        ema.module[0].weight.fill_(1)
+    ema.update()
+    assert ema.module[1].weight is ema.module[0].weight and torch.allclose(
+        ema.module[0].weight, torch.full((2, 2), 0.5)
+    )
+
+
 def test_ema_runs_validate_save_and_evaluate_the_average(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '2', '--ema_decay', '0.9', '--loggers', 'csv']
     train_succeeds(args)

@@ -21,7 +21,9 @@ class ModelEma:
         self.decay, self.updates = decay, 0
         model = unwrap_model(model)
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
-        pairs = list(zip(self.module.state_dict().values(), model.state_dict().values()))
+        # parameters and buffers, not the state dict: a tied weight is listed there once per name, and would
+        # be averaged as often (the decay squared)
+        pairs = list(zip([*self.module.parameters(), *self.module.buffers()], [*model.parameters(), *model.buffers()]))
         self.floats = [list(side) for side in zip(*[pair for pair in pairs if pair[0].is_floating_point()])] or [[], []]
         self.others = [pair for pair in pairs if not pair[0].is_floating_point()]  # BatchNorm's batch counts
 
