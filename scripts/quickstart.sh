@@ -11,6 +11,10 @@ for word in "$@"; do
     if [[ $word == --checkpoints_dir* ]]; then  # the run would go there, and its evaluation look here
         echo "error: quickstart.sh takes CHECKPOINTS_DIR=DIR before the command, not --checkpoints_dir DIR" >&2
         exit 2
+    elif [[ $word == --save_prefix* || $word == --fast_dev_run* ]]; then  # its run is not where it looks
+        echo "error: quickstart.sh names its run itself (<model>_<data>_quickstart_<time>); drop $word, or use" \
+            "scripts/train.sh and scripts/eval.sh" >&2
+        exit 2
     fi
 done
 RUN=quickstart_$(date +%Y%m%d_%H%M%S)

@@ -15,9 +15,11 @@
 #   PYTHON        (python3)
 #
 # Stopping. 120 s before the time limit SLURM sends USR1 to this script (B:USR1@120): every
-# process saves and the job requeues itself. A pre-emption's TERM makes every process save, and
-# SLURM requeues the job. To save and requeue now: scancel --batch --signal=USR1 <job>; to save and
-# end: scancel --signal=USR2 <job>; plain scancel ends it without waiting for a save.
+# process saves and the job requeues itself. To save and requeue now: scancel --batch --signal=USR1
+# <job>; to save and end: scancel --signal=USR2 <job>. A plain scancel, and a pre-emption, end it
+# without a save (it resumes from the last checkpoint): SLURM's TERM reaches srun too, which kills
+# the processes at once; a pre-emption saves only on clusters that send the job's --signal first
+# (slurm.conf's PreemptParameters=send_user_signal, with a GraceTime).
 #SBATCH --job-name=kiln
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

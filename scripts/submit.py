@@ -5,11 +5,14 @@
     python scripts/submit.py --cluster local --gpus_per_node 0 -- --epochs 1   # here, in the background
 
 The options after `--` go to train.py. The run is checkpoints/<model>_<data>_submitit_<name> (unless
-they give --save_prefix) and every start passes --resume, so a requeued job continues it.
+they give --save_prefix, or --resume FOLDER: that run) and every start passes --resume, so a requeued
+job continues it.
 
 submitit asks SLURM for USR2 two minutes before the time limit: the processes save at their next
-step, then submitit calls `Trainer.checkpoint` and requeues the job, which resumes. A pre-emption's
-TERM makes them save too, and SLURM requeues the job.
+step, then submitit calls `Trainer.checkpoint` and requeues the job (up to --max_requeues times),
+which resumes. A pre-emption ends the processes without a save (SLURM's TERM reaches srun, which kills
+them), unless the cluster sends USR2 first (PreemptParameters=send_user_signal with a GraceTime);
+SLURM requeues the job, which resumes from the last checkpoint.
 """
 
 import argparse
@@ -51,7 +54,7 @@ class Trainer:
 
         signal.signal(signal.SIGUSR2, time_limit_near)
         try:
-            run = train.main([*self.argv, '--resume'])
+            run = train.main(['--resume', *self.argv])  # (a --resume FOLDER given after it wins)
         except KilnError as error:  # a mistake found in the job (its data gone, say): a line in its log, not requeued
             rank = os.environ.get('RANK', '0')
             print(f'{"" if rank == "0" else f"rank {rank}: "}error: {error}', file=sys.stderr, flush=True)
@@ -108,6 +111,12 @@ def parse(argv):
         help="submitit's logs and pickles (default: the project's checkpoints/submitit)",
     )
     parser.add_argument('--cluster', default=None, choices=['slurm', 'local'], help='default: SLURM if found')
+    parser.add_argument(
+        '--max_requeues',
+        type=count_at_least(0),
+        default=1000,
+        help='how many times the job requeues itself at its time limit (submitit stops after 3 by default)',
+    )
     if '--' in argv:
         argv, train_argv = argv[: argv.index('--')], argv[argv.index('--') + 1 :]
     else:
@@ -132,7 +141,12 @@ def slurm_executor(args):
     except ImportError:
         raise KilnError('scripts/submit.py needs submitit: pip install submitit') from None
     try:
-        executor = submitit.AutoExecutor(folder=args.folder, cluster=args.cluster)
+        executor = submitit.AutoExecutor(
+            folder=args.folder,
+            cluster=args.cluster,
+            slurm_max_num_timeout=args.max_requeues,
+            local_max_num_timeout=args.max_requeues,
+        )
     except RuntimeError as error:  # submitit found no SLURM (srun) here
         raise KilnError(
             f'--cluster {args.cluster}: {error}; submit from a SLURM login node, or try it here with --cluster local'
@@ -187,11 +201,13 @@ def first_folder_without_job_id(folder):
 
 
 def refuse_other_options(parsed, train_argv):
-    """A KilnError when the run the job resumes was trained with other options (given in `train_argv`) than
-    a resume may change: its job would be refused in the queue, not here."""
+    """A KilnError when the run the job resumes (its --resume FOLDER, else the one its options name) was
+    trained with other options (given in `train_argv`) than a resume may change: its job would be refused
+    in the queue, not here."""
     import yaml
 
     from options import (
+        RESUME_LATEST,
         changed_options,
         experiment_folder,
         given_options,
@@ -201,7 +217,8 @@ def refuse_other_options(parsed, train_argv):
     from utils.checkpoint_keeper import step_of
     from utils.errors import KilnError
 
-    folder = experiment_folder(resolve(parsed))  # (the model the task decides names it)
+    named = parsed.resume not in (None, RESUME_LATEST)
+    folder = parsed.resume if named else experiment_folder(resolve(parsed))  # (the model the task decides names it)
     if not any(step_of(file) is not None for file in (os.listdir(folder) if os.path.isdir(folder) else [])):
         return  # nothing trained yet: the job starts the run with these options
     try:
@@ -223,9 +240,17 @@ def refuse_other_options(parsed, train_argv):
 
 def submit(args, train_argv):
     """Check the train.py options here (a typo: one line now, not in the queue), then submit."""
-    from options import parse_args, parse_train_args
+    from options import RESUME_LATEST, parse_args, parse_train_args
+    from utils.errors import KilnError
 
-    train_argv = ['--save_prefix', f'submitit_{args.name}', *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
+    named = parse_args(parse_train_args, train_argv).resume
+    if named not in (None, RESUME_LATEST) and not os.path.isdir(named):  # a file: each requeue would go back to it
+        raise KilnError(
+            f'--resume {named}: give the experiment folder the job continues (each start and requeue resumes '
+            f'its newest checkpoint), not a checkpoint file'
+        )
+    name = [] if named not in (None, RESUME_LATEST) else ['--save_prefix', f'submitit_{args.name}']
+    train_argv = [*name, *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
     refuse_other_options(parse_args(parse_train_args, train_argv), train_argv)
     made, path = [], os.path.abspath(args.folder)  # the folders submitit will make, deepest first
     while not os.path.exists(path):

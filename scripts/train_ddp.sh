@@ -26,6 +26,10 @@ EPOCHS=${EPOCHS:-}            # empty: 12
 BATCH_SIZE=${BATCH_SIZE-64}   # per process
 LR=${LR:-}                    # empty: 3e-3
 
+if [ "$NNODES" != 1 ] && [ -z "$RDZV_ENDPOINT" ]; then  # else each machine would wait for its own
+    echo "error: NNODES=$NNODES needs RDZV_ENDPOINT=host:port of the first machine, the same on every machine" >&2
+    exit 2
+fi
 if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
     LAUNCH=(--standalone --nproc-per-node="$NPROC")
 else

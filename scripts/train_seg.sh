@@ -7,7 +7,13 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)
 
 export TASK=segment
-export EPOCHS=${EPOCHS:-8}
-export BATCH_SIZE=${BATCH_SIZE:-64}
+RESUMING=0
+for word in "$@"; do
+    if [[ $word == --resume* ]]; then RESUMING=1; fi
+done
+if [ "$RESUMING" = 0 ]; then  # a resumed run keeps its own (these would shorten a longer one)
+    export EPOCHS=${EPOCHS:-8}
+    export BATCH_SIZE=${BATCH_SIZE:-64}
+fi
 
 bash "$ROOT/scripts/train.sh" "$@"

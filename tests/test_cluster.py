@@ -209,6 +209,46 @@ def test_torchrun_workers_end_with_their_status_and_never_abort(ending, tmp_path
             process.wait()
 
 
+# a worker whose save, once stopped, takes longer than torchrun's shutdown timeout (set to 1 s here)
+SLOW_SAVE_WORKER = """
+import os, signal, sys, time
+stop = []
+signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+open(sys.argv[1] + '.ready', 'w').close()
+while not stop:
+    time.sleep(0.05)
+time.sleep(3)  # a validation, a save to a slow disk
+open(sys.argv[1] + '.saved', 'w').close()
+sys.exit(130)
+"""
+
+
+def test_torchrun_gives_stopped_workers_time_to_save(tmp_path):
+    """torchrun SIGKILLs the workers still running --shutdown-timeout (30 s) after it passed a stop on: a
+    long validation or a slow save lost the stop's checkpoint (SLURM's warning comes 120 s before the
+    limit). utils.torchrun gives them STOP_GRACE_SECONDS."""
+    script, marker = tmp_path / 'worker.py', tmp_path / 'worker'
+    script.write_text(SLOW_SAVE_WORKER)
+    launcher = subprocess.Popen(
+        [*TORCHRUN, '--standalone', '--nproc-per-node', '1', str(script), str(marker)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, 'PYTHONPATH': str(REPO), 'TORCH_ELASTIC_SHUTDOWN_TIMEOUT': '1'},
+    )
+    try:
+        deadline = time.monotonic() + timeout(60)
+        while not os.path.exists(f'{marker}.ready') and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        output = launcher.communicate(timeout=timeout(60))[0]
+    finally:
+        launcher.kill()
+    assert os.path.exists(f'{marker}.saved'), output[-3000:]
+    assert launcher.returncode == 130 and 'torchrun: stopped by SIGINT' in output, output[-3000:]
+
+
 # a worker that used a thread pool (torch.compile's inductor compiles in one): idle pool threads are not
 # daemons, and only threading's own exit hook stops them
 POOL_WORKER = """
@@ -581,7 +621,7 @@ def test_time_limit_warning_saves_and_the_requeued_job_continues(slurm, whole_jo
 
 
 def test_a_term_to_every_process_saves_and_torchrun_restarts_from_it(slurm, whole_job, tiny_shapes, tmp_path):
-    """Pre-emption (and --signal=TERM, scancel --signal=TERM) sends TERM to every process of the job step,
+    """scancel --signal=TERM (and --signal=TERM) sends TERM to every process of the job step,
     torchrun and its workers alike: each worker must get it once (torchrun ignores it instead of passing on
     a second one, which would stop Kiln unsaved). The worker saves and exits; here, where no SLURM ends the
     job, torchrun's --max-restarts start it again and it resumes from that checkpoint."""
@@ -852,3 +892,46 @@ def test_submit_refuses_options_the_run_it_resumes_was_not_trained_with(tiny_sha
         result.stderr
     )
     assert 'give this job its own --name' in result.stderr and not (tmp_path / 'jobs').exists()
+
+
+def test_a_submitted_resume_continues_the_folder_it_names(tiny_shapes, tmp_path):
+    """`-- --resume FOLDER` was overridden by the bare --resume every start adds after it: the job trained a
+    new run (..._submitit_kiln) from step 0 and left the named one as it was. Now the job continues it,
+    its options are checked against that run's before submitting, and a checkpoint file (which each
+    requeue would go back to) is refused."""
+    pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
+    args = _job_args(tiny_shapes, tmp_path / 'ck')
+    trained = run_script('train.py', *args, '--cpu', '--save_prefix', 'mine', '--max_iteration', '8')
+    assert trained.returncode == 0, trained.stderr
+    folder = _folder(tmp_path / 'ck', 'mine')
+    submit = ['scripts/submit.py', '--cluster', 'local', '--gpus_per_node', '0', '--folder', tmp_path / 'jobs', '--']
+    refused = run_script(*submit, '--resume', os.path.join(folder, 'last.pth'))
+    assert refused.returncode == 2 and refused.stderr.startswith(f'error: --resume {folder}/last.pth: give the'), (
+        refused.stderr
+    )
+    refused = run_script(*submit, *args, '--resume', folder, '--lr', '0.5')
+    assert refused.returncode == 2 and f'the job resumes {folder}, trained with other options' in refused.stderr
+    assert not (tmp_path / 'jobs').exists()
+    job = _start([sys.executable, *submit, '--resume', folder, '--max_iteration', '12'], tmp_path / 'submit.log')
+    controller = int(_finish(job, tmp_path / 'submit.log').split('submitted job ', 1)[1].split(';')[0])
+    deadline = time.time() + timeout(300)
+    while _alive(controller):
+        assert time.time() < deadline, 'the job did not end'
+        time.sleep(0.1)
+    output = (tmp_path / 'jobs' / f'{controller}_0_log.out').read_text()
+    assert f'resuming {folder}' in output and _step(folder) == 12, output[-3000:]
+    assert os.listdir(tmp_path / 'ck') == ['linear_list_mine']
+
+
+def test_submitted_jobs_requeue_at_every_time_limit(tmp_path):
+    """submitit requeues a job after at most 3 time limits unless told otherwise: a long run ended unfinished
+    ('timed-out too many times'), where slurm_train.sh requeues until it is done."""
+    pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location('kiln_submit', os.path.join(REPO, 'scripts', 'submit.py'))
+    submit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(submit)
+    for option, expected in (([], 1000), (['--max_requeues', '5'], 5)):
+        args, _ = submit.parse(['--cluster', 'local', '--folder', str(tmp_path / 'jobs'), *option])
+        assert submit.slurm_executor(args)._executor.max_num_timeout == expected

@@ -8,6 +8,7 @@ import os
 import re
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -328,6 +329,30 @@ def segmented(tiny_shapes, tmp_path_factory):
     _ok(result)
     assert 'val/miou' in result.stdout
     return os.path.join(args[args.index('--checkpoints_dir') + 1], 'seg_net_seg_list_default')
+
+
+def _checkpoint_step(folder):
+    import torch
+
+    return torch.load(os.path.join(folder, 'last.pth'), weights_only=True, map_location='cpu')['position']['step']
+
+
+def test_train_seg_sh_resumes_a_run_with_its_own_epochs_and_batch_size(segmented, tmp_path):
+    """train_seg.sh passed its --epochs 8 and --batch_size 64 on a resume too: a longer run was declared
+    done at once (and one of another batch size refused)."""
+    run = tmp_path / 'run'
+    shutil.copytree(segmented, run)
+    step = _checkpoint_step(run)
+    result = subprocess.run(
+        ['bash', 'scripts/train_seg.sh', '--resume', str(run), '--epochs', '3', '--cpu', '--no-progress_bar'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout(),
+        env={**os.environ, 'DATA_TYPE': 'seg_list'},
+    )
+    _ok(result)
+    assert _checkpoint_step(run) == step * 3 // 2  # 2 epochs of its batch size 16, then a third
 
 
 def test_segmentation_trains_and_logs_masks(segmented):

@@ -820,6 +820,16 @@ def test_detection_eval_under_two_processes_writes_one_process_s_results_byte_fo
     _assert_same_results(experiment, 'val')
 
 
+def test_train_ddp_sh_on_several_machines_needs_their_meeting_point():
+    """NNODES=2 without RDZV_ENDPOINT gave each machine a rendezvous of its own: it waited, silent, until
+    torchrun's join timeout."""
+    env = {'NNODES': '2', 'NPROC': '1'}
+    result = run_script('bash', 'scripts/train_ddp.sh', '--cpu', env=env, timeout_seconds=60)
+    assert result.returncode == 2 and result.stderr.startswith('error: NNODES=2 needs RDZV_ENDPOINT=host:port'), (
+        result.stderr
+    )
+
+
 def test_train_ddp_sh_and_its_continue_line_work_from_another_folder(tiny_shapes, tmp_path):
     """scripts/train_ddp.sh no longer changes to the project's folder (relative paths are the working
     folder's): from a folder with a `utils` package of its own, `python -m utils.torchrun` found that one,

@@ -385,6 +385,10 @@ def test_quickstart_trains_and_evaluates_into_checkpoints_dir(tiny_shapes, tmp_p
     refused = run_script(*quick, '--checkpoints_dir', tmp_path / 'other')
     assert refused.returncode == 2 and 'takes CHECKPOINTS_DIR=DIR before the command' in refused.stderr
     assert not (tmp_path / 'other').exists()
+    for option in (['--save_prefix', 'mine'], ['--fast_dev_run']):  # trained, then found no run of its name
+        refused = run_script(*quick, *option, env={'CHECKPOINTS_DIR': str(tmp_path / 'mine')})
+        assert refused.returncode == 2 and 'quickstart.sh names its run itself' in refused.stderr, refused.stderr
+        assert os.listdir(tmp_path / 'mine') == [run]
 
 
 def test_eval_script_evaluates_the_newest_best_checkpoint(tiny_shapes, tmp_path):

@@ -4,7 +4,8 @@ It is torchrun itself (torch.distributed.run), with its options spelled out (tor
 abbreviation of its own, so a script's `--monitor` was an ambiguous `--monitor-interval`) and two
 endings changed:
 - stopped by SIGTERM/SIGINT (Ctrl-C, `kill`, SLURM before its time limit), it passes the signal on
-  as torchrun does, lets the workers save (a training run stops within a step), then exits 128 + the
+  as torchrun does, lets the workers save (a training run stops at its next step; they are given 10
+  minutes where torchrun kills them after 30 s), then exits 128 + the
   signal number with one line, not with torchrun's exit code 1 and its SignalException traceback;
 - when a worker fails, the worker's own `error: ...` line is the cause the user sees; this adds one
   line naming the failed rank (the likeliest cause: see `_blame`) and its exit code instead of
@@ -24,7 +25,7 @@ from utils.errors import NO_RESTART_FILE, PEER_LOST_EXIT_CODE, quiet_interrupts
 
 quiet_interrupts()  # a Ctrl-C while torch loads or the rendezvous waits: one line, not a traceback
 from torch.distributed import run as torchrun
-from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -32,6 +33,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.launcher import api as launcher
 
 from utils.distributed import LAUNCHER_PID
+
+# how long workers stopped by a signal get to reach their next step and save, before torchrun kills them
+# (its --shutdown-timeout, 30 s, is shorter than a validation or a save to a slow disk can take)
+STOP_GRACE_SECONDS = 600
 
 # the exit codes of a worker that stopped on a stop signal, saving first (utils/stopping.py, utils/errors.py)
 STOPPED = {128 + signum: signal.Signals(signum).name for signum in (signal.SIGTERM, signal.SIGUSR1)}
@@ -52,7 +57,15 @@ def _blame(exitcode):
 
 class RestartAfterCrashesOnly(LocalElasticAgent):
     """torchrun's agent, whose --max-restarts are not spent on workers that exited with a mistake before
-    their first training step: such a worker makes the file that NO_RESTART_FILE names (utils/errors.py)."""
+    their first training step: such a worker makes the file that NO_RESTART_FILE names (utils/errors.py);
+    and whose workers, stopped by a signal, get STOP_GRACE_SECONDS (or a longer --shutdown-timeout) to save."""
+
+    def _invoke_run(self, role=DEFAULT_ROLE):
+        try:
+            return super()._invoke_run(role)
+        except SignalException:
+            self._shutdown_timeout = max(self._shutdown_timeout, STOP_GRACE_SECONDS)
+            raise
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
