@@ -1170,14 +1170,19 @@ def with_absolute_paths(options):
     )
 
 
-def changed_options(saved, options):
+def changed_options(saved, options, unset_matches=True):
     """The names of the options a resume may not change whose values in `options` differ from a run's
-    saved ones (its args.yaml); options left to the task (None) match whatever it chose. Paths compare as
-    absolute ones (an earlier Kiln saved them as given)."""
+    saved ones (its args.yaml); options left unset (None: to the task, or to the run resumed) match
+    whatever the run has, unless not `unset_matches` (`options` resolved, a whole command that says what
+    the run is: a sweep's). Paths compare as absolute ones (an earlier Kiln saved them as given)."""
     saved = vars(with_absolute_paths(Options.of(argparse.Namespace(**saved))))
     options = with_absolute_paths(Options.of(options))
     fixed = set(vars(options)) - set(RESUME_CHANGEABLE + NOT_SAVED + DERIVED)
-    return sorted(name for name in fixed if getattr(options, name) not in (None, saved.get(name)))
+    return sorted(
+        name
+        for name in fixed
+        if getattr(options, name) != saved.get(name) and (getattr(options, name) is not None or not unset_matches)
+    )
 
 
 # words of a metric's name that make it better lower: errors and distances by their usual names

@@ -334,7 +334,7 @@ def finished(run, done):
     )
     step = newest_step(run.folder, record)
     with contextlib.suppress(KeyError, TypeError, AttributeError):
-        if step >= 0 and done.get(run.prefix) == run.argv:
+        if step >= 0 and done.get(run.prefix) == ended_entry(run):
             return f'train.py ended at step {step}'
         if (
             all(saved[k] == getattr(run.options, k) for k in ('epochs', 'max_iteration'))
@@ -344,6 +344,12 @@ def finished(run, done):
         ):
             return f'step {step}/{config["max_num_train_steps"]}'
     return None
+
+
+def ended_entry(run):
+    """What finished.json keeps of a run that train.py ended (exit code 0): its command, and how long that
+    asked it to train (a --config file's epochs changed: the same command, a longer run)."""
+    return {'argv': run.argv, 'epochs': run.options.epochs, 'max_iteration': run.options.max_iteration}
 
 
 def newest_step(folder, record=None):
@@ -367,10 +373,16 @@ def check_earlier_runs(runs, name):
         if not any(step_of(name) is not None for name in names):
             continue
         saved = read_run_file(run.folder, 'args.yaml')
-        changed = changed_options(saved, run.options) if isinstance(saved, dict) else []  # (paths as absolute ones)
+        if not isinstance(saved, dict):
+            continue
+        options = resolve(run.options)  # the whole command says what the run is: an option dropped is a change
+        changed = changed_options(saved, options, unset_matches=False)
         if changed:
+            given = {option: getattr(run.options, option) for option in changed}  # as given; else as resolved
             shown = ', '.join(
-                f'--{option} {getattr(run.options, option)} (it has {saved.get(option)})' for option in changed
+                f'--{option} {next((v for v in (given[option], getattr(options, option)) if v is not None), "none")} '
+                f'(it has {saved.get(option)})'
+                for option in changed
             )
             raise KilnError(
                 f'{shown}: sweep {name} trained {run.prefix} with other options, which a resumed run keeps; '
@@ -430,7 +442,7 @@ def run_all(runs, name, base, compare):
         step = newest_step(run.folder)
         code, last = launch([sys.executable, TRAIN, *run.argv])
         if code == 0:  # not trained: resumed with nothing left to train, still at the same checkpoint
-            trained, done[run.prefix] = trained + (step < 0 or newest_step(run.folder) != step), run.argv
+            trained, done[run.prefix] = trained + (step < 0 or newest_step(run.folder) != step), ended_entry(run)
             os.makedirs(os.path.dirname(done_path), exist_ok=True)
             with open(done_path + '.tmp', 'w') as f:
                 json.dump(done, f, indent=1)

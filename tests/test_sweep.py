@@ -477,6 +477,46 @@ def test_a_run_whose_end_was_not_written_is_not_finished(tmp_path):
         assert finished(run, {}) == expected, ended_at
 
 
+def _trained_run(folder, argv):
+    """A sweep run (as sweep.plan makes it) whose folder holds a checkpoint and the args.yaml of `argv`."""
+    import sweep
+
+    run = argparse.Namespace(folder=str(folder), prefix='a', argv=argv, options=parse_args(parse_train_args, argv))
+    (folder / 'epoch001_step0000002.pth').write_bytes(b'')
+    (folder / 'args.yaml').write_text(yaml.safe_dump(vars(resolve(run.options))))
+    entry = {'epoch001_step0000002.pth': {'step': 2, 'sha256': '0' * 64, 'metric': None}}
+    record = {'last': 'epoch001_step0000002.pth', 'best': None, 'ended_at': 2, 'files': entry}
+    (folder / 'checkpoints.json').write_text(json.dumps(record))
+    return run, {'a': sweep.ended_entry(run)}
+
+
+def test_a_run_ended_by_train_py_is_not_finished_once_its_config_asks_for_more(tmp_path):
+    """finished.json kept the command train.py ended with: after the --config file it names was changed to
+    more steps, the same command counted as finished, and the sweep trained nothing."""
+    from sweep import finished
+
+    config = tmp_path / 'train.yaml'
+    config.write_text('max_iteration: 2\n')
+    run, done = _trained_run(tmp_path, ['--config', str(config)])
+    assert finished(run, done) == 'train.py ended at step 2'
+    config.write_text('max_iteration: 6\n')
+    longer = argparse.Namespace(**{**vars(run), 'options': parse_args(parse_train_args, run.argv)})
+    assert finished(longer, done) is None
+
+
+def test_an_option_dropped_from_a_sweep_s_command_is_a_change(tmp_path):
+    """A sweep run again without an option its runs were trained with (--ema_decay 0.5) said they were
+    finished, or resumed them with it: the command no longer said what they were. It is refused, as an
+    option added or changed is."""
+    from sweep import check_earlier_runs
+
+    run, _ = _trained_run(tmp_path, ['--ema_decay', '0.5', '--max_iteration', '2'])
+    check_earlier_runs([run], 'sweep')  # the same command
+    run.options = parse_args(parse_train_args, ['--max_iteration', '2'])
+    with pytest.raises(KilnError, match=r'^--ema_decay none \(it has 0.5\): sweep sweep trained a with other'):
+        check_earlier_runs([run], 'sweep')
+
+
 def test_runs_with_nothing_left_to_train_count_as_finished(tiny_shapes, tmp_path):
     """A finished sweep run again with fewer steps said every run was "trained now" and compared them all
     again (a comparison val_<name>_2 the same as the first), though each train.py had nothing to train."""
@@ -501,11 +541,12 @@ def test_list_files_given_relative_are_the_options_a_run_saved(tmp_path, monkeyp
     (run / 'epoch001_step0000006.pth').write_bytes(b'')
     (run / 'args.yaml').write_text(f'train_list: {tmp_path}/lists/train.txt\nlr: 0.001\n')
     monkeypatch.chdir(tmp_path)
-    same = types.SimpleNamespace(folder=str(run), prefix='sweep_lr0.001')
-    same.options = argparse.Namespace(train_list='lists/train.txt', lr=0.001)
+    options = parse_args(parse_train_args, ['--train_list', 'lists/train.txt', '--val_list', 'lists/val.txt'])
+    (run / 'args.yaml').write_text(yaml.safe_dump(vars(resolve(options))))  # as train.py saves them: absolute
+    same = types.SimpleNamespace(folder=str(run), prefix='sweep_lr0.001', options=options)
     sweep.check_earlier_runs([same], 'sweep')
     other = types.SimpleNamespace(folder=str(run), prefix='sweep_lr0.001')
-    other.options = argparse.Namespace(train_list='lists/other.txt', lr=0.001)
+    other.options = parse_args(parse_train_args, ['--train_list', 'lists/other.txt', '--val_list', 'lists/val.txt'])
     with pytest.raises(KilnError, match=r'^--train_list lists/other.txt \(it has .*/lists/train.txt\): sweep sweep'):
         sweep.check_earlier_runs([other], 'sweep')
 
