@@ -190,6 +190,8 @@ def _number(convert, test, requirement):
             raise argparse.ArgumentTypeError(f'must be {requirement}, got {text}') from None
         if not (math.isfinite(value) and test(value)):
             raise argparse.ArgumentTypeError(f'must be {requirement}, got {text}')
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:  # what torch (and the seeds) hold
+            raise argparse.ArgumentTypeError(f'must be {requirement} of at most 19 digits, got {text}')
         return value
 
     return parse
@@ -434,7 +436,10 @@ def parse_common_args(parser):
     parser.add_argument('--gpus', type=int, nargs='+', help='GPU ids, e.g. --gpus 0 1 (default: GPU 0 if CUDA exists)')
     parser.add_argument('--cpu', action='store_true', help='run on the CPU even when a GPU exists')
     parser.add_argument(
-        '--seed', type=int, default=0, help='seeds python, numpy, torch, the data order and augmentation'
+        '--seed',
+        type=_number(int, lambda v: True, 'an integer'),
+        default=0,
+        help='seeds python, numpy, torch, the data order and augmentation',
     )
     parser.add_argument(
         '--topk',
@@ -829,6 +834,8 @@ def _config_to_argv(parser, path):
     training_record = 'epochs' in config and 'epochs' not in actions
     argv = []
     for key, value in config.items():
+        if not isinstance(key, str):  # YAML reads on, yes, 1, null as no text
+            parser.error(f'--config {path}: {key!r} is not an option name (YAML reads it as {type(key).__name__})')
         action = actions.get(key)
         if action is None and key not in ('config', 'help') and key in _kiln_option_names():
             continue  # another script's option: a saved args.yaml is a whole record
@@ -969,8 +976,14 @@ def _check_names(args):
 def _config_and_flags(parser, argv, base_config):
     """The tokens `parser` reads: the `base_config` file's (or mapping's), the --config file's, then `argv`."""
     config_parser = KilnArgumentParser(add_help=False)
-    config_parser.add_argument('--config', type=user_path)
-    config_path = config_parser.parse_known_args(argv)[0].config
+    config_parser.add_argument('--config', type=user_path, action='append')
+    config_paths = config_parser.parse_known_args(argv)[0].config or [None]
+    if len(config_paths) > 1:  # argparse keeps the last: the others' options were dropped without a word
+        parser.error(
+            f'--config is given {len(config_paths)} times ({", ".join(config_paths)}): give one file, and the '
+            f'options to change as flags after it'
+        )
+    config_path = config_paths[0]
     return [token for path in (base_config, config_path) if path for token in _config_to_argv(parser, path)] + argv
 
 

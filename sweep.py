@@ -131,7 +131,7 @@ def load_specs(args):
         try:
             with open(args.config, encoding='utf-8-sig') as f:
                 config = yaml.load(f, UniqueKeyLoader) or {}  # as train.py's --config: numbers as written
-        except (OSError, yaml.YAMLError) as error:
+        except (OSError, ValueError, yaml.YAMLError) as error:  # (ValueError: not UTF-8 text)
             raise KilnError(f'--config {args.config}: cannot read it ({str(error).splitlines()[0]})') from None
         if (
             not isinstance(config, dict)

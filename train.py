@@ -731,7 +731,7 @@ class Trainer:
         continued, resumed = self.folder(LAST), self.options.resume_from
         if idle and resumed and not (os.path.isfile(continued) and os.path.samefile(resumed, continued)):
             continued = resumed
-        if os.path.isfile(continued):
+        if os.path.isfile(continued) and not o.fast_dev_run:  # (its folder goes with the next one)
             more = []  # a run that ended trains nothing more when resumed as it is: say what to change
             early = stop is not None and stop.reason == StopReason.EARLY_STOP
             if early:

@@ -636,7 +636,7 @@ class Exploit:
         return os.system, (f'touch {self.marker}',)
 
 
-# 10. non-positive numbers (argparse) ----------------------------------------------------------------
+# 10. non-positive numbers, and numbers too large (argparse) ------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -646,6 +646,8 @@ class Exploit:
         ('--epochs', '0'),
         ('--lr', '0'),
         ('--lr', '-1'),
+        ('--seed', '99999999999999999999999'),  # more than torch holds: tracebacks once training began
+        ('--topk', '99999999999999999999'),
     ],
 )
 def test_non_positive_number(data, tmp_path, option, value):
@@ -705,6 +707,7 @@ def test_existing_eval_results_are_not_touched(trained):
         (b'optimizer: adamm\n', "optimizer: 'adamm' is not one of sgd, adam, adamw"),
         (b'lr: 0.1\nepochs: 2\nlr: 0.2\n', "the key 'lr' is given twice"),  # the last one won without a word
         (b'config: other.yaml\n', "'config' cannot be set in a config file"),  # was: unknown (did you mean config?)
+        (b'on: 2\n', 'True is not an option name (YAML reads it as bool)'),  # was difflib's TypeError traceback
     ],
     ids=[
         'missing',
@@ -719,6 +722,7 @@ def test_existing_eval_results_are_not_touched(trained):
         'choice',
         'twice',
         'config_in_config',
+        'key_not_text',
     ],
 )
 def test_bad_config_file(data, tmp_path, content, needle):
@@ -727,6 +731,15 @@ def test_bad_config_file(data, tmp_path, content, needle):
         config.write_bytes(content)
     result = train(tmp_path / 'ck', data, '--config', config)
     assert_one_error_line(result, '--config', config, *([needle] if needle else []))
+    assert leftovers(tmp_path / 'ck') == []
+
+
+def test_a_second_config_file_is_refused(data, tmp_path):
+    """argparse kept the last --config: the first file's options were dropped without a word."""
+    (tmp_path / 'a.yaml').write_text('lr: 0.5\n')
+    (tmp_path / 'b.yaml').write_text('epochs: 3\n')
+    result = train(tmp_path / 'ck', data, '--config', tmp_path / 'a.yaml', '--config', tmp_path / 'b.yaml')
+    assert_one_error_line(result, '--config is given 2 times', 'a.yaml', 'b.yaml')
     assert leftovers(tmp_path / 'ck') == []
 
 

@@ -467,6 +467,13 @@ def test_fast_dev_run_trains_saves_evaluates_and_predicts_in_a_throwaway_folder(
     (folder,) = [throwaway / name for name in os.listdir(throwaway)]
     assert f'fast_dev_run: trained, saved, evaluated and predicted in {folder}' in result.stdout
     assert os.listdir(tmp_path / 'ck') == ['fast_dev_run']  # no real experiment folder made or touched
+    # its folder goes with the next one: a run trained on there would too. Not offered, and refused
+    assert 'train more:' not in result.stdout and 'continue:' not in result.stdout, result.stdout
+    resumed = run_script('train.py', '--resume', folder / 'last.pth', '--max_iteration', '4')
+    assert resumed.returncode == 2 and resumed.stderr == (
+        f'error: --resume {folder}/last.pth: a --fast_dev_run check, in a throwaway folder; start a real run '
+        f'(from its weights: --load_model_path {folder}/last.pth)\n'
+    ), resumed.stderr
     last = load(folder / 'last.pth')
     assert last['position']['step'] == 2
     with open(folder / 'checkpoints.json') as f:

@@ -427,6 +427,7 @@ def test_options_of_two_values_are_swept(tiny_shapes, tmp_path):
     'sweep_args, message',
     [
         (['--config', 'grid: {1: [2]}'], '1 is not a train.py option name'),
+        (['--config', 'grid: {lr: [0.001]}\n# caf\xe9'], "cannot read it ('utf-8' codec can't decode byte 0xe9"),
         (['--config', 'grid: {null: [2]}'], 'None is not a train.py option name'),
         (['--config', 'random: {lr: [1]}\nseed: [1]'], 'seed: must be an integer, got [1]'),
         (['--config', 'random: {lr: [1]}\nseed: abc'], "seed: must be an integer, got the text 'abc'"),
@@ -447,7 +448,7 @@ def test_sweep_settings_of_the_wrong_kind_are_refused(tmp_path, sweep_args, mess
     import sweep
 
     if sweep_args[0] == '--config':
-        (tmp_path / 'sweep.yaml').write_text(sweep_args[1])
+        (tmp_path / 'sweep.yaml').write_bytes(sweep_args[1].encode('latin-1'))  # (not UTF-8 where it has é)
         sweep_args = ['--config', str(tmp_path / 'sweep.yaml')]
     with pytest.raises(KilnError, match=re.escape(message)):
         sweep.load_specs(sweep.sweep_args(sweep_args))

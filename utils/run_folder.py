@@ -452,6 +452,11 @@ def open_experiment(argv, args):
         if isinstance(trained, dict):
             base = as_trained({k: v for k, v in trained.items() if k not in DERIVED})
         merged = parse_args(parse_train_args, argv, base_config=base)
+        if merged.fast_dev_run:  # trained on in its folder, it would go with the next --fast_dev_run's clean-up
+            raise KilnError(
+                f'--resume {resume_from or folder}: a --fast_dev_run check, in a throwaway folder; start a real '
+                f'run (from its weights: --load_model_path {resume_from or folder})'
+            )
         _refuse_changes(parse_args(parse_train_args, [], base_config=base), merged, folder)
         args = resolve(merged)
         _refuse_other_world_size(checkpoint, resume_from)
