@@ -1137,11 +1137,11 @@ def option_defaults(add_args):
     return vars(parser.parse_args([]))
 
 
-def given_options(add_args, argv):
-    """The names of the options that `argv` sets, by a flag or through its --config file (a value that
-    equals the default counts as given: it was asked for)."""
+def given_options(add_args, argv, config=True):
+    """The names of the options that `argv` sets, by a flag or (unless not `config`) through its --config
+    file (a value that equals the default counts as given: it was asked for)."""
     parser = _quiet_parser(add_args)
-    return set(vars(parser.parse_args(_config_and_flags(parser, list(argv), None))))
+    return set(vars(parser.parse_args(_config_and_flags(parser, list(argv), None) if config else list(argv))))
 
 
 def resolve(args, **changes):

@@ -552,6 +552,27 @@ def test_a_run_ended_by_max_iteration_says_how_to_go_on(tiny_shapes, tmp_path):
     assert 'nothing left to train: give more --epochs to go on' in again.stdout, again.stdout
 
 
+def test_a_copied_run_s_args_yaml_resumes_the_copy_not_the_original(tiny_shapes, tmp_path):
+    """A run's args.yaml names the place it was trained in: `--config <copy>/args.yaml --resume` trained the
+    original on (and pruned its checkpoints); it is refused, and `--resume <copy>` with that --config was
+    refused for a --checkpoints_dir only the --config gave."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--epochs', '1']
+    _train(args)
+    original = _folder(args)
+    before = {name: _read(original, name) for name in os.listdir(original) if name.endswith('.pth')}
+    copy = tmp_path / 'moved' / 'small_cnn_list_other'
+    shutil.copytree(original, copy)
+    config = ['--config', str(copy / 'args.yaml')]
+    refused = run_script('train.py', *config, '--resume', '--epochs', '2')
+    assert refused.returncode == 2 and refused.stderr == (
+        f'error: --config {copy}/args.yaml is the record of the run in {copy}, but --resume alone continues '
+        f'{original}, where its options say the run was (it was moved or copied since); give --resume {copy}\n'
+    ), refused.stderr
+    _train(config, '--resume', str(copy), '--epochs', '2')
+    assert _load(copy / 'last.pth')['position']['epoch'] == 2
+    assert {name: _read(original, name) for name in os.listdir(original) if name.endswith('.pth')} == before
+
+
 def test_resume_options(tiny_shapes, tmp_path):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     fresh = _train(args, '--resume')  # nothing to continue: starts the run

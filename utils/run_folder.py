@@ -416,12 +416,15 @@ def open_experiment(argv, args):
                 f"or experiment folder, or --resume alone for the experiment's newest checkpoint"
             )
         folder = os.path.dirname(os.path.abspath(named))
-    if (named or named_folder) and 'checkpoints_dir' in given_options(parse_train_args, argv):
+    # (as a flag: a --config's is the run's record, e.g. its own args.yaml from before it was moved)
+    if (named or named_folder) and 'checkpoints_dir' in given_options(parse_train_args, argv, config=False):
         if os.path.abspath(args.checkpoints_dir) != os.path.dirname(folder):  # it was ignored, and recorded
             raise KilnError(
                 f'--checkpoints_dir {args.checkpoints_dir}: --resume {args.resume} continues the run in its own '
                 f'folder {folder}; drop --checkpoints_dir (to move a run, move its folder and resume it there)'
             )
+    if args.resume and not named:
+        _refuse_another_run_than_the_configs(argv, args, folder)
     if args.resume and not named and not os.path.isdir(folder):
         _refuse_a_run_left_in_the_working_folder(argv, folder)
     if not args.resume or not os.path.isdir(folder):
@@ -475,6 +478,25 @@ def open_experiment(argv, args):
         lock.release()
         raise
     return args.replace(model_dir=folder, resume_from=resume_from), lock
+
+
+def _refuse_another_run_than_the_configs(argv, args, folder):
+    """A KilnError when --resume alone, with a run's own args.yaml as --config (and no flag that names the
+    folder), would continue `folder`, another run than that record's: the run was moved, copied or renamed
+    since it was saved, and its options still name the place it was trained in (where the original, or
+    nothing, is)."""
+    config = getattr(args, 'config', None)
+    if not config or os.path.basename(config) != ARGS_YAML:
+        return
+    home = os.path.dirname(os.path.abspath(config))
+    naming = {'checkpoints_dir', 'save_prefix', 'model_type', 'data_type', 'task'}
+    if naming & given_options(parse_train_args, argv, config=False) or not os.path.isfile(os.path.join(home, ARGS_TXT)):
+        return
+    if os.path.abspath(folder) != home:
+        raise KilnError(
+            f'--config {config} is the record of the run in {home}, but --resume alone continues {folder}, '
+            f'where its options say the run was (it was moved or copied since); give --resume {home}'
+        )
 
 
 def resumed_on_cpu(args, argv):
