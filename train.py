@@ -966,10 +966,17 @@ def finish(trainer, stop):
         return
     if stop.reason == StopReason.NONFINITE:
         path = trainer.folder(LAST)
+        # (a resumed run keeps its --lr and clipping: the run to go on in is a new one)
         if os.path.exists(path):  # name only files that exist
-            advice = f'nothing after it was saved. Lower --lr (or clip gradients) and continue from --resume {path}'
+            advice = (
+                f'nothing after it was saved. To go on with a lower --lr (or --clip_grad_norm 1), start a run '
+                f'from its weights: --load_model_path {path} --save_prefix NEW_NAME'
+            )
         else:
-            advice = 'nothing was saved. Lower --lr (or clip gradients) and start again (--resume reuses the folder)'
+            advice = (
+                'nothing was saved. Start again with a lower --lr (or --clip_grad_norm 1), adding --resume (it '
+                'reuses the folder)'
+            )
         raise KilnError(f'{stop.message}; {advice}')
     if stop.reason == StopReason.SIGNAL:
         sys.exit(128 + stop.signum)

@@ -457,17 +457,31 @@ def test_two_resumes_within_a_second_set_their_newer_checkpoints_aside_apart(tmp
     assert (aside / 'step3_20261125_081500_1' / 'epoch001_step0000010.pth').read_bytes() == b'second'
 
 
-def test_nonfinite_loss_stops_with_the_step_and_saves_nothing_after_it(tiny_shapes, tmp_path):
+@pytest.mark.parametrize('saved', [False, True])
+def test_nonfinite_loss_stops_with_the_step_and_saves_nothing_after_it(tiny_shapes, tmp_path, saved):
     args = tiny_run_args(tiny_shapes, tmp_path / 'ck')
-    result = _train(args, '--optimizer', 'sgd', '--lr', '1e30', '--epochs', '5', '--print_freq', '3', code=2)
+    schedule = (
+        ['--max_iteration', '20', '--save_interval', '1', '--valid_interval', '1'] if saved else ['--epochs', '5']
+    )
+    result = _train(args, '--optimizer', 'sgd', '--lr', '1e30', *schedule, '--print_freq', '3', code=2)
     line = result.stderr.strip()
-    assert line.startswith('error: non-finite loss at step ') and '--resume' in line
+    assert line.startswith('error: non-finite loss at step ') and '--lr' in line
     bad_step = int(line.split('at step ')[1].split(';')[0])
     for name in os.listdir(_folder(args)):
         if name.endswith('.pth'):
             checkpoint = _load(os.path.join(_folder(args), name))
             assert _step(checkpoint) < bad_step
             assert all(torch.isfinite(t).all() for t in checkpoint['model'].values() if t.is_floating_point())
+    # its advice can be taken (it said to resume with a lower --lr, which a resume refuses: it keeps the run's)
+    lower = ['--optimizer', 'sgd', '--lr', '1e-3', '--epochs', '1']
+    assert ('--load_model_path' in line) == saved, line
+    if saved:  # (weights a step of lr 1e30 made: they train no further, but the run is taken)
+        weights = line.split('--load_model_path ')[1].split()[0]
+        taken = run_script('train.py', *args, *lower, '--load_model_path', weights, '--save_prefix', 'lower')
+        assert 'small_cnn_list_lower\n' in taken.stdout and 'error: non-finite' in taken.stderr, taken.stderr
+    else:
+        assert line.endswith('adding --resume (it reuses the folder)'), line
+        _train(args, *lower, '--resume')
 
 
 def test_nonfinite_loss_is_named_exactly_without_syncing_each_step(tiny_shapes, tmp_path, monkeypatch):
