@@ -112,6 +112,19 @@ def test_a_kill_before_a_new_best_is_linked_leaves_best_pth_on_the_best_after_re
         assert json.load(f)['best'] == 'epoch002_step0000012.pth'
 
 
+def test_a_kill_between_the_record_and_the_pruning_leaves_no_file_behind(tiny_shapes, tmp_path):
+    """Killed after the record dropped the older checkpoint, before its file was removed: the resume took it
+    for one put there by hand, moved it to superseded/unrecorded/ (said so, wrongly) and kept it for good."""
+    args = tiny_run_args(tiny_shapes, tmp_path / 'ck') + ['--monitor', 'train/loss']
+    killed = run_script('train.py', *args, env={'KILN_KILL_AT': 'record_written:2'})
+    assert killed.returncode == -signal.SIGKILL
+    folder = _folder(args)
+    assert os.path.exists(os.path.join(folder, 'epoch001_step0000006.pth'))  # dropped from the record only
+    resumed = _ok(run_script('train.py', *args, '--resume', '--epochs', '3'))
+    assert 'no record' not in resumed.stdout and not os.path.exists(os.path.join(folder, 'superseded'))
+    assert sorted(n for n in os.listdir(folder) if n.startswith('epoch')) == ['epoch003_step0000018.pth']
+
+
 def test_a_run_killed_after_its_last_checkpoint_writes_its_end_when_resumed(tiny_shapes, tmp_path):
     """Killed between its last checkpoint and its end records (or a full disk as the record was written),
     a run resumed said "nothing left to train" and never wrote history.json, its final and best metrics,

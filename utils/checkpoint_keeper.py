@@ -191,6 +191,18 @@ class CheckpointKeeper:
             _link_or_copy(os.path.join(folder, link), os.path.join(folder, name))
             print(f'restored {name} from {link} (its bytes match the checksum in {RECORD})', flush=True)
         self.held = {} if restore else self.held
+        # files this keeper's record had dropped when a kill came before their removal: removed now (the
+        # bytes it dropped: not a file of that name put there since), not taken for unrecorded ones
+        pruned = {
+            name
+            for name, digest in (record.get('pruning') if isinstance(record.get('pruning'), dict) else {}).items()
+            if name not in record['files']
+            and os.path.isfile(os.path.join(folder, name))
+            and checksum(os.path.join(folder, name)) == digest
+        }
+        for name in pruned if restore else ():
+            os.remove(os.path.join(folder, name))
+        self.pruning = {}  # the files a save's record drops, until they are removed
         self.files = {
             name: entry
             for name, entry in record['files'].items()
@@ -200,7 +212,7 @@ class CheckpointKeeper:
         self.ended_at = record.get('ended_at')  # the step at which the run's end records were written
         # files a kill left unrecorded (saved, then killed before the record): kept and pruned like the others;
         # one no newer than the record's newest is no kill's (each save is recorded before the next): set aside
-        self.unrecorded = {name for name in os.listdir(folder) if step_of(name) is not None} - set(self.files)
+        self.unrecorded = {name for name in os.listdir(folder) if step_of(name) is not None} - set(self.files) - pruned
         self.recorded_step = max([entry['step'] for entry in self.files.values()], default=-1)
         for name in self.unrecorded:
             path = os.path.join(folder, name)
@@ -269,7 +281,10 @@ class CheckpointKeeper:
             fault_point('links_made')
             self.files[name] = {'step': step, 'sha256': digest, 'metric': metric}
             self.ended_at = None  # a new checkpoint: the run's end is still to come
+            entries = dict(self.files)
             dropped = self._forget_extra()
+            by_hand = {old for old in dropped if old in self.unrecorded and step_of(old) <= self.recorded_step}
+            self.pruning = {old: entries[old]['sha256'] for old in dropped if old not in by_hand}
             writing = f'{RECORD} after checkpoint {path}'
             self.write_record()
             fault_point('record_written')
@@ -282,13 +297,14 @@ class CheckpointKeeper:
             else:  # the run's folder goes with the error: there is nothing to resume
                 advice = f'nothing was saved: {fix} run the command again'
             raise KilnError(f'could not write {writing} ({error.strerror or error}); {advice}') from None
-        for old in dropped:  # only now that the record no longer lists them
+        for old in dropped:  # only now that the record no longer lists them (and lists them as pruning)
             with contextlib.suppress(FileNotFoundError):
-                if old in self.unrecorded and step_of(old) <= self.recorded_step:  # put there by hand
+                if old in by_hand:  # put there by hand
                     set_aside(self.folder, old)
                     print(f'{old} is in no record of this run: moved to superseded/unrecorded/', flush=True)
                 else:
                     os.remove(os.path.join(self.folder, old))
+        self.pruning = {}
         return path
 
     def _forget_extra(self):
@@ -307,6 +323,8 @@ class CheckpointKeeper:
         which files last.pth and best.pth are."""
         last = max(self.files, key=lambda n: self.files[n]['step']) if self.files else None
         record = {'last': last, 'best': self.best, 'ended_at': self.ended_at, 'files': self.files}
+        if self.pruning:
+            record['pruning'] = self.pruning
         atomic_write_json(record, os.path.join(self.folder, RECORD))
 
     def record_end(self, step):
