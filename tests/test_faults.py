@@ -1055,3 +1055,25 @@ def test_last_pth_replaced_while_it_is_checked_is_not_called_corrupt(tmp_path, m
         f.write(b'\0' * 8)
     with pytest.raises(KilnError, match='last.pth is corrupt'):
         verify(str(tmp_path / 'last.pth'))
+
+
+def test_a_new_run_that_fails_before_its_first_checkpoint_takes_its_w_b_files_with_it(tmp_path):
+    """W&B's wandb/ (made as the trackers open) stayed in the folder of a run stopped while it started: the
+    same command was then refused ('already exists ... add --resume'), with no run to continue."""
+    from utils.run_folder import discard_folder_if_setup_fails
+
+    folder = tmp_path / 'ck' / 'run'
+    (folder / 'wandb' / 'offline-run-1').mkdir(parents=True)
+    (folder / 'wandb' / 'offline-run-1' / 'run-1.wandb').write_bytes(b':W&B')
+    (folder / 'args.yaml').write_text('lr: 0.1\n')
+    with pytest.raises(RuntimeError), discard_folder_if_setup_fails(str(folder), [str(tmp_path / 'ck')]):
+        raise RuntimeError('stopped while starting')
+    assert not (tmp_path / 'ck').exists()
+    mine = tmp_path / 'mine'  # a folder of the user's, linked as wandb: neither followed nor removed
+    mine.mkdir()
+    (mine / 'keep.txt').write_text('keep')
+    folder.mkdir(parents=True)
+    (folder / 'wandb').symlink_to(mine)
+    with pytest.raises(RuntimeError), discard_folder_if_setup_fails(str(folder)):
+        raise RuntimeError('stopped while starting')
+    assert (mine / 'keep.txt').read_text() == 'keep' and os.listdir(folder) == ['wandb']

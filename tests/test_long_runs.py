@@ -727,6 +727,17 @@ def test_reproducibility_record(tiny_shapes, tmp_path):
     assert entry['args']['deterministic'] is True and entry['args']['epochs'] == 1
     assert entry['torch'] == torch.__version__ and entry['host'] and entry['start_time']
     assert 'git_commit' in entry and 'git_diff' in entry
+    # a record edited into no JSON is kept beside the new one (it was replaced: every earlier start's lost)
+    record = os.path.join(_folder(args), 'reproduce.json')
+    with open(record, 'a') as f:
+        f.write(',')
+    edited = _read(_folder(args), 'reproduce.json')
+    resumed = _train(args, '--epochs', '2', '--deterministic', '--resume')
+    (aside,) = glob.glob(record + '.unreadable-*')
+    assert f'note: {record} was no list of records; kept as {aside}' in resumed.stdout
+    assert _read(_folder(args), os.path.basename(aside)) == edited
+    with open(record) as f:
+        assert len(json.load(f)) == 1
 
 
 def test_runs_started_from_python_record_their_own_command(tiny_shapes, tmp_path):

@@ -56,6 +56,7 @@ RUN_FILES = (
     'load_report.json',
     'metrics.csv',
 )
+RUN_FOLDERS = ('wandb',)  # the same, folders: W&B's run files (offline, or its local copy)
 
 
 def make_parents(path):
@@ -124,8 +125,8 @@ def discard_folder_if_setup_fails(folder, made_parents=()):
     """Remove a just-created run folder again if what follows fails, so the same command can be re-run,
     and the folders made above it for it (`made_parents`, deepest first) while they are empty.
 
-    Only what runs write by themselves (RUN_FILES, TensorBoard event files) is removed, and only
-    while the folder holds no checkpoint; a folder holding anything else is left alone.
+    Only what runs write by themselves (RUN_FILES, RUN_FOLDERS, TensorBoard event files) is removed, and
+    only while the folder holds no checkpoint; a folder holding anything else is left alone.
     """
     try:
         yield
@@ -135,9 +136,12 @@ def discard_folder_if_setup_fails(folder, made_parents=()):
             if isinstance(error, StoppedBySignal):  # not 'continue with --resume'
                 error.nothing_saved()
             for name in names:
-                if name in RUN_FILES or name.startswith(('events.out.tfevents.', '.')):
+                path = os.path.join(folder, name)
+                if name in RUN_FOLDERS and os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif name in RUN_FILES or name.startswith(('events.out.tfevents.', '.')):
                     with contextlib.suppress(OSError):
-                        os.remove(os.path.join(folder, name))
+                        os.remove(path)
         with contextlib.suppress(OSError):
             for empty in (folder, *made_parents):
                 os.rmdir(empty)  # only succeeds when nothing else is in it

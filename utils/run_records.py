@@ -168,8 +168,16 @@ def append_reproducibility_record(folder, record):
         'host': socket.gethostname(),
     }
     path = os.path.join(folder, 'reproduce.json')
-    entries = []
-    with contextlib.suppress(OSError, ValueError):
+    try:
         with open(path) as f:
             entries = json.load(f)
+    except FileNotFoundError:
+        entries = []
+    except (OSError, ValueError):
+        entries = None
+    if not isinstance(entries, list):  # edited by hand, say: the earlier starts' records kept beside it
+        aside = f'{path}.unreadable-{datetime.datetime.now():%Y%m%d_%H%M%S_%f}'
+        os.replace(path, aside)
+        print(f'note: {path} was no list of records; kept as {aside}, and a new one started', flush=True)
+        entries = []
     atomic_write_json([*entries, record], path)
