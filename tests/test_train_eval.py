@@ -292,19 +292,32 @@ def test_a_fine_tuned_runs_args_yaml_names_its_weights_from_anywhere_and_eval_ta
     assert os.path.isdir(os.path.join(tuned, 'eval')) and sorted(os.listdir(folder)) == before
 
 
-def test_a_glob_of_checkpoints_leaves_out_files_that_are_none(tmp_path):
-    """'ck/*' took a notes.txt beside the experiments for a checkpoint and stopped on it."""
+def test_a_glob_of_checkpoints_leaves_out_files_that_are_none(tmp_path, capsys):
+    """'ck/*' took a notes.txt beside the experiments for a checkpoint and stopped on it; and stopped on a run
+    stopped before its first validation (no best.pth yet), where the others can be compared."""
     from utils.run_folder import checkpoints_to_evaluate
 
     (tmp_path / 'run').mkdir()
-    for name in ('run/args.yaml', 'run/best.pth', 'notes.txt', 'weights.safetensors'):
+    (tmp_path / 'young').mkdir()
+    for name in (
+        'run/args.yaml',
+        'run/best.pth',
+        'young/args.yaml',
+        'young/last.pth',
+        'notes.txt',
+        'weights.safetensors',
+    ):
         (tmp_path / name).write_text('x')
     assert checkpoints_to_evaluate([str(tmp_path / '*')]) == [
         str(tmp_path / 'run' / 'best.pth'),
         str(tmp_path / 'weights.safetensors'),
     ]
+    young = tmp_path / 'young'
+    assert capsys.readouterr().out == f'note: {young} has no best.pth yet: left out (give its last.pth to compare it)\n'
     with pytest.raises(KilnError, match=r'--load_model_path .*\*.txt matches no checkpoint'):
         checkpoints_to_evaluate([str(tmp_path / '*.txt')])
+    with pytest.raises(KilnError, match=r'has no best.pth yet; give its last.pth instead'):  # named: not left out
+        checkpoints_to_evaluate([str(young)])
 
 
 def test_command_line_overrides_config(tiny_args, tmp_path):

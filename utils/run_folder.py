@@ -37,7 +37,7 @@ from options import (
 )
 from utils.checkpoint import TEMPORARY, load_checkpoint, process_running, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of, verify
-from utils.distributed import world_size
+from utils.distributed import is_main_process, world_size
 from utils.errors import KilnError, StoppedBySignal, file_in_the_way, is_a_file
 from utils.fault_points import fault_point
 from utils.run_records import ARGS_TXT, ARGS_YAML, save_args
@@ -627,9 +627,9 @@ def checkpoints_to_evaluate(paths, config=None):
     """The checkpoint files named by eval.py's --load_model_path, in order, each once: files as they are,
     experiment folders as their best.pth, globs (e.g. 'checkpoints/*') expanded, what a glob matches that
     is no checkpoint left out (folders without args.yaml, such as Kiln's comparisons/, and files without a
-    checkpoint's suffix, such as notes.txt). A path that exists is taken as it is, wildcards or not
-    (--save_prefix 'exp[1]' makes a folder whose name is one). Without paths, the experiment whose
-    args.yaml is the --config file `config`."""
+    checkpoint's suffix, such as notes.txt; runs with no best.pth yet, with a note). A path that exists
+    is taken as it is, wildcards or not (--save_prefix 'exp[1]' makes a folder whose name is one).
+    Without paths, the experiment whose args.yaml is the --config file `config`."""
     run = os.path.dirname(os.path.abspath(config)) if config and os.path.basename(config) == ARGS_YAML else None
     if not paths and run and any(os.path.isfile(os.path.join(run, link)) for link in (BEST, LAST)):
         paths = [run]
@@ -650,9 +650,13 @@ def checkpoints_to_evaluate(paths, config=None):
                 or os.path.isfile(m)
                 and m.lower().endswith(CHECKPOINT_SUFFIXES)
             ]
+            unready = [m for m in matches if os.path.isdir(m) and not os.path.isfile(os.path.join(m, BEST))]
+            for folder in unready if is_main_process() else ():  # a run not validated yet: the others compared
+                print(f'note: {folder} has no {BEST} yet: left out (give its {LAST} to compare it)', flush=True)
+            matches = [m for m in matches if m not in unready]
         if not matches:
             raise KilnError(
-                f'--load_model_path {item} matches no checkpoint (an experiment folder or a '
+                f'--load_model_path {item} matches no checkpoint (an experiment folder with a {BEST}, or a '
                 f'{", ".join(CHECKPOINT_SUFFIXES)} file)'
             )
         found += [checkpoint_path(match) for match in matches]
