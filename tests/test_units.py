@@ -330,11 +330,17 @@ def test_a_mismatch_in_inference_never_advises_loading_what_fits(tmp_path):
     """eval.py and predict.py advised --load_not_strict: followed, they scored a head left at its init."""
     path = str(tmp_path / 'net.pth')
     torch.save(_Net(classes=3).state_dict(), path)  # bare weights: nothing says what they were trained as
-    with pytest.raises(KilnError, match=r'give the --model_type and --num_classes it was trained with$'):
+    with pytest.raises(KilnError, match=r'give the --model_type, --num_classes and --img_size it was trained with$'):
         load_weights(_Net(classes=4), path, inference=True)
     checkpoint = {'model': _Net(classes=3).state_dict(), 'args': {'num_classes': None}, 'class_names': list('abc')}
-    with pytest.raises(KilnError, match=r'the checkpoint has 3 classes: drop --num_classes \(eval.py and predict'):
-        load_weights(_Net(classes=4), checkpoint, inference=True)
+    built = argparse.Namespace(num_classes=4, img_size=None)
+    with pytest.raises(KilnError, match=r'--num_classes 4 \(it was trained with 3\): drop them \(eval.py and predict'):
+        load_weights(_Net(classes=4), checkpoint, inference=True, built_with=built)
+    # the option given that differs is named, not --num_classes (it blamed --num_classes for an --img_size)
+    checkpoint['args'] = {'num_classes': None, 'img_size': 32}
+    built = argparse.Namespace(num_classes=None, img_size=64)
+    with pytest.raises(KilnError, match=r'; --img_size 64 \(it was trained with 32\): drop them'):
+        load_weights(_Net(classes=4), checkpoint, inference=True, built_with=built)
 
 
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):

@@ -398,17 +398,21 @@ def other_model_advice(checkpoint, model_type):
     return None
 
 
-def trained_options_advice(checkpoint):
-    """What to do when a checkpoint run as it is (eval.py, predict.py) does not fit: build the model it was
-    trained for. Never --load_not_strict: the layers that do not fit would be scored at their init."""
+def trained_options_advice(checkpoint, built_with=None):
+    """What to do when a checkpoint run as it is (eval.py, predict.py) does not fit the model built with the
+    options `built_with`: build the model it was trained for, naming the options given that differ from its
+    training's. Never --load_not_strict: the layers that do not fit would be scored at their init."""
     options = checkpoint.get('args') if isinstance(checkpoint.get('args'), dict) else {}
     classes = len(checkpoint.get('class_names') or ()) or options.get('num_classes')
-    if classes:
-        return (
-            f'the checkpoint has {classes} classes: drop --num_classes '
-            f'(eval.py and predict.py take it from the checkpoint)'
-        )
-    return 'give the --model_type and --num_classes it was trained with'
+    trained = {'num_classes': classes, 'img_size': options.get('img_size')}
+    changed = [
+        f'--{name} {getattr(built_with, name)} (it was trained with {value})'
+        for name, value in trained.items()
+        if value is not None and getattr(built_with, name, value) not in (None, value)
+    ]
+    if changed:
+        return f'{", ".join(changed)}: drop them (eval.py and predict.py take them from the checkpoint)'
+    return 'give the --model_type, --num_classes and --img_size it was trained with'
 
 
 POSITION_TABLES = ('pos_embed', 'position_embedding', 'relative_position')  # sized by the image (ViTs, Swin)
@@ -435,6 +439,7 @@ def load_weights(
     advice=STRICT_ADVICE,
     model_type=None,
     inference=False,
+    built_with=None,
 ):
     """Load model weights from `checkpoint` (a path or a loaded dict): all of them when `strict`,
     else the matching ones via load_match_dict, whose report is printed. Returns a LoadReport.
@@ -443,7 +448,8 @@ def load_weights(
     `advice`; `source` names the checkpoint in messages (default: its path). With `model_type` (the
     --model_type being built), a Kiln checkpoint of another model type says so in that error instead.
     With `inference` (eval.py, predict.py: the weights are run as they are, not trained on) the error
-    says which model the checkpoint holds (trained_options_advice) instead of `advice`.
+    says which model the checkpoint holds instead of `advice`, naming the options of `built_with` (those
+    the model was built with) that differ from its training's (trained_options_advice).
     """
     path = checkpoint if isinstance(checkpoint, str) else None
     source = source or path or 'the checkpoint'
@@ -457,7 +463,7 @@ def load_weights(
     report, matched = match_weights(model, state_dict_of(checkpoint, prefix_map))
     if not report.fits():
         if inference:
-            advice = other_model or trained_options_advice(checkpoint)
+            advice = other_model or trained_options_advice(checkpoint, built_with)
         elif only_position_tables_differ(report):
             advice = (
                 'these weights are for another image size (only the position tables differ): give the --img_size '

@@ -67,6 +67,7 @@ def setup_model(
             prefix_map=prefix_map,
             model_type=options.model_type,
             inference=inference,
+            built_with=options,
         )
     model = model.to(device, memory_format=torch.channels_last if options.channels_last else torch.preserve_format)
     compiled = torch.compile(model, mode=options.compile_mode) if options.compile else model
