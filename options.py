@@ -139,15 +139,26 @@ class KilnArgumentParser(argparse.ArgumentParser):
                 error.message += f', or {NONE} {Store.none_does(action)}'
             raise
 
+    def parse_known_args(self, args=None, namespace=None):
+        self.words = sys.argv[1:] if args is None else list(args)  # what error() looks at for a hint
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):
+        flags = {flag: action for action in self._actions for flag in action.option_strings}
         if message.startswith('unrecognized arguments:'):
-            flags = {flag: action for action in self._actions for flag in action.option_strings}
             unknown = next((token for token in message.split()[2:] if token.startswith('--')), '').split('=')[0]
             meant = flags.get(unknown.replace('--no-', '--', 1))
             if unknown.startswith('--no-') and getattr(meant, 'turns_off', False):
                 message += f' (use {meant.option_strings[0]} {NONE} {Store.none_does(meant)})'
-            else:
+            elif unknown:
                 message += did_you_mean(unknown, flags)
+            elif any(os.path.exists(word) for word in message.split()[2:]):  # a glob the shell expanded, likely
+                message += " (an option takes one path: quote a glob, e.g. 'photos/*.jpg', so the shell leaves it)"
+        elif message.startswith('the following arguments are required:'):  # said before a mistyped flag
+            typed = [word.split('=')[0] for word in getattr(self, 'words', ()) if word.startswith('--')]
+            mistyped = next((word for word in typed if word not in flags and did_you_mean(word, flags)), None)
+            if mistyped:
+                message += f'; {mistyped} is no option{did_you_mean(mistyped, flags)}'
         from utils.errors import exit_with_error
 
         exit_with_error(f'error: {message} (see --help)')  # every torchrun rank parses the same line

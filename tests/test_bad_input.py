@@ -157,6 +157,28 @@ def test_a_mistyped_name_or_flag_comes_with_the_one_meant(data, tmp_path, argv, 
     assert leftovers(tmp_path / 'ck') == []
 
 
+@pytest.mark.parametrize(
+    'argv, line',
+    [
+        (  # argparse says what is missing before what is unknown: the typo went unnamed
+            ['--load_model_pth', 'best.pth', '--input', 'x'],
+            'the following arguments are required: --load_model_path; --load_model_pth is no option (did you '
+            'mean --load_model_path?)',
+        ),
+        (
+            ['--load_model_path', 'best.pth', '--inptu', 'x'],
+            'the following arguments are required: --input; --inptu is no option (did you mean --input?)',
+        ),
+        (  # an unquoted glob: the shell gave --input its first file, and the others to nobody
+            ['--load_model_path', 'best.pth', '--input', 'README.md', 'train.py'],
+            "unrecognized arguments: train.py (an option takes one path: quote a glob, e.g. 'photos/*.jpg', so",
+        ),
+    ],
+)
+def test_predict_s_usual_first_mistakes_are_named(argv, line):
+    assert_one_error_line(run('predict.py', *argv), line)
+
+
 def test_a_mistyped_loss_is_said_before_torch_loads_and_before_the_folder_is_looked_at(data, tmp_path):
     """--loss was checked only as the run was built: after torch loaded, and after an existing experiment
     folder was said to exist (the fix asked for, a new --save_prefix, then met the typo)."""
