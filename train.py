@@ -928,10 +928,11 @@ def main(argv=None, args=None, trainer_type=Trainer):
     return trainer
 
 
-def train_in_group(argv, args, trainer_type=Trainer, keep_lock=False):
+def train_in_group(argv, args, trainer_type=Trainer, keep_lock=False, users_argv=None):
     """Open the experiment folder, build the Trainer (or `trainer_type`) and run it, in the process
     group already joined; returns (the Trainer, its Stop or None). The folder's lock is released at the
-    end, or with `keep_lock` left to the caller (`trainer.lock`) once the run succeeded."""
+    end, or with `keep_lock` left to the caller (`trainer.lock`) once the run succeeded. Notes on options
+    that do nothing here are about `users_argv` (default `argv`): the flags the user gave."""
     options, lock = open_run(argv, resolve(args))
     # a failed start removes a folder it just made, never one that --resume reopened
     fresh = is_main_process() and options.resume_from is None and not options.resume
@@ -940,7 +941,7 @@ def train_in_group(argv, args, trainer_type=Trainer, keep_lock=False):
         with discard_folder_if_setup_fails(options.model_dir, made_parents) if fresh else contextlib.nullcontext():
             trainer = trainer_type.build(options, lock)
             if is_main_process():
-                for note in ignored_options(trainer.judged_options(), argv):  # does nothing here: said, not refused
+                for note in ignored_options(trainer.judged_options(), users_argv or argv):  # said, not refused
                     print(f'note: {note}')
                 lists = [options.train_list, options.val_list]
                 if all(lists) and os.path.realpath(lists[0]) == os.path.realpath(lists[1]):
@@ -1005,7 +1006,8 @@ def fast_dev_run(argv, args, trainer_type=Trainer):
     ]
     # --fast_dev_run stays among its options: Trainer.build knows its 2 steps are not the run's schedule
     # the folder stays locked until predict.py is done: another --fast_dev_run removes only unlocked ones
-    trainer, stop = train_in_group(dev_argv, parse_args(parse_train_args, dev_argv), trainer_type, keep_lock=True)
+    dev_args = parse_args(parse_train_args, dev_argv)
+    trainer, stop = train_in_group(dev_argv, dev_args, trainer_type, keep_lock=True, users_argv=argv)
     try:
         return check_dev_run(trainer, stop, args, throwaway)
     finally:

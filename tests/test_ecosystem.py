@@ -544,6 +544,17 @@ time.sleep(600)
 """
 
 
+def test_fast_dev_run_notes_only_the_flags_the_user_gave(tiny_shapes, tmp_path):
+    """With --overfit_batches it noted that the run ignored --limit_train_batches and --limit_val_batches,
+    which --fast_dev_run adds itself."""
+    args = [*tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--fast_dev_run', '--overfit_batches', '2']
+    result = run_script('train.py', *args)
+    assert result.returncode == 0 and 'note:' not in result.stdout, result.stdout + result.stderr
+    given = run_script('train.py', *args, '--limit_train_batches', '3')  # the user's own: still said
+    notes = [line for line in given.stdout.splitlines() if line.startswith('note:')]
+    assert given.returncode == 0 and len(notes) == 1 and '--limit_train_batches' in notes[0], given.stdout
+
+
 def test_fast_dev_run_refuses_resume_in_one_line(tiny_shapes, tmp_path):
     """--fast_dev_run --resume ignored --resume without a word."""
     result = run_script('train.py', *tiny_run_args(tiny_shapes, tmp_path / 'ck'), '--fast_dev_run', '--resume')
