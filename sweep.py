@@ -268,12 +268,18 @@ def check_names(specs, actions, train_argv):
         raise KilnError('--fast_dev_run trains no run to sweep: leave it out after -- (or try train.py --fast_dev_run)')
 
 
+def as_written(action, value):
+    """The text `value` of `action`'s option as the user wrote it: YAML reads an unquoted off (on, ...) as
+    false, so `amp: [off, bf16]` is --amp off (and names its run amp-off, as --grid amp=off,bf16 does)."""
+    if action.nargs != 0 and value in ('true', 'false'):
+        return choice_read_as(action, value == 'true') or value
+    return value
+
+
 def tokens(action, value):
     """Command-line tokens that give `action`'s option the text `value` (a switch takes true or false)."""
     flag, on = action.option_strings[0], value.lower() in ('true', 'yes', 'on', '1')
     if action.nargs != 0:
-        if value in ('true', 'false'):  # YAML read an unquoted off (on, ...): amp: [off, bf16] is --amp off
-            value = choice_read_as(action, value == 'true') or value
         return [flag, value] if action.nargs in (None, '?') else [flag, *value.split()]  # +, *, 2: several
     if not on and value.lower() not in ('false', 'no', 'off', '0'):
         raise KilnError(f'{flag} is a switch: sweep it over true,false, not {value!r}')
@@ -305,6 +311,7 @@ def plan(combos, name, train_argv, actions):
     """The runs (prefix, argv, options), every argv checked; identical random trials run once."""
     runs = {}
     for combo in combos:
+        combo = [(option, as_written(actions[option], value)) for option, value in combo]
         prefix = run_name(name, combo)
         argv = [
             *train_argv,

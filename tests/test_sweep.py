@@ -405,12 +405,14 @@ def test_a_sweeps_files_are_never_replaced_and_the_refusal_says_what_uses_them(t
 
 
 def test_a_sweep_file_takes_an_unquoted_off_as_the_choice_off(tiny_shapes, tmp_path):
-    """YAML reads `amp: [off, bf16]` as [false, bf16]: it gave --amp false, an invalid choice."""
+    """YAML reads `amp: [off, bf16]` as [false, bf16]: it gave --amp false, an invalid choice; then named the
+    run amp-false, where --grid amp=off,bf16 names it amp-off (moved to a file, a sweep retrained its runs)."""
     train = tiny_run_args(tiny_shapes, tmp_path / 'ck')
     config = tmp_path / 'sweep.yaml'
     config.write_text('grid: {amp: [off, bf16]}\n')
     printed = _sweep('--config', str(config), '--dry_run', '--', *train).stdout
-    assert '--amp off --save_prefix' in printed and '--amp bf16 --save_prefix' in printed, printed
+    assert '--amp off --save_prefix sweep_amp-off ' in printed and '--amp bf16 --save_prefix' in printed, printed
+    assert _sweep('--grid', 'amp=off,bf16', '--dry_run', '--', *train).stdout == printed
 
 
 def test_options_of_two_values_are_swept(tiny_shapes, tmp_path):
