@@ -640,6 +640,14 @@ def test_resume_options(tiny_shapes, tmp_path):
     started = run_script('train.py', '--resume', unstarted, '--epochs', '1', '--no-progress_bar')
     assert started.returncode == 0 and 'holds no checkpoint yet' in started.stdout, started.stdout + started.stderr
     assert _step(_load(os.path.join(unstarted, 'last.pth'))) == 6  # the tiny list's 6 steps, not the shapes'
+    records = tmp_path / 'records'  # checkpoints copied without their records: said what to copy (it went round)
+    records.mkdir()
+    shutil.copy(os.path.join(moved, 'last.pth'), records / 'epoch007_step0000042.pth')
+    for named in (records, records / 'epoch007_step0000042.pth'):
+        refused = run_script('train.py', '--resume', named, '--epochs', '8', '--no-progress_bar')
+        assert refused.returncode == 2 and "copy the run's args.yaml and args.txt into" in refused.stderr, (
+            refused.stderr
+        )
     elsewhere = run_script('train.py', '--resume', moved, '--checkpoints_dir', tmp_path / 'other', '--epochs', '9')
     assert elsewhere.returncode == 2 and 'continues the run in its own folder' in elsewhere.stderr, elsewhere.stderr
     assert not (tmp_path / 'other').exists()  # it was ignored, and recorded in args.yaml

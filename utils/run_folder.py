@@ -406,6 +406,12 @@ def open_experiment(argv, args):
     if named_folder:  # an experiment folder: its options and newest trustworthy checkpoint
         results = [name for name in RESULT_FILES if os.path.isfile(os.path.join(named, name))]
         missing = [name for name in (ARGS_YAML, ARGS_TXT) if not os.path.isfile(os.path.join(named, name))]
+        checkpoints = not results and any(step_of(name) is not None for name in os.listdir(named))
+        if missing and checkpoints:  # a run copied without its records (scp run/*.pth)
+            raise KilnError(
+                f"--resume {named}: its checkpoints have no {missing[0]} beside them; copy the run's "
+                f'{ARGS_YAML} and {ARGS_TXT} into it (or start a new run from its weights with --load_model_path)'
+            )
         if results or missing:  # (a folder of yours with an args.yaml, an eval.py result folder: not trained in)
             why = f'it holds {results[0]}: results of eval.py or predict.py' if results else f'it has no {missing[0]}'
             raise KilnError(
@@ -448,8 +454,9 @@ def open_experiment(argv, args):
     saved = os.path.join(folder, ARGS_YAML)
     if resume_from and not os.path.isfile(saved):
         raise KilnError(
-            f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint inside its '
-            f'experiment folder (to start a new run from its weights, use --load_model_path)'
+            f'{resume_from} has no {ARGS_YAML} beside it; --resume needs the checkpoint inside its experiment '
+            f"folder: copy the run's {ARGS_YAML} and {ARGS_TXT} into {folder} (or start a new run from its "
+            f'weights with --load_model_path)'
         )
     checkpoint = load_checkpoint(resume_from, mmap=True) if resume_from else {}  # tensors left in the file
     if resume_from or named_folder:  # a folder named alone has its options, even before its first checkpoint
