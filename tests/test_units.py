@@ -343,6 +343,19 @@ def test_a_mismatch_in_inference_never_advises_loading_what_fits(tmp_path):
         load_weights(_Net(classes=4), checkpoint, inference=True, built_with=built)
 
 
+def test_a_checkpoint_whose_path_is_no_utf8_loads_mapped_or_not(tmp_path):
+    """A run of --save_prefix $'bad\\xffname' trained, then could never be resumed: its mapped load said the
+    file was damaged (torch's mmap cannot open such a name)."""
+    from utils.checkpoint import load_checkpoint
+
+    folder = os.path.join(os.fsencode(tmp_path), b'bad\xffname')
+    os.mkdir(folder)
+    path = os.fsdecode(os.path.join(folder, b'last.pth'))
+    torch.save({'w': torch.arange(3)}, path)
+    for mmap in (False, True):
+        assert torch.equal(load_checkpoint(path, mmap=mmap)['w'], torch.arange(3))
+
+
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     path = str(tmp_path / 'evil.pth')
     torch.save({'model': {}, 'payload': argparse.Namespace(a=1)}, path)  # an arbitrary class: not allowed

@@ -178,6 +178,10 @@ def load_checkpoint(path, map_location='cpu', mmap=False):
         except (SafetensorError, OSError, ValueError) as error:
             raise KilnError(f'{path} is not a readable safetensors file ({error})') from None
     try:
+        path.encode()
+    except UnicodeEncodeError:  # bytes of no UTF-8 in its name (os.fsdecode's surrogates), which mmap cannot open
+        mmap = False
+    try:
         with warnings.catch_warnings():  # a plain pickle is refused below in one line, without torch's warning
             warnings.filterwarnings('ignore', message='.*pickle protocol')
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
