@@ -375,8 +375,15 @@ class Trainer:
         self.checkpointer.load(checkpoint, self.options.resume_from)
         if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):  # a longer --epochs: a longer schedule
             scheduler = self.scheduler  # the rate of the step to come, not the one the file's schedule ended on
+            saved = self.optimizer.param_groups[0]['lr']
             for group, base, factor in zip(self.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
                 group['lr'] = base * factor(scheduler.last_epoch)
+            now = self.optimizer.param_groups[0]['lr']
+            if not math.isclose(now, saved, rel_tol=1e-3, abs_tol=1e-12) and is_main_process():
+                print(
+                    f"note: the schedule is stretched to this run's {self.max_steps} steps: the learning rate of "
+                    f"the next step is {now:.3g}, where the run's own schedule had {saved:.3g}"
+                )
         self.stopper.check_early_stop(self.monitor)  # it had stopped early: nothing left to train
         position = self.position
         if self.finetuning.is_unfrozen(position.epoch, position.batch):  # --unfreeze_at_epoch took effect before

@@ -235,9 +235,13 @@ def test_a_run_resumed_with_more_epochs_follows_the_longer_schedule_from_its_fir
         _train(tiny_args, '--epochs', '2')
         assert len(long) == 24 and rates[-1] < long[11] / 10  # near the end of the short cosine
         rates.clear()
-        _train(['--resume', _folder(tiny_args), '--epochs', '4'])
+        resumed = _train(['--resume', _folder(tiny_args), '--epochs', '4'])
     finally:
         hook.remove()
+    # said: the rate goes back up (a warm restart, where the user may have meant a continuation)
+    assert "note: the schedule is stretched to this run's 24 steps: the learning rate of the next step is " in (
+        resumed.stdout
+    ), resumed.stdout
     assert rates == long[12:]
 
 
