@@ -241,6 +241,12 @@ class Trainer:
         val_data = batches(options, task, val_set, device, False)
 
         checkpoint = load_checkpoint(options.resume_from) if options.resume_from else None
+        imagenet_net = options.model_type.startswith(('tv_', 'timm:'))
+        if imagenet_net and not (checkpoint or weights or options.pretrained_path) and is_main_process():
+            print(
+                f'note: --model_type {options.model_type} starts from random weights; give --pretrained_path '
+                f'(a local ImageNet weights file) to fine-tune it'
+            )
         setup = setup_model(
             options if checkpoint is None else options.replace(pretrained_path=None),  # resumed: its own weights
             device,

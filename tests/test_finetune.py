@@ -309,6 +309,7 @@ def test_a_resume_needs_no_pretrained_file_and_a_file_of_another_net_says_so(tin
     folder = tmp_path / 'ck' / 'tv_resnet18_list_default'
     resumed = run_script('train.py', '--resume', folder, '--epochs', '2')
     assert resumed.returncode == 0 and 'step 12' in resumed.stdout, resumed.stdout + resumed.stderr
+    assert 'random weights' not in resumed.stdout  # its own
 
     other = run_script('train.py', *args, '--model_type', 'tv_resnet34', '--pretrained_path', tmp_path / 'moved.pth')
     error = other.stderr.strip()
@@ -417,7 +418,8 @@ def test_pretrained_path_mistakes_are_one_line_each(tiny_shapes, tmp_path):
     assert (
         error == f'error: --pretrained_path {tmp_path} is a folder; give the weights file in it (.pth or .safetensors)'
     )
-    assert run_script('train.py', *args, '--model_type', 'tv_resnet18', '--save_prefix', 'kiln').returncode == 0
+    scratch = run_script('train.py', *args, '--model_type', 'tv_resnet18', '--save_prefix', 'kiln')
+    assert scratch.returncode == 0 and 'note: --model_type tv_resnet18 starts from random weights' in scratch.stdout
     kiln = tmp_path / 'ck' / 'tv_resnet18_list_kiln' / 'last.pth'
     error = error_of('--model_type', 'tv_resnet18', '--pretrained_path', kiln)
     assert error.startswith(f'error: --pretrained_path {kiln} is a Kiln checkpoint, not ImageNet weights'), error
