@@ -11,7 +11,16 @@ import time
 
 STARTED = time.perf_counter()  # for the time-to-first-step figure: the first run's counts its imports too
 
-from utils.errors import TRAINING_STEPS, KilnError, is_peer_lost, quiet_interrupts, run_cli, run_to_exit, shell_word
+from utils.errors import (
+    TRAINING_STEPS,
+    KilnError,
+    is_peer_lost,
+    listed,
+    quiet_interrupts,
+    run_cli,
+    run_to_exit,
+    shell_word,
+)
 
 if __name__ == '__main__':  # a Ctrl-C while torch loads: one line, exit 130 (imported, it changes no handler)
     quiet_interrupts()
@@ -29,7 +38,7 @@ import torch
 
 from data.augment import AUGMENTATIONS, MIXES, augmentation_names
 from data.data_entry import resize_of, select_dataset
-from data.list_dataset import match_classes
+from data.list_dataset import classes_only_validated, match_classes
 from data.loader import Batches
 from options import (
     PROJECT,
@@ -237,6 +246,13 @@ class Trainer:
         # --overfit_batches validates on the very batches it trains on
         val_set = train_set if options.overfit_batches else select_dataset(options, 'val')
         match_classes(val_set, task.class_names, options.train_list)  # numbers where the training data has no names
+        untrained = classes_only_validated(train_set, val_set) if not options.overfit_batches else []
+        if untrained and is_main_process():
+            labels = listed([str(label) for label in untrained], 5)
+            print(
+                f'note: no training sample has label {labels}, which the validation list has: those samples count '
+                f'as wrong (labels counted from 1 in one list and from 0 in the other?)'
+            )
         train_data = batches(options, task, train_set, device, True)
         val_data = batches(options, task, val_set, device, False)
 

@@ -71,6 +71,18 @@ def read_class_folders(folder):
     return samples, [name for name, _ in folders]
 
 
+def classes_only_validated(train_set, val_set):
+    """The class labels that `val_set` has samples of and `train_set` none (list datasets of class labels;
+    else none): the model never learns them, and every such validation sample counts as wrong. Labels
+    counted from 1 in one list and from 0 in the other, say."""
+    if not all(
+        hasattr(dataset, 'targets_are_labels') and dataset.targets_are_labels() for dataset in (train_set, val_set)
+    ):
+        return []
+    trained = {label for _, label, _ in train_set.samples}
+    return sorted({label for _, label, _ in val_set.samples} - trained)
+
+
 def match_classes(dataset, class_names, source):
     """Number `dataset`'s classes as `class_names` (those of `source`: the training data or the checkpoint)
     by their names: a validation folder may lack a class, a classes.txt may order them otherwise. A class

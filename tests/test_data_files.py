@@ -1241,3 +1241,20 @@ def test_the_shapes_command_refuses_a_folder_it_did_not_make_in_one_line_before_
     (tmp_path / 'file.txt').write_text('x')
     with pytest.raises(KilnError, match=f'^{re.escape(str(tmp_path / "file.txt"))} is a file, not a folder; give a'):
         data.shapes.generate_shapes(str(tmp_path / 'file.txt' / 'shapes'))
+
+
+def test_a_validation_class_no_training_sample_has_is_noted(tiny_shapes, tmp_path):
+    """Labels 1..3 in the training list and 0..2 in the validation list trained without a word: class 0 had
+    no training sample, and every validation label meant another class."""
+    from conftest import run_script
+
+    entries = [line.split() for line in open(os.path.join(tiny_shapes, 'train.txt')).read().splitlines()]
+    kept = [(os.path.join(tiny_shapes, path), int(label)) for path, label in entries if int(label) < 3]
+    (tmp_path / 'train.txt').write_text(''.join(f'{path} {label + 1}\n' for path, label in kept))
+    (tmp_path / 'val.txt').write_text(''.join(f'{path} {label}\n' for path, label in kept[:12]))
+    lists = ['--train_list', tmp_path / 'train.txt', '--val_list', tmp_path / 'val.txt']
+    common = ['--data_type', 'list', '--model_type', 'linear', '--cpu', '--max_iteration', '1', '--no-progress_bar']
+    result = run_script('train.py', *common, *lists, '--checkpoints_dir', tmp_path / 'ck')
+    notes = [line for line in result.stdout.splitlines() if line.startswith('note:')]
+    assert result.returncode == 0 and len(notes) == 1, result.stdout + result.stderr
+    assert notes[0].startswith('note: no training sample has label 0, which the validation list has'), notes
