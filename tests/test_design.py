@@ -157,7 +157,10 @@ def test_a_trainer_subclass_runs_from_its_own_script_as_train_py_does(tiny_shape
     (folder,) = glob.glob(str(checkpoints / 'fast_dev_run' / '*'))  # 2 steps in a throwaway folder
     with open(os.path.join(folder, 'metrics.csv')) as f:
         assert 'train/penalty' in f.readline().split(',')
-    assert f'train more:  python my_train.py --resume {folder}/last.pth --max_iteration 4' in dev.stdout, dev.stdout
+    assert 'train more:' not in dev.stdout  # a throwaway run: not to be trained on (the next one removes it)
+    real = run('--max_iteration', '2', '--save_prefix', 'real')
+    last = checkpoints / 'small_cnn_list_real' / 'last.pth'
+    assert f'train more:  python my_train.py --resume {last} --max_iteration 4' in real.stdout, real.stdout
 
 
 PYTHON_SESSION = """
