@@ -19,6 +19,7 @@ PROJECT = os.path.dirname(os.path.abspath(__file__))  # the defaults' outputs st
 
 NOT_SAVED = ('config', 'debug', 'resume', 'command')  # how a run was started, not what it is
 DERIVED = ('model_dir', 'result_dir', 'resume_from')  # computed from the options: in args.txt, not args.yaml
+FILLED_BY_DATA = ('num_classes', 'resize')  # left unset, a run takes them from its training data (and saves them)
 RESUME_LATEST = 'last'  # --resume without a path
 NONE = 'none'  # the value that puts an option whose default is unset back to it (--ema_decay none: off)
 # what a resumed run may change: how long it runs and how it reports, not what it computes
@@ -199,10 +200,10 @@ def _number(convert, test, requirement):
             value = convert(text)
         except ValueError:  # argparse would say "invalid a positive integer value: '2.5'"
             raise argparse.ArgumentTypeError(f'must be {requirement}, got {text}') from None
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:  # what torch (and the seeds) hold
+            raise argparse.ArgumentTypeError(f'must be {requirement} from -2**63 to 2**63 - 1, got {text}')
         if not (math.isfinite(value) and test(value)):
             raise argparse.ArgumentTypeError(f'must be {requirement}, got {text}')
-        if isinstance(value, int) and not -(2**63) <= value < 2**63:  # what torch (and the seeds) hold
-            raise argparse.ArgumentTypeError(f'must be {requirement} of at most 19 digits, got {text}')
         return value
 
     return parse
@@ -1198,14 +1199,16 @@ def changed_options(saved, options, unset_matches=True):
     """The names of the options a resume may not change whose values in `options` differ from a run's
     saved ones (its args.yaml); options left unset (None: to the task, or to the run resumed) match
     whatever the run has, unless not `unset_matches` (`options` resolved, a whole command that says what
-    the run is: a sweep's). Paths compare as absolute ones (an earlier Kiln saved them as given)."""
+    the run is: a sweep's; FILLED_BY_DATA still match). Paths compare as absolute ones (an earlier Kiln
+    saved them as given)."""
     saved = vars(with_absolute_paths(Options.of(argparse.Namespace(**saved))))
     options = with_absolute_paths(Options.of(options))
     fixed = set(vars(options)) - set(RESUME_CHANGEABLE + NOT_SAVED + DERIVED)
     return sorted(
         name
         for name in fixed
-        if getattr(options, name) != saved.get(name) and (getattr(options, name) is not None or not unset_matches)
+        if getattr(options, name) != saved.get(name)
+        and (getattr(options, name) is not None or not unset_matches and name not in FILLED_BY_DATA)
     )
 
 

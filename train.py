@@ -234,7 +234,7 @@ class Trainer:
             num_classes=options.num_classes or train_set.num_classes,
             resize=options.resize or resize_of(train_set),
         )
-        check_monitor(options, task_type, cls.own_metrics)
+        check_monitor(options, task_type, cls.own_metrics, cls.__qualname__)
         task = task_type(options, train_set.class_names)
         task.check_dataset(train_set, options.data_type)
         mixing = set(augmentation_names(options.augment, getattr(train_set, 'augment', ()))) & set(MIXES)
@@ -856,17 +856,26 @@ def check_trained_task(options, checkpoint, source):
     )
 
 
-def check_monitor(options, task_type, own_metrics=()):
+def check_monitor(options, task_type, own_metrics=(), trainer_name='Trainer'):
     """A KilnError when --monitor is not one of the task's train/ or val/ metrics, nor of `own_metrics`
-    (those a Trainer subclass logs)."""
+    (those the Trainer subclass `trainer_name` logs); a resumed run trained by another one's (its own
+    metric, monitored) is told to resume with that one's script."""
     metric_names = [f'val/{name}' for name in task_type.metric_names(options)]
     metric_names += [f'train/{name}' for name in task_type.train_metric_names(options)]
     metric_names += [name for name in own_metrics if name not in metric_names]
-    if options.monitor not in metric_names:
+    if options.monitor in metric_names:
+        return
+    resumed = getattr(options, 'resume_from', None)
+    trained_by = load_checkpoint(resumed, mmap=True).get('trainer') if resumed else None
+    if trained_by not in (None, trainer_name):
         raise KilnError(
-            f'--monitor {options.monitor} is not a metric of --task {options.task}; choose one of: '
-            f'{", ".join(metric_names)}'
+            f'--monitor {options.monitor}: {resumed} was trained by {trained_by}, whose metric it is; resume it '
+            f'with the script that runs {trained_by}'
         )
+    raise KilnError(
+        f'--monitor {options.monitor} is not a metric of --task {options.task}; choose one of: '
+        f'{", ".join(metric_names)}'
+    )
 
 
 def hparams(options):

@@ -381,9 +381,9 @@ class ListDataset(Dataset):
 
     def default_list(self, args, split):
         """The list file used when no --<split>_list is given."""
+        kind = 'a list file or a folder of class folders' if self.targets == ('label',) else 'a list file'
         raise KilnError(
-            f'--data_type {args.data_type} reads list files: give --{split}_list PATH '
-            f'(or give the dataset a default_list)'
+            f'--data_type {args.data_type} reads {kind}: give --{split}_list PATH (or give the dataset a default_list)'
         )
 
     def image_paths(self):

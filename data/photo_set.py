@@ -103,7 +103,14 @@ def make_photo_set(root, per_class=60, val_per_class=20, sizes=(64, 320), seed=0
     these settings is there; returns `root`. Written into a temporary folder beside it and renamed, so an
     interrupted run leaves no half set. Only a photo set this made (its manifest) is replaced: anything
     else there but an empty folder is refused before anything is written, and never touched."""
-    settings = {'per_class': per_class, 'val_per_class': val_per_class, 'sizes': list(sizes), 'seed': seed}
+    # version 2: the motorcycle class without the stereo pair's right photograph (a set of version 1 is remade)
+    settings = {
+        'per_class': per_class,
+        'val_per_class': val_per_class,
+        'sizes': list(sizes),
+        'seed': seed,
+        'version': 2,
+    }
     found = _read_settings(root)
     if found == settings:
         return root

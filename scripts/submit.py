@@ -245,9 +245,10 @@ def submit(args, train_argv):
 
     named = parse_args(parse_train_args, train_argv).resume
     if named not in (None, RESUME_LATEST) and not os.path.isdir(named):  # a file: each requeue would go back to it
+        what = 'not a checkpoint file' if os.path.isfile(named) else 'there is no such folder'
         raise KilnError(
             f'--resume {named}: give the experiment folder the job continues (each start and requeue resumes '
-            f'its newest checkpoint), not a checkpoint file'
+            f'its newest checkpoint); {what}'
         )
     name = [] if named not in (None, RESUME_LATEST) else ['--save_prefix', f'submitit_{args.name}']
     train_argv = [*name, *(['--cpu'] if not args.gpus_per_node else []), *train_argv]

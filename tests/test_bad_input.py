@@ -669,6 +669,7 @@ class Exploit:
         ('--lr', '0'),
         ('--lr', '-1'),
         ('--seed', '99999999999999999999999'),  # more than torch holds: tracebacks once training began
+        ('--seed', '9' * 400),  # more than a float holds: a traceback at once
         ('--topk', '99999999999999999999'),
     ],
 )
@@ -934,3 +935,23 @@ def test_a_new_run_that_fails_to_start_leaves_no_folder_of_its_checkpoints_dir(t
     result = run_script('train.py', *args)
     assert result.returncode == 2 and 'gone.txt does not exist' in result.stderr, result.stderr
     assert not (tmp_path / 'new').exists()
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc/self'), reason='no /proc here (where no folder can be made)')
+def test_a_data_root_that_cannot_be_made_says_to_check_the_path(tmp_path):
+    """A --data_root that cannot be made (No such file or directory: under /proc, say) said 'free disk space
+    or fix the permissions'."""
+    result = run('train.py', '--data_root', '/proc/kiln_no_such', '--checkpoints_dir', tmp_path / 'ck', '--cpu')
+    line = assert_one_error_line(result, 'No such file or directory', 'check the path')
+    assert 'disk space' not in line and not (tmp_path / 'ck').exists()
+
+
+def test_a_class_folder_dataset_without_its_validation_folder_says_folders_work(tmp_path):
+    """--data_type photos without --val_list said it 'reads list files', though it reads class folders."""
+    from PIL import Image
+
+    for name in ('cat', 'dog'):
+        (tmp_path / 'train' / name).mkdir(parents=True)
+        Image.new('RGB', (8, 8)).save(tmp_path / 'train' / name / 'a.png')
+    result = run('train.py', '--data_type', 'photos', '--train_list', tmp_path / 'train', '--cpu')
+    assert_one_error_line(result, 'reads a list file or a folder of class folders: give --val_list PATH')

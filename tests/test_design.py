@@ -274,6 +274,11 @@ def test_a_subclass_can_monitor_a_metric_of_its_own(tiny_shapes, tmp_path):
     run = train.main([*argv, '--monitor', 'train/penalty', '--monitor_mode', 'min'], trainer_type=Penalized)
     monitored = torch.load(run.folder('best.pth'), weights_only=True, map_location='cpu')['monitor_value']
     assert monitored == pytest.approx(run.history.get_latest_metric('train/penalty')) and monitored > 0
+    # resumed by train.py's Trainer, which has no such metric: the one that has it is named
+    last = run.folder('last.pth')
+    said = rf'^--monitor train/penalty: {re.escape(last)} was trained by .*Penalized, whose metric it is'
+    with pytest.raises(train.KilnError, match=said):
+        train.main(['--resume', last, '--epochs', '2'])
     with pytest.raises(train.KilnError, match='--monitor val/never_logged: the validation at step 6 gave no such'):
         train.main([*argv, '--monitor', 'val/never_logged', '--save_prefix', 'b'], trainer_type=Penalized)
 

@@ -120,9 +120,16 @@ def test_a_kill_between_the_record_and_the_pruning_leaves_no_file_behind(tiny_sh
     assert killed.returncode == -signal.SIGKILL
     folder = _folder(args)
     assert os.path.exists(os.path.join(folder, 'epoch001_step0000006.pth'))  # dropped from the record only
+    copy = tmp_path / 'copy'
+    shutil.copytree(folder, copy)  # (as the kill left it)
     resumed = _ok(run_script('train.py', *args, '--resume', '--epochs', '3'))
     assert 'no record' not in resumed.stdout and not os.path.exists(os.path.join(folder, 'superseded'))
     assert sorted(n for n in os.listdir(folder) if n.startswith('epoch')) == ['epoch003_step0000018.pth']
+    # resumed from that very file: the newer ones are set aside, and it is the folder's newest (it was removed
+    # as pruned: a kill before the next save left no checkpoint)
+    named = copy / 'epoch001_step0000006.pth'
+    killed = run_script('train.py', '--resume', named, env={'KILN_KILL_AT': 'temporary_written'})
+    assert killed.returncode == -signal.SIGKILL and named.is_file()
 
 
 def test_a_run_killed_after_its_last_checkpoint_writes_its_end_when_resumed(tiny_shapes, tmp_path):

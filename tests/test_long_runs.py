@@ -584,7 +584,7 @@ def test_a_copied_run_s_args_yaml_resumes_the_copy_not_the_original(tiny_shapes,
     refused = run_script('train.py', *config, '--resume', '--epochs', '2')
     assert refused.returncode == 2 and refused.stderr == (
         f'error: --config {copy}/args.yaml is the record of the run in {copy}, but --resume alone continues '
-        f'{original}, where its options say the run was (it was moved or copied since); give --resume {copy}\n'
+        f'{original}, where its options say the run was (moved or copied since?); give --resume {copy}\n'
     ), refused.stderr
     _train(config, '--resume', str(copy), '--epochs', '2')
     assert _load(copy / 'last.pth')['position']['epoch'] == 2

@@ -481,12 +481,15 @@ def test_a_run_whose_end_was_not_written_is_not_finished(tmp_path):
 
 
 def _trained_run(folder, argv):
-    """A sweep run (as sweep.plan makes it) whose folder holds a checkpoint and the args.yaml of `argv`."""
+    """A sweep run (as sweep.plan makes it) whose folder holds a checkpoint and the args.yaml of `argv`, as a
+    resumed start writes it: with what the run took from its data (an identical sweep run again after two
+    interruptions was refused: '--num_classes none (it has 6)')."""
     import sweep
 
     run = argparse.Namespace(folder=str(folder), prefix='a', argv=argv, options=parse_args(parse_train_args, argv))
     (folder / 'epoch001_step0000002.pth').write_bytes(b'')
-    (folder / 'args.yaml').write_text(yaml.safe_dump(vars(resolve(run.options))))
+    saved = resolve(run.options).replace(num_classes=6, resize='squash')
+    (folder / 'args.yaml').write_text(yaml.safe_dump(vars(saved)))
     entry = {'epoch001_step0000002.pth': {'step': 2, 'sha256': '0' * 64, 'metric': None}}
     record = {'last': 'epoch001_step0000002.pth', 'best': None, 'ended_at': 2, 'files': entry}
     (folder / 'checkpoints.json').write_text(json.dumps(record))

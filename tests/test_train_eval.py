@@ -4,6 +4,7 @@ import csv
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -295,7 +296,7 @@ def test_a_fine_tuned_runs_args_yaml_names_its_weights_from_anywhere_and_eval_ta
 def test_a_glob_of_checkpoints_leaves_out_files_that_are_none(tmp_path, capsys):
     """'ck/*' took a notes.txt beside the experiments for a checkpoint and stopped on it; and stopped on a run
     stopped before its first validation (no best.pth yet), where the others can be compared."""
-    from utils.run_folder import checkpoints_to_evaluate
+    from utils.run_folder import checkpoint_path, checkpoints_to_evaluate
 
     (tmp_path / 'run').mkdir()
     (tmp_path / 'young').mkdir()
@@ -318,6 +319,14 @@ def test_a_glob_of_checkpoints_leaves_out_files_that_are_none(tmp_path, capsys):
         checkpoints_to_evaluate([str(tmp_path / '*.txt')])
     with pytest.raises(KilnError, match=r'has no best.pth yet; give its last.pth instead'):  # named: not left out
         checkpoints_to_evaluate([str(young)])
+    # the checkpoints folder itself: 'ck/best.pth does not exist'
+    glob_of_them = re.escape(f"or a quoted glob such as '{tmp_path}/*' to compare them")
+    with pytest.raises(
+        KilnError, match=rf'is no experiment folder but holds 1 \(run\): give one of them, {glob_of_them}'
+    ):
+        checkpoints_to_evaluate([str(tmp_path)])
+    with pytest.raises(KilnError, match=r'holds 1 \(run\): give one of them$'):  # train.py's, predict.py's: one
+        checkpoint_path(str(tmp_path))
 
 
 def test_command_line_overrides_config(tiny_args, tmp_path):

@@ -192,11 +192,15 @@ class CheckpointKeeper:
             print(f'restored {name} from {link} (its bytes match the checksum in {RECORD})', flush=True)
         self.held = {} if restore else self.held
         # files this keeper's record had dropped when a kill came before their removal: removed now (the
-        # bytes it dropped: not a file of that name put there since), not taken for unrecorded ones
+        # bytes it dropped: not a file of that name put there since), not taken for unrecorded ones; not
+        # where the record's newest is gone (a resume from such a file set the newer ones aside)
+        pending = record.get('pruning') if isinstance(record.get('pruning'), dict) else {}
+        newest_there = os.path.isfile(os.path.join(folder, str(record.get('last'))))
         pruned = {
             name
-            for name, digest in (record.get('pruning') if isinstance(record.get('pruning'), dict) else {}).items()
-            if name not in record['files']
+            for name, digest in pending.items()
+            if newest_there
+            and name not in record['files']
             and os.path.isfile(os.path.join(folder, name))
             and checksum(os.path.join(folder, name)) == digest
         }

@@ -362,6 +362,7 @@ def _run_reporting_errors(main, argv):
             errno.EPERM: yours,
             errno.EROFS: 'give a path on a file system that can be written',
             errno.EPIPE: 'the program reading from it has ended',
+            errno.ENOENT: 'check the path (a folder above it is missing, or cannot be made there)',
         }.get(error.errno, 'free disk space or fix the permissions')
         exit_with_error(f'error: {where}{error.strerror or error}; {fix} (--debug shows where)')
     except (MemoryError, RuntimeError) as error:

@@ -38,7 +38,7 @@ from options import (
 from utils.checkpoint import TEMPORARY, load_checkpoint, process_running, sync_directory
 from utils.checkpoint_keeper import BEST, LAST, CheckpointKeeper, remove_stale_temporaries, step_of, verify
 from utils.distributed import is_main_process, world_size
-from utils.errors import KilnError, StoppedBySignal, file_in_the_way, is_a_file
+from utils.errors import KilnError, StoppedBySignal, file_in_the_way, is_a_file, listed
 from utils.fault_points import fault_point
 from utils.run_records import ARGS_TXT, ARGS_YAML, save_args
 
@@ -433,7 +433,7 @@ def open_experiment(argv, args):
                 f'--checkpoints_dir {args.checkpoints_dir}: --resume {args.resume} continues the run in its own '
                 f'folder {folder}; drop --checkpoints_dir (to move a run, move its folder and resume it there)'
             )
-    if args.resume and not named:
+    if args.resume == 'last':  # --resume alone: the folder its options name
         _refuse_another_run_than_the_configs(argv, args, folder)
     if args.resume and not named and not os.path.isdir(folder):
         _refuse_a_run_left_in_the_working_folder(argv, folder)
@@ -503,10 +503,10 @@ def _refuse_another_run_than_the_configs(argv, args, folder):
     naming = {'checkpoints_dir', 'save_prefix', 'model_type', 'data_type', 'task'}
     if naming & given_options(parse_train_args, argv, config=False) or not os.path.isfile(os.path.join(home, ARGS_TXT)):
         return
-    if os.path.abspath(folder) != home:
+    if os.path.realpath(folder) != os.path.realpath(home):
         raise KilnError(
             f'--config {config} is the record of the run in {home}, but --resume alone continues {folder}, '
-            f'where its options say the run was (it was moved or copied since); give --resume {home}'
+            f'where its options say the run was (moved or copied since?); give --resume {home}'
         )
 
 
@@ -616,13 +616,22 @@ def _refuse_changes(saved, merged, folder):
         )
 
 
-def checkpoint_path(path):
-    """A checkpoint given on the command line: a file as it is, an experiment folder as its best.pth."""
+def checkpoint_path(path, several=False):
+    """A checkpoint given on the command line: a file as it is, an experiment folder as its best.pth (a
+    folder of experiments is refused, naming them; with `several`, eval.py's, saying how to give them all)."""
     resolved = os.path.join(path, BEST) if os.path.isdir(path) else path
     if not os.path.isfile(resolved):
         last = os.path.join(path, LAST)
         if os.path.isdir(path) and os.path.isfile(last):  # stopped before its first validation, say
             raise KilnError(f'{path} has no {BEST} yet; give its {LAST} instead: --load_model_path {last}')
+        holds = os.listdir(path) if os.path.isdir(path) else []
+        runs = sorted(name for name in holds if os.path.isfile(os.path.join(path, name, BEST)))
+        if runs:  # the checkpoints folder itself
+            glob_of_them = f", or a quoted glob such as '{os.path.join(path, '*')}' to compare them" if several else ''
+            raise KilnError(
+                f'{path} is no experiment folder but holds {len(runs)} ({listed(runs, 3)}): give one of them'
+                f'{glob_of_them}'
+            )
         raise KilnError(f'checkpoint {resolved} does not exist; check --load_model_path')
     return resolved
 
@@ -666,7 +675,7 @@ def checkpoints_to_evaluate(paths, config=None):
                 f'--load_model_path {item} matches no checkpoint (an experiment folder with a {BEST}, or a '
                 f'{", ".join(CHECKPOINT_SUFFIXES)} file)'
             )
-        found += [checkpoint_path(match) for match in matches]
+        found += [checkpoint_path(match, several=True) for match in matches]
     unique, seen = [], set()
     for path in found:  # a file named twice (a folder and its best.pth, say) is evaluated once
         if os.path.realpath(path) not in seen:

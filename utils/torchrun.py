@@ -64,7 +64,8 @@ class RestartAfterCrashesOnly(LocalElasticAgent):
         try:
             return super()._invoke_run(role)
         except SignalException:
-            self._shutdown_timeout = max(self._shutdown_timeout, STOP_GRACE_SECONDS)
+            # (torch before 2.12 has no such setting: its workers get its 30 s)
+            self._shutdown_timeout = max(getattr(self, '_shutdown_timeout', 30), STOP_GRACE_SECONDS)
             raise
 
     def _monitor_workers(self, worker_group):
