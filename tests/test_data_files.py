@@ -1193,7 +1193,8 @@ def test_the_photo_set_fills_an_empty_folder_and_replaces_only_its_own_older_set
     dest.mkdir()
     make_photo_set(str(dest), 1, 1, sizes=(16, 24))
     make_photo_set(str(dest), 1, 1, sizes=(16, 24), seed=1)
-    assert (dest / 'photo_set.json').read_text() == '{"per_class": 1, "val_per_class": 1, "sizes": [16, 24], "seed": 1}'
+    settings = '{"per_class": 1, "val_per_class": 1, "sizes": [16, 24], "seed": 1, "version": 2}'
+    assert (dest / 'photo_set.json').read_text() == settings
     assert sorted(os.listdir(dest)) == ['.made.json', 'photo_set.json', 'train', 'val']
     assert os.listdir(tmp_path) == ['set']
 
