@@ -343,15 +343,8 @@ def test_train_seg_sh_resumes_a_run_with_its_own_epochs_and_batch_size(segmented
     run = tmp_path / 'run'
     shutil.copytree(segmented, run)
     step = _checkpoint_step(run)
-    result = subprocess.run(
-        ['bash', 'scripts/train_seg.sh', '--resume', str(run), '--epochs', '3', '--cpu', '--no-progress_bar'],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout(),
-        env={**os.environ, 'DATA_TYPE': 'seg_list'},
-    )
-    _ok(result)
+    resume = ['--resume', run, '--epochs', '3', '--cpu', '--no-progress_bar']
+    _ok(run_script('bash', 'scripts/train_seg.sh', *resume, env={'DATA_TYPE': 'seg_list'}))
     assert _checkpoint_step(run) == step * 3 // 2  # 2 epochs of its batch size 16, then a third
 
 
