@@ -243,14 +243,15 @@ def submit(args, train_argv):
     from options import RESUME_LATEST, parse_args, parse_train_args
     from utils.errors import KilnError
 
-    named = parse_args(parse_train_args, train_argv).resume
-    if named not in (None, RESUME_LATEST) and not os.path.isdir(named):  # a file: each requeue would go back to it
-        what = 'not a checkpoint file' if os.path.isfile(named) else 'there is no such folder'
+    resume = parse_args(parse_train_args, train_argv).resume
+    named = resume not in (None, RESUME_LATEST)  # --resume FOLDER: that run, not ..._submitit_<name>
+    if named and not os.path.isdir(resume):  # a file: each requeue would go back to it
+        what = 'not a checkpoint file' if os.path.isfile(resume) else 'there is no such folder'
         raise KilnError(
-            f'--resume {named}: give the experiment folder the job continues (each start and requeue resumes '
+            f'--resume {resume}: give the experiment folder the job continues (each start and requeue resumes '
             f'its newest checkpoint); {what}'
         )
-    name = [] if named not in (None, RESUME_LATEST) else ['--save_prefix', f'submitit_{args.name}']
+    name = [] if named else ['--save_prefix', f'submitit_{args.name}']
     train_argv = [*name, *(['--cpu'] if not args.gpus_per_node else []), *train_argv]
     refuse_other_options(parse_args(parse_train_args, train_argv), train_argv)
     made, path = [], os.path.abspath(args.folder)  # the folders submitit will make, deepest first
